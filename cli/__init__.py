@@ -1,0 +1,1 @@
+"""parsim command-line interface (typer)."""

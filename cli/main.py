@@ -1,0 +1,167 @@
+"""parsim command line: one thin typer wrapper per command over a plain parsim function.
+
+Heavy modules (numpy, the cost model, torch in run/profile/trace) are imported inside the commands, so that
+``parsim --help`` starts fast. Bad input raises ParsimError: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="parsim: how to parallelize a PyTorch training job, what it will cost, and how sure we are.")
+
+
+@app.callback()
+def _root():
+    """parsim: how to parallelize a PyTorch training job, what it will cost, and how sure we are."""
+
+
+# ---- shared plan flags (CLI contract of shared/DESIGN.md; names follow torchtitan) -------------------------------------
+PLAN_FLAGS = [
+    ("model", str, typer.Option("llama3-8b", "--model", help="preset name or a config.json path")),
+    ("gpus", Optional[int], typer.Option(None, "--gpus", help="number of GPUs (default: product of the degrees)")),
+    ("dp_replicate", int, typer.Option(1, "--dp-replicate")),
+    ("dp_shard", int, typer.Option(-1, "--dp-shard", help="-1 = the GPUs the other degrees leave")),
+    ("tp", int, typer.Option(1, "--tp")),
+    ("pp", int, typer.Option(1, "--pp")),
+    ("cp", int, typer.Option(1, "--cp")),
+    ("ep", int, typer.Option(1, "--ep")),
+    ("etp", int, typer.Option(1, "--etp")),
+    ("local_batch_size", int, typer.Option(1, "--local-batch-size")),
+    ("micro_batch_size", int, typer.Option(0, "--micro-batch-size", help="0 = local batch (no microbatching)")),
+    ("global_batch_size", int, typer.Option(0, "--global-batch-size", help="0 = local batch x dp")),
+    ("seq_len", int, typer.Option(4096, "--seq-len")),
+    ("pp_schedule", str, typer.Option("1F1B", "--pp-schedule", help="GPipe | 1F1B | Interleaved1F1B")),
+    ("pp_stages_per_rank", int, typer.Option(0, "--pp-stages-per-rank", help="0 = 1, or 2 for Interleaved1F1B")),
+    ("ac", str, typer.Option("none", "--ac", help="none | full | selective-op | layer:N")),
+    ("compile", bool, typer.Option(False, "--compile/--no-compile")),
+    ("float8", bool, typer.Option(False, "--float8/--no-float8")),
+    ("sequence_parallel", Optional[bool], typer.Option(None, "--sequence-parallel/--no-sequence-parallel",
+                                                        help="default: on when tp > 1")),
+    ("fsdp_reshard_after_forward", str, typer.Option("default", "--fsdp-reshard-after-forward",
+                                                     help="default | always | never")),
+    ("mesh_order", str, typer.Option("pp,dp_replicate,dp_shard,cp,tp", "--mesh-order",
+                                     help="device order, outermost first")),
+    ("order", str, typer.Option("pp,tp,ac,compile,fsdp", "--order", help="wrapper order")),
+    ("plan_file", Optional[str], typer.Option(None, "--plan", help="plan JSON (overrides the plan flags)")),
+    ("profile", str, typer.Option("h100-sxm-spec", "--profile", help="profile name or path")),
+]
+
+
+def plan_options(fn):
+    """Add the shared plan flags to a command; they arrive as one dict ``flags``."""
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.name != "flags"]
+    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=ann)
+             for n, ann, opt in PLAN_FLAGS]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        flags = {n: kwargs.pop(n) for n, _, _ in PLAN_FLAGS}
+        return fn(*args, flags=flags, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=params + extra)
+    return wrapper
+
+
+def guarded(fn):
+    """Turn ParsimError (bad input) into one line on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from parsim.errors import ParsimError
+
+        try:
+            return fn(*args, **kwargs)
+        except ParsimError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+
+    return wrapper
+
+
+def build_plan(flags: dict):
+    """(ModelSpec, Plan, HardwareProfile) from the shared flags."""
+    from parsim.errors import ParsimError
+    from parsim.hardware import load_profile
+    from parsim.plan import Plan, plan_from_flags
+    from parsim.spec import load_model
+
+    spec = load_model(flags["model"])
+    hw = load_profile(flags["profile"])
+    if flags.get("plan_file"):
+        try:
+            with open(flags["plan_file"]) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ParsimError(f"cannot read plan {flags['plan_file']}: {e}") from None
+        data = data.get("plan", data) if isinstance(data, dict) else data
+        plan = Plan.from_dict(data)
+        if flags.get("gpus") is not None and plan.world_size != flags["gpus"]:
+            plan.validate_for(spec, flags["gpus"])
+    else:
+        gpus = flags.get("gpus")
+        if gpus is None:
+            if flags["dp_shard"] == -1:
+                raise ParsimError("give --gpus, or --dp-shard explicitly")
+            gpus = flags["dp_replicate"] * flags["dp_shard"] * flags["tp"] * flags["pp"] * flags["cp"]
+        if gpus < 1:
+            raise ParsimError(f"--gpus must be >= 1, got {gpus}")
+        sched = flags["pp_schedule"]
+        spr = flags["pp_stages_per_rank"] or (2 if sched == "Interleaved1F1B" and flags["pp"] > 1 else 1)
+        plan = plan_from_flags(
+            gpus, dp_replicate=flags["dp_replicate"], dp_shard=flags["dp_shard"], tp=flags["tp"], pp=flags["pp"],
+            cp=flags["cp"], ep=flags["ep"], etp=flags["etp"], local_batch_size=flags["local_batch_size"],
+            micro_batch_size=flags["micro_batch_size"], global_batch_size=flags["global_batch_size"],
+            seq_len=flags["seq_len"], pp_schedule=sched, pp_stages_per_rank=spr, ac=flags["ac"],
+            compile=flags["compile"], float8=flags["float8"], sequence_parallel=flags["sequence_parallel"],
+            fsdp_reshard_after_forward=flags["fsdp_reshard_after_forward"],
+            mesh_order=tuple(s.strip() for s in flags["mesh_order"].split(",")),
+            wrapper_order=tuple(s.strip() for s in flags["order"].split(",")),
+        )
+    plan.validate_for(spec)
+    if plan.float8 and "float8" not in hw.peak_flops:
+        raise ParsimError(f"--float8 needs a GPU with float8 tensor cores; profile {hw.name} has none")
+    return spec, plan, hw
+
+
+def emit_json(obj) -> None:
+    from parsim.hardware import _json_default
+
+    sys.stdout.write(json.dumps(obj, indent=1, default=_json_default) + "\n")
+
+
+# ---- commands ----------------------------------------------------------------------------------------------------
+@app.command()
+@guarded
+@plan_options
+def predict(flags: dict, as_json: bool = typer.Option(False, "--json", help="print one JSON document")):
+    """Predict per-rank memory, step time and communication of one plan."""
+    from parsim.costmodel import predict as _predict
+
+    spec, plan, hw = build_plan(flags)
+    pred = _predict(spec, plan, hw)
+    if as_json:
+        emit_json(pred.to_dict())
+        return
+    from parsim.report import print_prediction
+
+    print_prediction(pred, spec, plan)
+
+
+def main():
+    app()
+
+
+if __name__ == "__main__":
+    main()

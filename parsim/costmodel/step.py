@@ -1,0 +1,260 @@
+"""Step time, memory and communication of a batch of plans; ``predict`` for one plan.
+
+Everything is computed per rank for two ranks, pipeline stage 0 (FIRST: embedding, most in-flight microbatches)
+and the last stage (LAST: output layer and loss), which are the same rank without PP. The reported step time is
+the larger of the two ranks' (the pipeline runs at the pace of its slowest stage) and the reported memory the
+larger of their peaks; ``comm_bytes`` are rank 0's.
+
+Time model (sums exactly to ``step_time_s``):
+
+* compute: GEMMs at ``peak / eff(flops of the kernel)`` (roofline with the profile's fitted efficiency), attention
+  forward at the attention curve, its backward 2.5x forward (FlashAttention-2 backward does 5 matmuls to the
+  forward's 2, Dao 2023, arXiv:2307.08691), GEMM backward 2x forward (dgrad + wgrad), memory-bound kernels at
+  the profile's fraction of HBM bandwidth (x ``compile_memory_bound_factor`` under torch.compile).
+* recompute: full AC re-runs the layer forward; selective-op re-runs the mm's it does not save and the
+  memory-bound kernels; AC wrapping compile (compile applied before AC) counts it twice (seed 000).
+* TP, CP, EP collectives and PP send/recv are exposed (no async TP); FSDP all-gather overlaps with the previous
+  layer's forward compute and reduce-scatter (+ HSDP all-reduce) with the next layer's backward compute; the
+  first gather and last reduce of a round are exposed (FSDP2 implicit prefetching, one layer ahead).
+* pipeline bubble per pass: ``(pp - 1) / v`` microbatch-times of the stage (Narayanan et al. 2021,
+  arXiv:2104.04473, sec. 2.2: bubble fraction (p-1)/m for 1F1B/GPipe, divided by v for interleaving).
+* optimizer: AdamW reads param, grad, exp_avg, exp_avg_sq (fp32) and writes three of them: 28 B/param, plus the
+  gradient-norm read of 4 B/param, at HBM speed.
+
+Memory (sums exactly to ``peak_memory_bytes``): the larger of two phases, (A) the start of backward of the last
+microbatch in flight: sharded fp32 params + AdamW states + gradients that exist then + FSDP unsharded buffers +
+activations of all in-flight microbatches + the recompute transient of one layer + logits/loss; (B) the optimizer
+step: params + states + sharded grads + one fp32 temporary per parameter (foreach AdamW).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..hardware import HardwareProfile
+from ..plan import Plan
+from ..results import Prediction
+from ..spec import ModelSpec
+from .batch import PlanBatch
+from .layers import (FIRST, LAST, Shapes, ac_counts, activation_bytes, attention_flops, gemms, layer_params_local,
+                     rank_layers, saved_tensors)
+from . import comm as C
+
+TIME_KEYS = ("compute_forward", "compute_backward", "recompute", "pp_bubble", "optimizer")
+MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "fsdp_unsharded_params", "fsdp_grad_buffers",
+               "activations", "recompute_transient", "logits_and_loss", "optimizer_temporaries")
+ADAMW_BYTES_PER_PARAM = 28.0 + 4.0
+SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
+
+
+def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, moe: bool) -> dict:
+    """Per layer and microbatch: forward/backward/recompute seconds and activation bytes."""
+    peak = hw.peak("bfloat16")
+    fp8_peak = hw.peak_flops.get("float8")
+    mem_bw = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
+    compute_scale = float(hw.corrections.get("compute_scale", 1.0))
+    gemm_t = np.zeros_like(sh.T)
+    sac_gemm_t = np.zeros_like(sh.T)  # mm's selective AC recomputes (even-numbered)
+    mm_count = 0
+    for _name, flops, kernel_flops, io_elems, kind in gemms(spec, sh, moe):
+        t_bf16 = (flops / kernel_flops) * hw.gemm_efficiency.time_s(kernel_flops, peak)
+        if fp8_peak and hw.float8_gemm_efficiency is not None:
+            t_fp8 = (flops / kernel_flops) * hw.float8_gemm_efficiency.time_s(kernel_flops, fp8_peak)
+            t_fp8 = t_fp8 + 3.0 * io_elems / mem_bw  # read bf16 (2 B) and write fp8 (1 B) of input and weight
+            t = np.where(b.float8, t_fp8, t_bf16)
+        else:
+            t = t_bf16
+        gemm_t = gemm_t + t
+        if kind == "mm":
+            mm_count += 1
+            if mm_count % 2 == 0:
+                sac_gemm_t = sac_gemm_t + t
+    attn_t = hw.attention_efficiency.time_s(attention_flops(spec, sh), peak)
+    act = activation_bytes(spec, sh, moe)
+    # memory-bound kernels: every non-GEMM tensor the layer saves is written once and read about twice
+    mem_bytes = 3.0 * (act["none"] - _gemm_output_bytes(spec, sh, moe))
+    mem_t = np.maximum(mem_bytes, 0.0) / mem_bw * np.where(b.compile, hw.compile_memory_bound_factor, 1.0)
+    fwd = (gemm_t + attn_t + mem_t) * compute_scale
+    bwd = (2.0 * gemm_t + 2.5 * attn_t + 2.0 * mem_t) * compute_scale
+    sac = (sac_gemm_t + mem_t) * compute_scale
+    return {"fwd": fwd, "bwd": bwd, "rec_full": fwd, "rec_sac": sac, "act": act}
+
+
+def _gemm_output_bytes(spec, sh, moe):
+    """Bytes of the saved tensors that GEMMs write (excluded from the memory-bound estimate)."""
+    out = np.zeros_like(sh.T)
+    for name, nbytes, kind in saved_tensors(spec, sh, moe):
+        if kind in ("mm", "gmm", "sdpa") and not (name.endswith("wo.out") or name.endswith("w2.out")):
+            out = out + nbytes
+    return out
+
+
+def _inflight(b: PlanBatch, rank: int) -> np.ndarray:
+    """Microbatches whose activations are alive at the peak, in units of one microbatch through all of the rank's
+    layers. 1F1B: pp - r (warm-up forwards + 1); GPipe: all; interleaved (torch ScheduleInterleaved1F1B):
+    ``min(n_micro * v, (v - 1) * pp + 2 * (pp - 1 - r)) + 1`` chunk-microbatches of 1/v of the rank's layers."""
+    pp, v, m = b.pp, b.v, b.n_micro
+    r = np.zeros_like(pp) if rank == FIRST else pp - 1
+    one_f_one_b = np.minimum(m, pp - r)
+    inter = np.minimum(np.minimum(m * v, (v - 1) * pp + 2 * (pp - 1 - r)) + 1, m * v) / v
+    out = np.where(b.sched == SCHED_GPIPE, m, np.where(b.sched == SCHED_INTERLEAVED, inter, one_f_one_b))
+    return np.where(pp == 1, 1.0, out).astype(float)
+
+
+def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = False) -> dict:
+    """Evaluate every plan of ``b``. Returns arrays: step_time_s, peak_memory_bytes, fits, tokens_per_s_per_gpu,
+    mfu, peak_rank (0 = first stage, 1 = last), and with ``detail`` the breakdown and comm dicts of arrays."""
+    sh = Shapes(spec, b)
+    n = len(b)
+    layers = rank_layers(spec, b.pp, b.v)
+    kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
+    costs = {k: _layer_costs(spec, b, sh, hw, k) for k in kinds}
+    plocal = {k: layer_params_local(spec, b, k) for k in kinds}
+    ga = b.grad_accum.astype(float)
+    m_pass = b.n_micro.astype(float)
+    M = ga * m_pass  # microbatches per step per rank
+    t = b.tp.astype(float)
+    pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
+    fsdp, efsdp = b.fsdp.astype(float), b.efsdp.astype(float)
+    mem_bw = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
+    peak = hw.peak("bfloat16")
+    V, d = spec.vocab_size, spec.d_model
+
+    per_rank = []
+    for rank in (FIRST, LAST):
+        has_emb = np.ones(n, bool) if rank == FIRST else b.pp == 1
+        has_out = b.pp == 1 if rank == FIRST else np.ones(n, bool)
+        n_of = {False: layers["dense"][rank].astype(float), True: layers["moe"][rank].astype(float)}
+        n_layers = sum(n_of[k] for k in kinds)
+        # ---- parameters held by the rank (before FSDP sharding) ------------------------------------------------
+        emb_local = np.where(has_emb, V * d / t + spec.max_position_embeddings * d, 0.0)
+        # a tied output projection needs its own copy of the embedding on the last stage when pp > 1
+        own_out = (b.pp > 1) | (not spec.tie_embeddings)
+        out_local = np.where(has_out, np.where(own_out, V * d / t, 0.0) + d, 0.0)
+        ne_local = emb_local + out_local + sum(n_of[k] * plocal[k][0] for k in kinds)
+        ex_local = sum(n_of[k] * plocal[k][1] for k in kinds)
+        p_shard = ne_local / fsdp + ex_local / efsdp
+        # ---- compute per microbatch ---------------------------------------------------------------------------
+        fwd = sum(n_of[k] * costs[k]["fwd"] for k in kinds)
+        bwd = sum(n_of[k] * costs[k]["bwd"] for k in kinds)
+        rec = np.zeros(n)
+        act = np.zeros(n)
+        transient = np.zeros(n)
+        for k in kinds:
+            c = costs[k]
+            n_full, n_sac, n_none = ac_counts(b, n_of[k])
+            rec = rec + n_full * c["rec_full"] + n_sac * c["rec_sac"]
+            act = act + n_full * c["act"]["full"] + n_sac * c["act"]["sac"] + n_none * c["act"]["none"]
+            tr = np.where(n_full > 0, c["act"]["none"] - c["act"]["full"],
+                          np.where(n_sac > 0, c["act"]["none"] - c["act"]["sac"], 0.0))
+            transient = np.maximum(transient, tr)
+        rec = rec * np.where(b.ac_wraps_compile & b.compile, 2.0, 1.0)
+        # output layer and loss on the last stage: GEMM T x d x V/tp, fp32 cross-entropy traffic (16 B/logit)
+        logits = sh.T * V / t
+        out_gemm = hw.gemm_efficiency.time_s(2.0 * logits * d, peak)
+        loss_mem = 16.0 * logits / mem_bw
+        fwd = fwd + np.where(has_out, out_gemm + loss_mem, 0.0)
+        bwd = bwd + np.where(has_out, 2.0 * out_gemm + loss_mem, 0.0)
+        # ---- communication ------------------------------------------------------------------------------------
+        cm = C.rank_comm(spec, b, sh, hw, rank, n_of, kinds, plocal, has_emb, has_out, emb_local, out_local,
+                         costs)
+        per_mb_exposed = cm["per_microbatch_exposed_s"]  # TP, CP, EP by axis (fwd + bwd + recompute)
+        t_mb = fwd + bwd + rec + sum(per_mb_exposed.values())
+        # FSDP / HSDP exposure per pass, from per-layer averages on this rank
+        lay = np.maximum(n_layers, 1.0)
+        f_l, b_l = (fwd / lay), (bwd + rec) / lay
+        ag_l, red_l = cm["fsdp_ag_layer_s"], cm["fsdp_reduce_layer_s"]
+        fwd_rounds = np.where((b.pp > 1) & b.raf, m_pass, 1.0)
+        bwd_gather = np.where(b.raf, 1.0, 0.0)
+        exp_fwd = fwd_rounds * (cm["fsdp_ag_first_s"] + n_layers * np.maximum(0.0, ag_l - f_l))
+        exp_bwd = n_layers * np.maximum(0.0, bwd_gather * ag_l + red_l - b_l) + red_l \
+            + (fwd_rounds - 1.0) * bwd_gather * n_layers * np.maximum(0.0, ag_l - b_l)
+        fsdp_exposed = ga * (exp_fwd + exp_bwd)
+        # ---- time breakdown ------------------------------------------------------------------------------------
+        bubble = ga * (b.pp - 1) / b.v * t_mb
+        opt = p_shard * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
+        tb = {"compute_forward": M * fwd, "compute_backward": M * bwd, "recompute": M * rec,
+              "pp_bubble": bubble, "optimizer": opt}
+        for axis, tt in per_mb_exposed.items():
+            tb[f"comm_{axis}"] = tb.get(f"comm_{axis}", 0.0) + M * tt
+        tb["comm_pp"] = cm["pp_exposed_s"] * M
+        share = cm["fsdp_share"]  # axis -> fraction of the FSDP/HSDP comm time
+        for axis, frac in share.items():
+            tb[f"comm_{axis}"] = tb.get(f"comm_{axis}", 0.0) + fsdp_exposed * frac
+        step = sum(tb.values())
+        # ---- memory --------------------------------------------------------------------------------------------
+        inflight = _inflight(b, rank)
+        grads_a = np.where(b.pp > 1, (ne_local + ex_local) * rb, np.where(ga > 1, p_shard * 4.0, 0.0))
+        unsharded = np.where(b.raf, 2.0 * (ne_local + ex_local) / lay * pb + out_local * pb,
+                             (ne_local + ex_local) * pb)
+        unsharded = np.where((fsdp > 1) | (efsdp > 1), unsharded, 0.0)
+        grad_buf = (ne_local + ex_local) / lay * (pb + rb)
+        logits_bytes = np.where(has_out, logits * (2.0 + 4.0 + 4.0) + 2.0 * sh.T * d * 2.0, 0.0)
+        phase_a = {"parameters": p_shard * 4.0, "gradients": grads_a, "optimizer_states": p_shard * 8.0,
+                   "fsdp_unsharded_params": unsharded, "fsdp_grad_buffers": grad_buf,
+                   "activations": inflight * act, "recompute_transient": transient,
+                   "logits_and_loss": logits_bytes, "optimizer_temporaries": np.zeros(n)}
+        phase_b = {k: np.zeros(n) for k in MEMORY_KEYS}
+        phase_b.update(parameters=p_shard * 4.0, gradients=p_shard * 4.0, optimizer_states=p_shard * 8.0,
+                       optimizer_temporaries=p_shard * 4.0)
+        tot_a, tot_b = sum(phase_a.values()), sum(phase_b.values())
+        use_a = tot_a >= tot_b
+        mb = {k: np.where(use_a, phase_a[k], phase_b[k]) for k in MEMORY_KEYS}
+        per_rank.append({"step": step, "tb": tb, "mem": np.maximum(tot_a, tot_b), "mb": mb, "comm": cm["bytes"],
+                         "p_shard": p_shard})
+
+    first, last = per_rank
+    time_rank = np.where(last["step"] > first["step"], LAST, FIRST)
+    mem_rank = np.where(last["mem"] > first["mem"], LAST, FIRST)
+    step = np.where(time_rank == LAST, last["step"], first["step"])
+    peak_mem = np.where(mem_rank == LAST, last["mem"], first["mem"])
+    tokens = b.global_batch_size * b.seq_len
+    tps = tokens / step / b.world
+    mfu = _model_flops_per_token(spec, b) * tps / peak
+    out = {"step_time_s": step, "peak_memory_bytes": peak_mem, "fits": peak_mem <= hw.usable_memory_bytes,
+           "tokens_per_s_per_gpu": tps, "mfu": mfu, "peak_rank": mem_rank, "time_rank": time_rank}
+    if detail:
+        keys = sorted(set(first["tb"]) | set(last["tb"]))
+        out["time_breakdown_s"] = {k: np.where(time_rank == LAST, _g(last["tb"], k, n), _g(first["tb"], k, n))
+                                   for k in keys}
+        out["memory_breakdown_bytes"] = {k: np.where(mem_rank == LAST, last["mb"][k], first["mb"][k])
+                                         for k in MEMORY_KEYS}
+        out["comm_bytes"] = first["comm"]
+    else:
+        # the dominant cost, cheaply: compare the breakdown entries of the time-critical rank
+        keys = sorted(set(first["tb"]) | set(last["tb"]))
+        stack = np.stack([np.where(time_rank == LAST, _g(last["tb"], k, n), _g(first["tb"], k, n)) for k in keys])
+        out["dominant"] = np.array(keys)[np.argmax(stack, axis=0)]
+    return out
+
+
+def _g(d, k, n):
+    v = d.get(k, 0.0)
+    return np.broadcast_to(np.asarray(v, dtype=float), (n,))
+
+
+def _model_flops_per_token(spec: ModelSpec, b: PlanBatch) -> np.ndarray:
+    """PaLM/torchtitan MFU FLOPs per token (spec.flops_per_token) for each plan's sequence length."""
+    base = spec.flops_per_token(0)
+    per_seq = spec.flops_per_token(1) - base
+    return base + per_seq * b.seq_len
+
+
+def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
+    """Predict one plan (the same vectorized code on a batch of one)."""
+    plan.validate_for(spec)
+    hw = hw.with_nodes(plan.world_size)
+    b = PlanBatch.from_plans([plan], hw.gpus_per_node)
+    r = evaluate(spec, b, hw, detail=True)
+    tb = {k: float(v[0]) for k, v in r["time_breakdown_s"].items() if k in TIME_KEYS or float(v[0]) > 0}
+    mb = {k: float(v[0]) for k, v in r["memory_breakdown_bytes"].items()}
+    comm = {k: float(v[0]) for k, v in r["comm_bytes"].items() if float(v[0]) > 0}
+    pp_last = plan.pp - 1
+    return Prediction(
+        plan_id=plan.plan_id, model=spec.name, profile=hw.name, n_gpus=plan.world_size,
+        fits=bool(r["fits"][0]), peak_memory_bytes=float(r["peak_memory_bytes"][0]),
+        memory_capacity_bytes=float(hw.usable_memory_bytes),
+        peak_rank=f"pp stage {pp_last if r['peak_rank'][0] == LAST else 0}",
+        memory_breakdown_bytes=mb, step_time_s=float(r["step_time_s"][0]), time_breakdown_s=tb, comm_bytes=comm,
+        tokens_per_s_per_gpu=float(r["tokens_per_s_per_gpu"][0]), mfu=float(r["mfu"][0]), plan=plan.to_dict(),
+    )

@@ -1,0 +1,325 @@
+"""HardwareProfile: what parsim knows about a machine: compute curves, collective curves, topology, memory.
+
+Collective time follows the nccl-tests conventions (NVIDIA/nccl-tests doc/PERFORMANCE.md): for a buffer of S bytes
+(all_gather / reduce_scatter: the whole gathered buffer, per-rank count x n), ``algbw = S / t`` and
+``busbw = algbw * factor(op, n)`` with factor all_reduce 2(n-1)/n, all_gather / reduce_scatter / all_to_all (n-1)/n,
+broadcast and send 1. A collective is therefore modelled as ``t = latency + S * factor / busbw``.
+
+parsim's ``comm_bytes`` convention is the bytes of the input tensors that one rank hands to the collective. Hence
+S = input * n for all_gather (its input is one shard), S = input otherwise.
+
+When no measured curve covers a (op, group size, ranks per node) the ``Topology`` fallback gives busbw:
+the group's intra-node bandwidth when the group fits in one node, else ``min(intra, ranks_per_node * nic)``: a
+ring that crosses nodes runs one channel per NIC, and every GPU has its own NIC (rail-optimized fabric); the
+busiest link is then the NIC unless enough of the group's ranks share a node to use all NICs in parallel.
+all_to_all across nodes sends (n - rpn)/n of its buffer over the NIC and (rpn-1)/n over NVLink, in parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ParsimError
+
+SCHEMA_VERSION = 1
+COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send")
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def busbw_factor(op: str, n):
+    """nccl-tests bus-bandwidth factor (doc/PERFORMANCE.md). Works on scalars and numpy arrays."""
+    n = np.asarray(n, dtype=float)
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op in ("broadcast", "send", "reduce"):
+        return np.ones_like(n)
+    raise ParsimError(f"unknown collective {op!r}")
+
+
+def buffer_bytes(op: str, input_bytes, n):
+    """nccl-tests buffer size S from the per-rank input bytes (parsim's comm_bytes convention)."""
+    return input_bytes * n if op == "all_gather" else input_bytes
+
+
+@dataclass(frozen=True)
+class EfficiencyCurve:
+    """Achieved fraction of peak as a saturating function of work: ``eff(x) = eff_max * x / (x + x_half)``.
+
+    x is FLOPs for GEMM/attention. The form is the standard "latency + throughput" roofline: a kernel of x FLOPs
+    takes ``x / (eff_max * peak) + x_half / (eff_max * peak)`` seconds, i.e. a fixed overhead plus a rate."""
+
+    eff_max: float
+    x_half: float
+
+    def __post_init__(self):
+        if not (0 < self.eff_max <= 1.0) or self.x_half < 0:
+            raise ParsimError(f"efficiency curve needs 0 < eff_max <= 1 and x_half >= 0, got {self}")
+
+    def __call__(self, x):
+        x = np.asarray(x, dtype=float)
+        return self.eff_max * x / (x + self.x_half + 1e-300)
+
+    def time_s(self, x, peak_flops: float):
+        """Time of work x at this efficiency: x / (eff(x) * peak) = (x + x_half) / (eff_max * peak)."""
+        return (np.asarray(x, dtype=float) + self.x_half) / (self.eff_max * peak_flops) * (np.asarray(x) > 0)
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """A fitted curve ``t = latency_s + S * factor / busbw`` for one (op, group size, ranks per node), valid for
+    buffers of at least ``min_bytes`` (a profile may hold a small-message and a large-message segment)."""
+
+    op: str
+    group_size: int
+    ranks_per_node: int
+    latency_s: float
+    busbw_bytes_per_s: float
+    min_bytes: float = 0.0
+    rel_residual: float = 0.0  # median |t_fit - t_measured| / t_measured over the fitted samples
+    n_samples: int = 0
+
+    def __post_init__(self):
+        if self.op not in COLLECTIVE_OPS:
+            raise ParsimError(f"collective fit: unknown op {self.op!r}")
+        if self.group_size < 1 or self.ranks_per_node < 1 or self.busbw_bytes_per_s <= 0 or self.latency_s < 0:
+            raise ParsimError(f"collective fit has non-positive values: {self}")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Interconnect model used where no measured collective curve applies (see the module docstring)."""
+
+    intra_node_busbw_bytes_per_s: dict  # op -> achieved busbw inside a node
+    inter_node_bytes_per_s_per_gpu: float  # achieved per-direction NIC bandwidth per GPU
+    intra_latency_s: float
+    inter_latency_s: float
+    latency_per_log2_rank_s: float
+
+    def __post_init__(self):
+        missing = set(COLLECTIVE_OPS) - set(self.intra_node_busbw_bytes_per_s)
+        if missing:
+            raise ParsimError(f"topology lacks intra-node bandwidth for {sorted(missing)}")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    device_name: str
+    gpus_per_node: int
+    n_nodes: int
+    memory_bytes: float  # capacity per device
+    memory_reserved_bytes: float  # not available to tensors: CUDA context, NCCL buffers, workspaces, fragmentation
+    peak_flops: dict  # dtype -> dense FLOP/s
+    memory_bandwidth_bytes_per_s: float
+    gemm_efficiency: EfficiencyCurve
+    attention_efficiency: EfficiencyCurve
+    memory_efficiency: float  # achieved fraction of memory bandwidth for elementwise / norm kernels
+    topology: Topology
+    collectives: tuple = ()  # CollectiveFit, measured
+    float8_gemm_efficiency: EfficiencyCurve | None = None
+    compile_memory_bound_factor: float = 0.5  # memory-bound time with torch.compile (fusion), fraction of eager
+    samples: dict = field(default_factory=dict)  # raw measurements (or a path to them), kept for refits
+    corrections: dict = field(default_factory=dict)  # multiplicative corrections fitted by calibrate
+    source: str = "spec-sheet"  # spec-sheet | measured
+    assumptions: tuple = ()
+    provenance: dict = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self):
+        if self.schema_version != SCHEMA_VERSION:
+            raise ParsimError(f"profile {self.name}: schema_version {self.schema_version}, expected {SCHEMA_VERSION}")
+        if self.source not in ("spec-sheet", "measured"):
+            raise ParsimError(f"profile {self.name}: source must be spec-sheet or measured, got {self.source!r}")
+        if self.gpus_per_node < 1 or self.n_nodes < 1:
+            raise ParsimError(f"profile {self.name}: gpus_per_node and n_nodes must be >= 1")
+        if self.memory_bytes <= self.memory_reserved_bytes:
+            raise ParsimError(f"profile {self.name}: memory_bytes must exceed memory_reserved_bytes")
+        if "bfloat16" not in self.peak_flops:
+            raise ParsimError(f"profile {self.name}: peak_flops needs a bfloat16 entry")
+        if self.memory_bandwidth_bytes_per_s <= 0:
+            raise ParsimError(f"profile {self.name}: memory bandwidth must be positive")
+        object.__setattr__(self, "collectives", tuple(self.collectives))
+        object.__setattr__(self, "assumptions", tuple(self.assumptions))
+        index = {}
+        for c in self.collectives:
+            index.setdefault((c.op, c.group_size, c.ranks_per_node), []).append(c)
+        for v in index.values():
+            v.sort(key=lambda c: c.min_bytes)
+        object.__setattr__(self, "_index", index)
+
+    # ---- derived ------------------------------------------------------------------------------------------------
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes - self.memory_reserved_bytes
+
+    def with_nodes(self, n_gpus: int) -> "HardwareProfile":
+        """The same hardware sized for ``n_gpus`` (whole nodes, the last one possibly partial)."""
+        n_nodes = max(1, math.ceil(n_gpus / self.gpus_per_node))
+        return _replace(self, n_nodes=n_nodes)
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ParsimError(f"profile {self.name} has no peak for {dtype}")
+        return float(self.peak_flops[dtype])
+
+    # ---- collective time ----------------------------------------------------------------------------------------
+    def _fit_for(self, op: str, n: int, rpn: int):
+        """The measured fit segments for (op, n, rpn): exact match, else the nearest measured group size of the
+        same class (inside one node vs crossing nodes) and the closest ranks per node."""
+        segs = self._index.get((op, n, rpn))
+        if segs:
+            return segs
+        same_class = [k for k in self._index if k[0] == op and (k[2] >= k[1]) == (rpn >= n)]
+        if not same_class or not self.collectives:
+            return None
+        if self.source == "spec-sheet":
+            return None
+        key = min(same_class, key=lambda k: (abs(math.log2(k[1]) - math.log2(n)), abs(k[2] - rpn)))
+        return self._index[key]
+
+    def collective_time_s(self, op: str, input_bytes, n, rpn):
+        """Time of one collective per rank. ``input_bytes``, ``n`` (group size) and ``rpn`` (ranks of the group per
+        node) may be numpy arrays of one shape; groups of size 1 cost nothing."""
+        input_bytes = np.asarray(input_bytes, dtype=float)
+        n = np.broadcast_to(np.asarray(n, dtype=np.int64), input_bytes.shape)
+        rpn = np.broadcast_to(np.minimum(np.asarray(rpn, dtype=np.int64), n), input_bytes.shape)
+        out = np.zeros(input_bytes.shape, dtype=float)
+        active = (n > 1) & (input_bytes > 0)
+        if not active.any():
+            return out
+        scale = float(self.corrections.get("comm_scale", 1.0))
+        pairs = np.unique(np.stack([n[active], rpn[active]], axis=1), axis=0)
+        for nn, rr in pairs:
+            m = active & (n == nn) & (rpn == rr)
+            s_bytes = buffer_bytes(op, input_bytes[m], nn)
+            segs = self._fit_for(op, int(nn), int(rr))
+            if segs:
+                lat = np.full(s_bytes.shape, segs[0].latency_s)
+                bw = np.full(s_bytes.shape, segs[0].busbw_bytes_per_s)
+                for sgm in segs[1:]:
+                    big = s_bytes >= sgm.min_bytes
+                    lat[big], bw[big] = sgm.latency_s, sgm.busbw_bytes_per_s
+                out[m] = lat + s_bytes * busbw_factor(op, nn) / bw
+            else:
+                lat, bw = self._topology_curve(op, int(nn), int(rr))
+                if op == "all_to_all" and rr < nn:
+                    topo = self.topology
+                    t_nic = s_bytes * (nn - rr) / nn / topo.inter_node_bytes_per_s_per_gpu
+                    t_nvl = s_bytes * (rr - 1) / nn / topo.intra_node_busbw_bytes_per_s["all_to_all"]
+                    out[m] = lat + np.maximum(t_nic, t_nvl)
+                else:
+                    out[m] = lat + s_bytes * busbw_factor(op, nn) / bw
+        return out * scale
+
+    def _topology_curve(self, op: str, n: int, rpn: int) -> tuple[float, float]:
+        topo = self.topology
+        intra = float(topo.intra_node_busbw_bytes_per_s[op])
+        log_n = math.log2(max(n, 2))
+        if rpn >= n:  # the whole group sits inside one node
+            return topo.intra_latency_s + topo.latency_per_log2_rank_s * log_n, intra
+        if op in ("send", "broadcast"):
+            bw = topo.inter_node_bytes_per_s_per_gpu
+        else:
+            bw = min(intra, rpn * topo.inter_node_bytes_per_s_per_gpu)
+        return topo.inter_latency_s + topo.latency_per_log2_rank_s * log_n, bw
+
+    # ---- serialization ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["gemm_efficiency"] = asdict(self.gemm_efficiency)
+        d["attention_efficiency"] = asdict(self.attention_efficiency)
+        d["float8_gemm_efficiency"] = asdict(self.float8_gemm_efficiency) if self.float8_gemm_efficiency else None
+        d["topology"] = asdict(self.topology)
+        d["collectives"] = [asdict(c) for c in self.collectives]
+        d["assumptions"] = list(self.assumptions)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict, origin: str = "profile") -> "HardwareProfile":
+        if not isinstance(d, dict):
+            raise ParsimError(f"{origin}: a hardware profile must be a JSON object")
+        known = {f.name for f in fields(HardwareProfile)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ParsimError(f"{origin}: unknown keys {unknown}")
+        try:
+            d = dict(d)
+            d["gemm_efficiency"] = EfficiencyCurve(**d["gemm_efficiency"])
+            d["attention_efficiency"] = EfficiencyCurve(**d["attention_efficiency"])
+            if d.get("float8_gemm_efficiency"):
+                d["float8_gemm_efficiency"] = EfficiencyCurve(**d["float8_gemm_efficiency"])
+            d["topology"] = Topology(**d["topology"])
+            d["collectives"] = tuple(CollectiveFit(**c) for c in d.get("collectives", ()))
+            return HardwareProfile(**d)
+        except ParsimError as e:
+            raise ParsimError(f"{origin}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ParsimError(f"{origin}: corrupt hardware profile ({type(e).__name__}: {e})") from None
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_json(path, self.to_dict())
+
+
+def _replace(obj, **changes):
+    from dataclasses import replace
+
+    return replace(obj, **changes)
+
+
+def atomic_write_json(path: str | Path, data) -> Path:
+    """Write JSON to a temporary file in the same folder and rename it over ``path``: readers see the old file
+    or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=False, default=_json_default)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A profile name from ``profiles/`` (e.g. ``h100-sxm-spec``) or a path to a profile JSON."""
+    p = Path(name_or_path)
+    if not p.suffix and not p.exists():
+        p = PROFILES_DIR / f"{name_or_path}.json"
+    if not p.exists():
+        raise ParsimError(f"unknown profile {name_or_path!r} (known: {', '.join(list_profiles())})")
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ParsimError(f"corrupt profile {p}: {e}") from None
+    return HardwareProfile.from_dict(d, origin=str(p))

@@ -1,0 +1,298 @@
+"""Plan: how one training job is parallelized. Degrees per mesh axis in device order, batch, PP schedule, AC, compile,
+FSDP options, dtypes and the wrapper order. Validation messages show the arithmetic.
+
+Batch vocabulary (torchtitan's): ``local_batch_size`` sequences per data-parallel rank per forward/backward pass;
+``global_batch_size`` sequences per optimizer step (= local * dp * gradient-accumulation steps);
+``micro_batch_size`` sequences per pipeline microbatch (local = micro * n_microbatches).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+
+from .errors import ParsimError
+from .spec import ModelSpec
+from .units import DTYPE_BYTES
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+WRAPPERS = ("pp", "tp", "ac", "compile", "fsdp")
+DEFAULT_ORDER = WRAPPERS
+# name -> (code used by the vectorized cost model, single-stage schedule?)
+PP_SCHEDULES = {"GPipe": 0, "1F1B": 1, "Interleaved1F1B": 2}
+AC_MODES = {"none": 0, "full": 1, "selective-op": 2, "layer": 3}
+RAF_MODES = ("default", "always", "never")
+EP_FROM = ("dp_shard", "dp_replicate")
+
+
+def parse_ac(ac: str) -> tuple[str, int]:
+    """'none' | 'full' | 'selective-op' | 'layer:N' (every N-th layer fully checkpointed) -> (mode, N)."""
+    if ac in ("none", "full", "selective-op"):
+        return ac, 1
+    if ac.startswith("layer:"):
+        try:
+            n = int(ac.split(":", 1)[1])
+        except ValueError:
+            n = 0
+        if n >= 1:
+            return "layer", n
+    raise ParsimError(f"bad AC mode {ac!r}: expected none, full, selective-op or layer:N with N >= 1")
+
+
+@dataclass(frozen=True)
+class Plan:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+    ep_from: str = "dp_shard"  # dp_shard: torchtitan dp2ep (dp_shard*cp*tp == efsdp*ep*etp); dp_replicate: DDP + EP
+    mesh_order: tuple[str, ...] = AXES  # device order, outermost first
+    seq_len: int = 2048
+    local_batch_size: int = 1
+    global_batch_size: int = 0  # 0 -> local_batch_size * dp (no gradient accumulation)
+    micro_batch_size: int = 0  # 0 -> local_batch_size (one microbatch)
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int = 1
+    sequence_parallel: bool | None = None  # None -> tp > 1
+    fsdp_reshard_after_forward: str = "default"  # default: True without PP, False with PP (torchtitan)
+    ac: str = "none"
+    compile: bool = False
+    float8: bool = False
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    wrapper_order: tuple[str, ...] = DEFAULT_ORDER
+
+    def __post_init__(self):
+        s = object.__setattr__
+        for a in AXES + ("ep", "etp", "seq_len", "local_batch_size", "pp_stages_per_rank"):
+            v = getattr(self, a)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ParsimError(f"{a} must be a positive integer, got {v!r}")
+        s(self, "mesh_order", tuple(self.mesh_order))
+        s(self, "wrapper_order", tuple(self.wrapper_order))
+        if sorted(self.mesh_order) != sorted(AXES):
+            raise ParsimError(f"mesh order {','.join(self.mesh_order)} must be a permutation of {','.join(AXES)}")
+        if sorted(self.wrapper_order) != sorted(WRAPPERS):
+            raise ParsimError(
+                f"wrapper order {','.join(self.wrapper_order)} must be a permutation of {','.join(WRAPPERS)}"
+            )
+        if self.ep_from not in EP_FROM:
+            raise ParsimError(f"ep_from must be one of {EP_FROM}, got {self.ep_from!r}")
+        if self.global_batch_size == 0:
+            s(self, "global_batch_size", self.local_batch_size * self.dp)
+        if self.micro_batch_size == 0:
+            s(self, "micro_batch_size", self.local_batch_size)
+        if self.sequence_parallel is None:
+            s(self, "sequence_parallel", self.tp > 1)
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ParsimError(f"unknown PP schedule {self.pp_schedule!r} (known: {', '.join(PP_SCHEDULES)})")
+        if self.fsdp_reshard_after_forward not in RAF_MODES:
+            raise ParsimError(f"fsdp_reshard_after_forward must be one of {RAF_MODES}")
+        parse_ac(self.ac)
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES or getattr(self, name) == "float8":
+                raise ParsimError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
+        # batch arithmetic
+        g, l, dp = self.global_batch_size, self.local_batch_size, self.dp
+        if g % (l * dp):
+            raise ParsimError(
+                f"global batch {g} is not a multiple of local batch x dp = {l} x {dp} = {l * dp} "
+                f"({g} % {l * dp} = {g % (l * dp)})"
+            )
+        if self.micro_batch_size < 1 or l % self.micro_batch_size:
+            raise ParsimError(
+                f"local batch {l} is not a multiple of micro batch {self.micro_batch_size}"
+            )
+        if self.pp == 1 and self.micro_batch_size != l:
+            raise ParsimError(f"micro batch {self.micro_batch_size} != local batch {l} without PP; "
+                              "use global batch for gradient accumulation")
+        # pipeline arithmetic
+        v = self.pp_stages_per_rank
+        if self.pp_schedule == "Interleaved1F1B":
+            if self.pp > 1 and v < 2:
+                raise ParsimError("Interleaved1F1B needs pp_stages_per_rank >= 2")
+        elif v != 1:
+            raise ParsimError(f"{self.pp_schedule} runs one stage per rank, got pp_stages_per_rank={v}")
+        if self.pp == 1 and v != 1:
+            raise ParsimError(f"pp_stages_per_rank={v} needs pp > 1")
+        if self.pp > 1 and self.pp_schedule != "GPipe" and self.n_microbatches < self.pp:
+            raise ParsimError(
+                f"{self.pp_schedule} needs at least pp={self.pp} microbatches, got local batch / micro batch = "
+                f"{l} / {self.micro_batch_size} = {self.n_microbatches}"
+            )
+        # sequence arithmetic
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            raise ParsimError(
+                f"seq_len {self.seq_len} is not divisible by 2 x cp = {2 * self.cp} (CP load balancing)"
+            )
+        if self.sequence_parallel and (self.seq_len // self.cp) % self.tp:
+            raise ParsimError(
+                f"sequence parallel needs seq_len / cp = {self.seq_len // self.cp} divisible by tp = {self.tp}"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            s(self, "sequence_parallel", False)
+        # expert-parallel arithmetic (dp2ep: EP is borrowed from data-parallel ranks, not added)
+        if self.ep > 1 or self.etp > 1:
+            if self.etp not in (1, self.tp):
+                raise ParsimError(f"etp must be 1 or tp={self.tp}, got {self.etp}")
+            if self.ep_from == "dp_shard":
+                base = self.dp_shard * self.cp * self.tp
+                if base % (self.ep * self.etp):
+                    raise ParsimError(
+                        f"dp2ep needs dp_shard x cp x tp = {self.dp_shard} x {self.cp} x {self.tp} = {base} "
+                        f"divisible by ep x etp = {self.ep} x {self.etp} = {self.ep * self.etp}"
+                    )
+            elif self.dp_replicate % self.ep:
+                raise ParsimError(
+                    f"DDP-style EP needs dp_replicate {self.dp_replicate} divisible by ep {self.ep}"
+                )
+
+    # ---- derived ------------------------------------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.local_batch_size // self.micro_batch_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // (self.local_batch_size * self.dp)
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP degree of the routed experts."""
+        if self.ep_from == "dp_shard":
+            return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+        return self.dp_shard * self.cp
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        if self.fsdp_reshard_after_forward == "default":
+            return self.pp == 1
+        return self.fsdp_reshard_after_forward == "always"
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    def describe(self) -> str:
+        parts = [f"{a}{getattr(self, a)}" for a in self.mesh_order if getattr(self, a) > 1]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}" + (f"/etp{self.etp}" if self.etp > 1 else ""))
+        return "x".join(parts) or "single"
+
+    # ---- validation against a model and a GPU count -------------------------------------------------------------
+    def validate_for(self, spec: ModelSpec, n_gpus: int | None = None) -> None:
+        if n_gpus is not None and self.world_size != n_gpus:
+            raise ParsimError(_world_msg(self, n_gpus))
+        t = self.tp
+        for what, n in (("n_heads", spec.n_heads), ("n_kv_heads", spec.n_kv_heads if not spec.mla else spec.n_heads),
+                        ("d_ff", spec.d_ff)):
+            if n % t:
+                raise ParsimError(f"{spec.name}: {what} {n} is not divisible by tp {t} ({n} % {t} = {n % t})")
+        n_stages = self.pp * self.pp_stages_per_rank
+        if spec.n_layers < n_stages:
+            raise ParsimError(
+                f"{spec.name}: {spec.n_layers} layers cannot fill pp x stages per rank = {self.pp} x "
+                f"{self.pp_stages_per_rank} = {n_stages} stages"
+            )
+        if self.ep > 1 or self.etp > 1:
+            if spec.moe is None:
+                raise ParsimError(f"{spec.name} is dense: ep/etp > 1 needs a MoE model")
+            if spec.moe.n_experts % self.ep:
+                raise ParsimError(
+                    f"{spec.name}: {spec.moe.n_experts} experts do not divide over ep {self.ep} "
+                    f"({spec.moe.n_experts} % {self.ep} = {spec.moe.n_experts % self.ep})"
+                )
+            if spec.moe.d_ff_expert % self.etp:
+                raise ParsimError(f"{spec.name}: expert width {spec.moe.d_ff_expert} not divisible by etp {self.etp}")
+
+    # ---- identity and serialization -----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mesh_order"] = list(self.mesh_order)
+        d["wrapper_order"] = list(self.wrapper_order)
+        return d
+
+    @property
+    def plan_id(self) -> str:
+        """Stable hash of the canonical JSON form (defaults resolved), 12 hex digits."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    @staticmethod
+    def from_dict(d: dict) -> "Plan":
+        if not isinstance(d, dict):
+            raise ParsimError("a plan must be a JSON object")
+        d = dict(d)
+        d.pop("plan_id", None)
+        known = {f.name for f in fields(Plan)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ParsimError(f"unknown plan keys: {unknown}")
+        try:
+            return Plan(**d)
+        except TypeError as e:
+            raise ParsimError(f"bad plan: {e}") from None
+
+
+def plan_from_flags(
+    n_gpus: int,
+    *,
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    **kw,
+) -> Plan:
+    """Plan from torchtitan-style flags; ``dp_shard=-1`` takes the GPUs the other degrees leave."""
+    if dp_shard == -1:
+        rest = dp_replicate * tp * pp * cp
+        if rest < 1 or n_gpus % rest:
+            raise ParsimError(
+                f"dp_shard=-1: {n_gpus} GPUs are not divisible by dp_replicate x tp x pp x cp = "
+                f"{dp_replicate} x {tp} x {pp} x {cp} = {rest}"
+            )
+        dp_shard = n_gpus // rest
+    plan = Plan(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, **kw)
+    if plan.world_size != n_gpus:
+        raise ParsimError(_world_msg(plan, n_gpus))
+    return plan
+
+
+def _world_msg(plan: Plan, n_gpus: int) -> str:
+    prod = " x ".join(f"{a}={getattr(plan, a)}" for a in AXES)
+    return f"degrees multiply to {prod} = {plan.world_size}, not the {n_gpus} GPUs asked for"
+
+
+def ranks_per_node(degrees: dict[str, int], order: tuple[str, ...], gpus_per_node: int, group: tuple[str, ...]) -> int:
+    """Ranks of one ``group`` (one or more axes, flattened) that share a node.
+
+    Ranks are laid out row-major over ``order`` (innermost axis fastest); a node holds ``gpus_per_node`` consecutive
+    ranks. With power-of-two degrees the node is a sub-box of the grid, so the count is the product over the
+    group's axes of how many coordinates of each fit: ``clamp(gpus_per_node // stride(axis), 1, degree)``."""
+    stride = 1
+    strides = {}
+    for a in reversed(order):
+        strides[a] = stride
+        stride *= degrees[a]
+    out = 1
+    for a in group:
+        out *= min(degrees[a], max(1, gpus_per_node // strides[a]))
+    return out
+
+
+def n_nodes_for(world_size: int, gpus_per_node: int) -> int:
+    return math.ceil(world_size / gpus_per_node)

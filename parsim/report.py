@@ -1,0 +1,43 @@
+"""Human-readable output: rich tables of predictions (GiB and ms appear only here and in the CLI)."""
+
+from __future__ import annotations
+
+from .results import Prediction
+from .units import GiB, MS
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def print_prediction(pred: Prediction, spec, plan) -> None:
+    from rich.table import Table
+
+    con = _console()
+    con.print(f"[bold]{spec.name}[/bold] ({spec.n_params / 1e9:.2f}B params) on {pred.n_gpus} GPUs "
+              f"[{pred.profile}]  plan {plan.describe()}  id {pred.plan_id}")
+    con.print(f"seq {plan.seq_len}, local batch {plan.local_batch_size}, micro batch {plan.micro_batch_size}, "
+              f"global batch {plan.global_batch_size}, AC {plan.ac}, compile {plan.compile}, "
+              f"order {'>'.join(plan.wrapper_order)}")
+    mem = Table(title=f"memory per GPU, peak on {pred.peak_rank}", show_footer=True)
+    mem.add_column("component", footer="peak")
+    mem.add_column("GiB", justify="right", footer=f"{pred.peak_memory_bytes / GiB:.2f}")
+    for k, v in pred.memory_breakdown_bytes.items():
+        mem.add_row(k, f"{v / GiB:.2f}")
+    tim = Table(title="step time", show_footer=True)
+    tim.add_column("component", footer="step")
+    tim.add_column("ms", justify="right", footer=f"{pred.step_time_s / MS:.1f}")
+    for k, v in sorted(pred.time_breakdown_s.items(), key=lambda kv: -kv[1]):
+        tim.add_row(k, f"{v / MS:.1f}")
+    com = Table(title="communication per step (rank 0, input bytes)")
+    com.add_column("collective/axis")
+    com.add_column("GiB", justify="right")
+    for k, v in pred.comm_bytes.items():
+        com.add_row(k, f"{v / GiB:.3f}")
+    con.print(mem, tim, com)
+    fit = "[green]fits[/green]" if pred.fits else "[red]does NOT fit[/red]"
+    con.print(f"{fit}: peak {pred.peak_memory_bytes / GiB:.2f} GiB of {pred.memory_capacity_bytes / GiB:.2f} GiB usable; "
+              f"step {pred.step_time_s / MS:.1f} ms, {pred.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+              f"MFU {pred.mfu * 100:.1f}%, dominant cost {pred.dominant_cost}")

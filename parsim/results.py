@@ -1,0 +1,84 @@
+"""Prediction and Measurement: what the cost model says and what a run or a trace saw (JSON keys in DESIGN.md)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from .errors import ParsimError
+
+STATUSES = ("ok", "oom", "timeout", "error")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    plan_id: str
+    model: str
+    profile: str
+    n_gpus: int
+    fits: bool
+    peak_memory_bytes: float
+    memory_capacity_bytes: float
+    peak_rank: str
+    memory_breakdown_bytes: dict
+    step_time_s: float
+    time_breakdown_s: dict
+    comm_bytes: dict  # "<op>/<axis>" -> bytes rank 0 hands to that collective per step
+    tokens_per_s_per_gpu: float
+    mfu: float
+    plan: dict = field(default_factory=dict)
+    interval_s: tuple | None = None
+
+    def __post_init__(self):
+        for name, total, parts in (("memory", self.peak_memory_bytes, self.memory_breakdown_bytes),
+                                   ("time", self.step_time_s, self.time_breakdown_s)):
+            s = sum(parts.values())
+            if not math.isclose(s, total, rel_tol=1e-9, abs_tol=1e-12):
+                raise ParsimError(f"{name} breakdown sums to {s}, not the total {total}")
+
+    @property
+    def dominant_cost(self) -> str:
+        return max(self.time_breakdown_s, key=self.time_breakdown_s.get)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if d["interval_s"] is None:
+            d.pop("interval_s")
+        return d
+
+
+@dataclass(frozen=True)
+class Measurement:
+    plan_id: str
+    kind: str  # run | trace
+    status: str  # ok | oom | timeout | error
+    error: str = ""
+    step_times_s: tuple = ()
+    median_step_time_s: float | None = None
+    peak_memory_bytes: float | None = None
+    memory_breakdown_bytes: dict = field(default_factory=dict)
+    comm_bytes: dict = field(default_factory=dict)
+    losses: tuple = ()
+    tokens_per_s_per_gpu: float | None = None
+    provenance: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in ("run", "trace"):
+            raise ParsimError(f"measurement kind must be run or trace, got {self.kind!r}")
+        if self.status not in STATUSES:
+            raise ParsimError(f"measurement status must be one of {STATUSES}, got {self.status!r}")
+        object.__setattr__(self, "step_times_s", tuple(self.step_times_s))
+        object.__setattr__(self, "losses", tuple(self.losses))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["step_times_s"] = list(self.step_times_s)
+        d["losses"] = list(self.losses)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "Measurement":
+        try:
+            return Measurement(**d)
+        except TypeError as e:
+            raise ParsimError(f"bad measurement: {e}") from None

@@ -1,0 +1,397 @@
+"""Model specifications: decoder-only transformers (Llama-style, GPT-style, MoE, MLA), presets and HF config loading.
+
+Parameter counts are exact for the architectures as implemented by Hugging Face transformers / torchtitan:
+
+* attention (GQA):   q: d*H*hd, k and v: d*KV*hd each, o: H*hd*d (+ biases when ``bias``), optional q/k RMSNorm
+  of width hd (Qwen3).
+* attention (MLA, DeepSeek-V2/V3, arXiv:2405.04434 sec. 2.1): wq_a d*q_lora, q_a_norm q_lora,
+  wq_b q_lora*H*(nope+rope) (or wq d*H*(nope+rope) when q_lora = 0), wkv_a d*(kv_lora+rope), kv_a_norm kv_lora,
+  wkv_b kv_lora*H*(nope+v), wo H*v*d.
+* MLP: SwiGLU 3*d*ff (Shazeer 2020, arXiv:2002.05202); GeLU 2*d*ff (+ ff + d biases).
+* MoE layer: router d*E, E routed experts and S shared experts, each a SwiGLU of width ff_expert.
+* norms: RMSNorm d, LayerNorm 2d; two per layer plus a final one.
+* embeddings V*d, output V*d unless tied, learned positions P*d (GPT-2/Megatron GPT).
+
+FLOPs per token follow the PaLM / torchtitan MFU convention (Chowdhery et al. 2022, arXiv:2204.02311, App. B;
+torchtitan ``get_num_flop_per_token``): ``6 * (N_active - N_embedding) + 6 * L * s * H * (d_qk + d_v)``. The
+second term is the attention score and value matmuls (2*s*H*(d_qk+d_v) FLOPs per token forward, x3 for training),
+counted without the causal half-saving, which is the convention MFU numbers use; ``causal=True`` halves it,
+which is the work a causal flash-attention kernel actually does and is what the time model uses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .errors import ParsimError
+
+
+def _positive(obj, *names):
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ParsimError(f"{type(obj).__name__}.{n} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Routed mixture of experts. ``moe_every`` = HF ``decoder_sparse_step``; ``capacity_factor`` models routing
+    imbalance: the busiest expert rank receives ``capacity_factor`` times the mean token count."""
+
+    n_experts: int
+    top_k: int
+    d_ff_expert: int
+    n_shared_experts: int = 0
+    first_k_dense: int = 0
+    moe_every: int = 1
+    capacity_factor: float = 1.0
+    dense_layers: tuple[int, ...] = ()  # HF mlp_only_layers
+
+    def __post_init__(self):
+        _positive(self, "n_experts", "top_k", "d_ff_expert", "moe_every")
+        if self.top_k > self.n_experts:
+            raise ParsimError(f"moe top_k={self.top_k} > n_experts={self.n_experts}")
+        if self.n_shared_experts < 0 or self.first_k_dense < 0:
+            raise ParsimError("moe n_shared_experts and first_k_dense must be >= 0")
+        if self.capacity_factor < 1.0:
+            raise ParsimError(f"moe capacity_factor must be >= 1.0, got {self.capacity_factor}")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self):
+        _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.q_lora_rank < 0:
+            raise ParsimError("mla q_lora_rank must be >= 0 (0 = no query compression)")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    vocab_size: int
+    head_dim: int = 0  # 0 -> d_model // n_heads
+    tie_embeddings: bool = False
+    mlp: str = "swiglu"  # swiglu | gelu
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    bias: bool = False  # biases on attention and MLP linears (GPT-2, GPT-NeoX, Megatron GPT)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    max_position_embeddings: int = 0  # > 0: learned absolute position embeddings (GPT-2)
+    moe: MoESpec | None = None
+    mla: MLASpec | None = None
+
+    def __post_init__(self):
+        _positive(self, "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
+        if self.mlp not in ("swiglu", "gelu"):
+            raise ParsimError(f"mlp must be swiglu or gelu, got {self.mlp!r}")
+        if self.norm not in ("rmsnorm", "layernorm"):
+            raise ParsimError(f"norm must be rmsnorm or layernorm, got {self.norm!r}")
+        if self.head_dim == 0:
+            if self.d_model % self.n_heads:
+                raise ParsimError(
+                    f"d_model {self.d_model} is not divisible by n_heads {self.n_heads} "
+                    f"({self.d_model} % {self.n_heads} = {self.d_model % self.n_heads}); give head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ParsimError(
+                f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads} "
+                f"({self.n_heads} % {self.n_kv_heads} = {self.n_heads % self.n_kv_heads})"
+            )
+        if self.moe is not None and self.moe.first_k_dense > self.n_layers:
+            raise ParsimError(f"moe first_k_dense {self.moe.first_k_dense} > n_layers {self.n_layers}")
+
+    # ---- structure -------------------------------------------------------------------------------------------
+    def is_moe_layer(self, i: int) -> bool:
+        m = self.moe
+        if m is None or i < m.first_k_dense or i in m.dense_layers:
+            return False
+        return (i + 1) % m.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def n_dense_layers(self) -> int:
+        return self.n_layers - self.n_moe_layers
+
+    @property
+    def q_dim(self) -> int:
+        """Width of all query heads together (= attention output width before wo)."""
+        if self.mla:
+            return self.n_heads * (self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim)
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of all key heads together (keys and values each have this width for GQA)."""
+        if self.mla:
+            return self.n_heads * (self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim)
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        if self.mla:
+            return self.n_heads * self.mla.v_head_dim
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def attn_out_dim(self) -> int:
+        if self.mla:
+            return self.n_heads * self.mla.v_head_dim
+        return self.n_heads * self.head_dim
+
+    @property
+    def d_qk_head(self) -> int:
+        return (self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim) if self.mla else self.head_dim
+
+    @property
+    def d_v_head(self) -> int:
+        return self.mla.v_head_dim if self.mla else self.head_dim
+
+    # ---- parameter counts -------------------------------------------------------------------------------------
+    def _norm_params(self, width: int) -> int:
+        return width * (2 if self.norm == "layernorm" else 1)
+
+    def attention_matrices(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each attention weight matrix; the GEMMs of the attention block."""
+        d, H = self.d_model, self.n_heads
+        if self.mla:
+            m = self.mla
+            mats = {}
+            if m.q_lora_rank:
+                mats["wq_a"] = (d, m.q_lora_rank)
+                mats["wq_b"] = (m.q_lora_rank, self.q_dim)
+            else:
+                mats["wq"] = (d, self.q_dim)
+            mats["wkv_a"] = (d, m.kv_lora_rank + m.qk_rope_head_dim)
+            mats["wkv_b"] = (m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim))
+            mats["wo"] = (self.attn_out_dim, d)
+            return mats
+        return {
+            "wq": (d, self.q_dim),
+            "wk": (d, self.kv_dim),
+            "wv": (d, self.v_dim),
+            "wo": (self.attn_out_dim, d),
+        }
+
+    def attention_params(self) -> int:
+        n = sum(i * o for i, o in self.attention_matrices().values())
+        if self.mla:
+            n += self.mla.kv_lora_rank + self.mla.q_lora_rank  # the two latent RMSNorms
+        if self.bias:
+            n += sum(o for _, o in self.attention_matrices().values())
+        if self.qk_norm:
+            n += 2 * self.head_dim
+        return n
+
+    def mlp_matrices(self, d_ff: int) -> dict[str, tuple[int, int]]:
+        d = self.d_model
+        if self.mlp == "swiglu":
+            return {"w1": (d, d_ff), "w3": (d, d_ff), "w2": (d_ff, d)}
+        return {"w1": (d, d_ff), "w2": (d_ff, d)}
+
+    def mlp_params(self, d_ff: int) -> int:
+        n = sum(i * o for i, o in self.mlp_matrices(d_ff).values())
+        if self.bias:
+            n += d_ff + self.d_model
+        return n
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert."""
+        assert self.moe is not None
+        return self.mlp_params(self.moe.d_ff_expert)
+
+    def layer_params(self, i: int) -> dict[str, int]:
+        """Parameters of layer ``i`` split into what is replicated per expert rank and what is not."""
+        out = {"attention": self.attention_params(), "norms": 2 * self._norm_params(self.d_model)}
+        if self.is_moe_layer(i):
+            m = self.moe
+            out["router"] = self.d_model * m.n_experts
+            out["shared_experts"] = m.n_shared_experts * self.expert_params()
+            out["routed_experts"] = m.n_experts * self.expert_params()
+        else:
+            out["mlp"] = self.mlp_params(self.d_ff)
+        return out
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.d_model + self.max_position_embeddings * self.d_model
+
+    def output_params(self) -> int:
+        """Final norm plus the output projection (zero extra weights when tied)."""
+        return self._norm_params(self.d_model) + (0 if self.tie_embeddings else self.vocab_size * self.d_model)
+
+    def param_counts(self) -> dict[str, int]:
+        """Exact totals by kind; sums to ``n_params``."""
+        counts = {"embedding": self.embedding_params(), "output": self.output_params()}
+        for i in range(self.n_layers):
+            for k, v in self.layer_params(i).items():
+                counts[k] = counts.get(k, 0) + v
+        return counts
+
+    @property
+    def n_params(self) -> int:
+        return sum(self.param_counts().values())
+
+    @property
+    def n_active_params(self) -> int:
+        """Parameters touched by one token: routed experts count top_k of n_experts."""
+        n = self.n_params
+        if self.moe:
+            n -= self.n_moe_layers * (self.moe.n_experts - self.moe.top_k) * self.expert_params()
+        return n
+
+    def flops_per_token(self, seq_len: int, causal: bool = False) -> float:
+        """Training FLOPs per token (forward + backward), see the module docstring for the derivation."""
+        dense = 6.0 * (self.n_active_params - self.embedding_params())
+        attn = 6.0 * self.n_layers * seq_len * self.n_heads * (self.d_qk_head + self.d_v_head)
+        return dense + (0.5 if causal else 1.0) * attn
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "ModelSpec":
+        d = dict(d)
+        known = {f.name for f in fields(ModelSpec)}
+        unknown = set(d) - known
+        if unknown:
+            raise ParsimError(f"unknown ModelSpec keys: {sorted(unknown)}")
+        if d.get("moe") is not None:
+            d["moe"] = MoESpec(**d["moe"])
+        if d.get("mla") is not None:
+            d["mla"] = MLASpec(**d["mla"])
+        return ModelSpec(**d)
+
+
+# ---- presets (Hugging Face config.json values, see shared/HARDWARE_FACTS.md) ----------------------------------------
+PRESETS: dict[str, ModelSpec] = {
+    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
+    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256),
+    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256),
+    "mixtral-8x7b": ModelSpec(
+        "mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, moe=MoESpec(n_experts=8, top_k=2, d_ff_expert=14336)
+    ),
+    "qwen3-30b-a3b": ModelSpec(
+        "qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, head_dim=128, qk_norm=True,
+        moe=MoESpec(n_experts=128, top_k=8, d_ff_expert=768),
+    ),
+    "deepseek-v3": ModelSpec(
+        "deepseek-v3", 61, 7168, 128, 128, 18432, 129280,
+        moe=MoESpec(n_experts=256, top_k=8, d_ff_expert=2048, n_shared_experts=1, first_k_dense=3),
+        mla=MLASpec(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    ),
+    # GPT-3 175B as trained with Megatron-LM (Narayanan et al. 2021, arXiv:2104.04473, Table 1): tied embeddings,
+    # learned positions (2048), LayerNorm, biases, GeLU MLP of 4*d.
+    "gpt3-175b": ModelSpec(
+        "gpt3-175b", 96, 12288, 96, 96, 4 * 12288, 51200, tie_embeddings=True, mlp="gelu", norm="layernorm",
+        bias=True, max_position_embeddings=2048,
+    ),
+    # CPU-sized models for real multi-process runs on this machine
+    "tiny": ModelSpec("tiny", 4, 256, 8, 4, 768, 2048),
+    "tiny-moe": ModelSpec(
+        "tiny-moe", 4, 256, 8, 4, 768, 2048,
+        moe=MoESpec(n_experts=8, top_k=2, d_ff_expert=256, n_shared_experts=1, first_k_dense=1),
+    ),
+}
+
+
+def _hf_get(cfg: dict, key: str, default=None, required=True):
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if required and default is None:
+        raise ParsimError(f"config.json ({cfg.get('model_type')}) lacks required field {key!r}")
+    return default
+
+
+def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
+    """Build a ModelSpec from a Hugging Face ``config.json`` dict (model_type llama, mistral, mixtral, qwen2,
+    qwen3, qwen3_moe, deepseek_v3, gpt_neox, gpt2)."""
+    mt = cfg.get("model_type")
+    name = name or cfg.get("_name_or_path") or str(mt)
+    g = lambda k, d=None, req=True: _hf_get(cfg, k, d, req)  # noqa: E731
+    if mt in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"):
+        d = g("hidden_size")
+        heads = g("num_attention_heads")
+        common = dict(
+            name=name, n_layers=g("num_hidden_layers"), d_model=d, n_heads=heads,
+            n_kv_heads=g("num_key_value_heads", heads), vocab_size=g("vocab_size"),
+            tie_embeddings=bool(g("tie_word_embeddings", False)),
+            head_dim=int(g("head_dim", 0, req=False) or 0),
+        )
+        if mt == "mixtral":
+            moe = MoESpec(n_experts=g("num_local_experts"), top_k=g("num_experts_per_tok"),
+                          d_ff_expert=g("intermediate_size"))
+            return ModelSpec(d_ff=g("intermediate_size"), moe=moe, **common)
+        if mt == "qwen3_moe":
+            moe = MoESpec(n_experts=g("num_experts"), top_k=g("num_experts_per_tok"),
+                          d_ff_expert=g("moe_intermediate_size"), moe_every=g("decoder_sparse_step", 1),
+                          dense_layers=tuple(g("mlp_only_layers", [], req=False)))
+            return ModelSpec(d_ff=g("intermediate_size"), moe=moe, qk_norm=True, **common)
+        if mt == "qwen3":
+            return ModelSpec(d_ff=g("intermediate_size"), qk_norm=True, **common)
+        if mt == "deepseek_v3":
+            moe = MoESpec(n_experts=g("n_routed_experts"), top_k=g("num_experts_per_tok"),
+                          d_ff_expert=g("moe_intermediate_size"), n_shared_experts=g("n_shared_experts", 0),
+                          first_k_dense=g("first_k_dense_replace", 0), moe_every=g("moe_layer_freq", 1))
+            mla = MLASpec(q_lora_rank=int(g("q_lora_rank", 0, req=False) or 0), kv_lora_rank=g("kv_lora_rank"),
+                          qk_nope_head_dim=g("qk_nope_head_dim"), qk_rope_head_dim=g("qk_rope_head_dim"),
+                          v_head_dim=g("v_head_dim"))
+            common["head_dim"] = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+            return ModelSpec(d_ff=g("intermediate_size"), moe=moe, mla=mla, **common)
+        return ModelSpec(d_ff=g("intermediate_size"), **common)
+    if mt == "gpt_neox":
+        heads = g("num_attention_heads")
+        return ModelSpec(name=name, n_layers=g("num_hidden_layers"), d_model=g("hidden_size"), n_heads=heads,
+                         n_kv_heads=heads, d_ff=g("intermediate_size"), vocab_size=g("vocab_size"),
+                         tie_embeddings=bool(g("tie_word_embeddings", False)), mlp="gelu", norm="layernorm",
+                         bias=bool(g("use_bias", True) if "use_bias" in cfg else True))
+    if mt == "gpt2":
+        d = g("n_embd")
+        heads = g("n_head")
+        return ModelSpec(name=name, n_layers=g("n_layer"), d_model=d, n_heads=heads, n_kv_heads=heads,
+                         d_ff=int(g("n_inner", 4 * d, req=False) or 4 * d), vocab_size=g("vocab_size"),
+                         tie_embeddings=True, mlp="gelu", norm="layernorm", bias=True,
+                         max_position_embeddings=g("n_positions", 1024))
+    raise ParsimError(
+        f"unsupported model_type {mt!r} in config.json "
+        "(supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, gpt_neox, gpt2)"
+    )
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A preset name, a HF ``config.json`` path, or a parsim ModelSpec JSON path."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    p = Path(name_or_path)
+    if not p.exists():
+        raise ParsimError(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) and no such file")
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ParsimError(f"cannot read model config {p}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ParsimError(f"model config {p} is not a JSON object")
+    try:
+        if "model_type" in cfg:
+            return from_hf_config(cfg, name=p.parent.name if p.name == "config.json" else p.stem)
+        return ModelSpec.from_dict(cfg)
+    except TypeError as e:
+        raise ParsimError(f"bad model config {p}: {e}") from None
+
