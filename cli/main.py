@@ -159,6 +159,79 @@ def predict(flags: dict, as_json: bool = typer.Option(False, "--json", help="pri
     print_prediction(pred, spec, plan)
 
 
+def _pins(flags: dict, no_pp: bool, no_cp: bool) -> dict:
+    """Degrees the user pinned: a flag differing from its default pins that axis."""
+    pins = {}
+    defaults = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    for k, dflt in defaults.items():
+        if flags[k] != dflt:
+            pins[k] = (flags[k],)
+    if no_pp:
+        pins["pp"] = (1,)
+    if no_cp:
+        pins["cp"] = (1,)
+    return pins
+
+
+@app.command()
+@guarded
+@plan_options
+def search(
+    flags: dict,
+    top: int = typer.Option(10, "--top", help="how many plans to show"),
+    no_pp: bool = typer.Option(False, "--no-pp", help="pipeline parallelism off"),
+    no_cp: bool = typer.Option(False, "--no-cp", help="context parallelism off"),
+    max_tp: Optional[int] = typer.Option(None, "--max-tp"),
+    max_pp: Optional[int] = typer.Option(None, "--max-pp"),
+    ac_modes: Optional[str] = typer.Option(None, "--ac-modes", help="comma list of AC modes to search "
+                                           "(default: none,selective-op,full,layer:2; --ac pins one)"),
+    search_compile: Optional[bool] = typer.Option(None, "--search-compile/--no-search-compile",
+                                                  help="search compile on and off (default), or pin with --compile"),
+    fixed_order: bool = typer.Option(False, "--default-mesh-order", help="only the default device order"),
+    headroom: float = typer.Option(0.0, "--headroom", help="fraction of usable GPU memory to keep free"),
+    explain: Optional[int] = typer.Option(None, "--explain", help="why plan N (1-based) beats the next ones"),
+    emit_plan: Optional[str] = typer.Option(None, "--emit-plan", help="write the best plan as parsim plan JSON"),
+    emit_torchtitan: Optional[str] = typer.Option(None, "--emit-torchtitan", help="write the best plan as a "
+                                                  "torchtitan TOML job config"),
+    csv: Optional[str] = typer.Option(None, "--csv", help="write every evaluated plan to this CSV"),
+    execute: int = typer.Option(0, "--execute", help="run the top K plans with the executor"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
+):
+    """Search every plan for a model on N GPUs and rank them by predicted step time."""
+    from parsim.errors import ParsimError
+    from parsim.hardware import load_profile
+    from parsim.spec import load_model
+    from parsim.search import SearchSpace
+
+    spec = load_model(flags["model"])
+    hw = load_profile(flags["profile"])
+    gpus = flags["gpus"] or 8
+    gbs = flags["global_batch_size"] or gpus
+    if execute:
+        raise ParsimError("--execute needs the executor (parsim run), which this build does not have yet")
+    ac = tuple(a.strip() for a in ac_modes.split(",")) if ac_modes else \
+        ((flags["ac"],) if flags["ac"] != "none" else None)
+    kw = dict(global_batch_size=gbs, seq_len=flags["seq_len"], max_tp=max_tp, max_pp=max_pp,
+              device_orders=not fixed_order, headroom=headroom, **_pins(flags, no_pp, no_cp))
+    if ac:
+        kw["ac"] = ac
+    if flags["compile"]:
+        kw["compile"] = (True,)
+    elif search_compile is False:
+        kw["compile"] = (False,)
+    if flags["float8"]:
+        kw["float8"] = (True,)
+    if flags["local_batch_size"] != 1:
+        kw["local_batch_size"] = (flags["local_batch_size"],)
+    if flags["micro_batch_size"]:
+        kw["micro_batch_size"] = (flags["micro_batch_size"],)
+    space = SearchSpace(**kw)
+    from cli.views import run_search_cli
+
+    run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,
+                   emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json)
+
+
 def main():
     app()
 

@@ -179,58 +179,54 @@ class HardwareProfile:
         if segs:
             return segs
         same_class = [k for k in self._index if k[0] == op and (k[2] >= k[1]) == (rpn >= n)]
-        if not same_class or not self.collectives:
-            return None
-        if self.source == "spec-sheet":
+        if not same_class:
             return None
         key = min(same_class, key=lambda k: (abs(math.log2(k[1]) - math.log2(n)), abs(k[2] - rpn)))
         return self._index[key]
 
     def collective_time_s(self, op: str, input_bytes, n, rpn):
         """Time of one collective per rank. ``input_bytes``, ``n`` (group size) and ``rpn`` (ranks of the group per
-        node) may be numpy arrays of one shape; groups of size 1 cost nothing."""
+        node) may be numpy arrays of one shape; groups of size 1 cost nothing. The topology model covers every
+        group; measured fits, where the profile has one for (op, n, rpn) or a near one, replace it."""
         input_bytes = np.asarray(input_bytes, dtype=float)
-        n = np.broadcast_to(np.asarray(n, dtype=np.int64), input_bytes.shape)
-        rpn = np.broadcast_to(np.minimum(np.asarray(rpn, dtype=np.int64), n), input_bytes.shape)
-        out = np.zeros(input_bytes.shape, dtype=float)
+        shape = np.broadcast_shapes(input_bytes.shape, np.shape(n), np.shape(rpn))
+        input_bytes = np.broadcast_to(input_bytes, shape)
+        n = np.broadcast_to(np.asarray(n, dtype=np.int64), shape)
+        rpn = np.minimum(np.broadcast_to(np.asarray(rpn, dtype=np.int64), shape), n)
         active = (n > 1) & (input_bytes > 0)
-        if not active.any():
-            return out
-        scale = float(self.corrections.get("comm_scale", 1.0))
-        pairs = np.unique(np.stack([n[active], rpn[active]], axis=1), axis=0)
-        for nn, rr in pairs:
-            m = active & (n == nn) & (rpn == rr)
-            s_bytes = buffer_bytes(op, input_bytes[m], nn)
-            segs = self._fit_for(op, int(nn), int(rr))
-            if segs:
-                lat = np.full(s_bytes.shape, segs[0].latency_s)
-                bw = np.full(s_bytes.shape, segs[0].busbw_bytes_per_s)
-                for sgm in segs[1:]:
-                    big = s_bytes >= sgm.min_bytes
-                    lat[big], bw[big] = sgm.latency_s, sgm.busbw_bytes_per_s
-                out[m] = lat + s_bytes * busbw_factor(op, nn) / bw
-            else:
-                lat, bw = self._topology_curve(op, int(nn), int(rr))
-                if op == "all_to_all" and rr < nn:
-                    topo = self.topology
-                    t_nic = s_bytes * (nn - rr) / nn / topo.inter_node_bytes_per_s_per_gpu
-                    t_nvl = s_bytes * (rr - 1) / nn / topo.intra_node_busbw_bytes_per_s["all_to_all"]
-                    out[m] = lat + np.maximum(t_nic, t_nvl)
-                else:
-                    out[m] = lat + s_bytes * busbw_factor(op, nn) / bw
-        return out * scale
-
-    def _topology_curve(self, op: str, n: int, rpn: int) -> tuple[float, float]:
+        nf = np.maximum(n, 2).astype(float)
+        s_bytes = buffer_bytes(op, input_bytes, n)
+        factor = busbw_factor(op, nf)
         topo = self.topology
         intra = float(topo.intra_node_busbw_bytes_per_s[op])
-        log_n = math.log2(max(n, 2))
-        if rpn >= n:  # the whole group sits inside one node
-            return topo.intra_latency_s + topo.latency_per_log2_rank_s * log_n, intra
+        nic = topo.inter_node_bytes_per_s_per_gpu
+        inside = rpn >= n
+        lat = np.where(inside, topo.intra_latency_s, topo.inter_latency_s) + topo.latency_per_log2_rank_s * np.log2(nf)
         if op in ("send", "broadcast"):
-            bw = topo.inter_node_bytes_per_s_per_gpu
+            bw = np.where(inside, intra, nic)
         else:
-            bw = min(intra, rpn * topo.inter_node_bytes_per_s_per_gpu)
-        return topo.inter_latency_s + topo.latency_per_log2_rank_s * log_n, bw
+            bw = np.where(inside, intra, np.minimum(intra, rpn * nic))
+        t = lat + s_bytes * factor / bw
+        if op == "all_to_all":
+            cross = lat + np.maximum(s_bytes * (n - rpn) / nf / nic, s_bytes * (rpn - 1) / nf / intra)
+            t = np.where(inside, t, cross)
+        t = np.array(t, dtype=float)  # writable, also for scalar inputs
+        if self.collectives and self.source == "measured":
+            key = n * 1_000_003 + rpn
+            for k in np.unique(key[active]):
+                nn, rr = int(k // 1_000_003), int(k % 1_000_003)
+                segs = self._fit_for(op, nn, rr)
+                if not segs:
+                    continue
+                m = active & (key == k)
+                sb = s_bytes[m]
+                lat_f = np.full(sb.shape, segs[0].latency_s)
+                bw_f = np.full(sb.shape, segs[0].busbw_bytes_per_s)
+                for sgm in segs[1:]:
+                    big = sb >= sgm.min_bytes
+                    lat_f[big], bw_f[big] = sgm.latency_s, sgm.busbw_bytes_per_s
+                t[m] = lat_f + sb * busbw_factor(op, nn) / bw_f
+        return np.where(active, t, 0.0) * float(self.corrections.get("comm_scale", 1.0))
 
     # ---- serialization ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -1,0 +1,199 @@
+"""Rendering of `parsim search` (rich tables, progress, CSV, emitted files). GiB and ms appear only here."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+
+from parsim.units import GiB, MS
+
+
+def _order_str(plan) -> str:
+    axes = [a for a in plan.mesh_order if getattr(plan, a) > 1]
+    return ">".join(axes) or "-"
+
+
+def _sched_str(plan) -> str:
+    if plan.pp == 1:
+        return "-"
+    return plan.pp_schedule + (f"/v{plan.pp_stages_per_rank}" if plan.pp_stages_per_rank > 1 else "")
+
+
+class CsvSink:
+    """Streams every evaluated plan to CSV, written to a temporary file and renamed at the end (atomic)."""
+
+    COLS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "mesh_order", "local_batch_size",
+            "micro_batch_size", "pp_schedule", "pp_stages_per_rank", "ac", "compile", "float8", "reshard_flip",
+            "ac_wraps_compile", "step_time_s", "peak_memory_bytes", "fits", "tokens_per_s_per_gpu", "mfu")
+
+    def __init__(self, path: str):
+        self.path = path
+        d = os.path.dirname(os.path.abspath(path))
+        fd, self.tmp = tempfile.mkstemp(prefix=".parsim-search.", dir=d)
+        self.f = os.fdopen(fd, "w")
+        self.f.write(",".join(self.COLS) + "\n")
+
+    def __call__(self, base, opts, gid, r, fits):
+        from parsim.plan import AC_MODES, PP_SCHEDULES
+
+        n_opt = len(opts)
+        bi, oi = gid // n_opt, gid % n_opt
+        c = base["combos"][base["combo"][bi]]
+        o = opts[oi]
+        orders = np.array([",".join(p) for p in base["perms"]])[base["perm"][bi]]
+        ac_names = {v: k for k, v in AC_MODES.items()}
+        ac = np.array([ac_names[int(x)] for x in range(max(AC_MODES.values()) + 1)])[o[:, 0]]
+        ac = np.where(ac == "layer", np.char.add("layer:", o[:, 1].astype(str)), ac)
+        sched = np.array([k for k, _ in sorted(PP_SCHEDULES.items(), key=lambda kv: kv[1])])[base["sched"][bi]]
+        cols = [c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4], c[:, 5], c[:, 6], np.char.add(np.char.add('"', orders), '"'),
+                base["lbs"][bi], base["mbs"][bi], sched, base["v"][bi], ac, o[:, 2], o[:, 3], o[:, 4], o[:, 5],
+                r["step_time_s"], r["peak_memory_bytes"], fits.astype(int), r["tokens_per_s_per_gpu"], r["mfu"]]
+        np.savetxt(self.f, np.column_stack([np.asarray(x).astype(str) for x in cols]), fmt="%s", delimiter=",")
+
+    def close(self, ok: bool):
+        self.f.close()
+        if ok:
+            os.replace(self.tmp, self.path)
+        else:
+            os.unlink(self.tmp)
+
+
+def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torchtitan, csv_path, as_json):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.table import Table
+
+    from parsim.errors import ParsimError
+    from parsim.hardware import atomic_write_json
+    from parsim.search import result_to_dict, search, to_torchtitan_toml
+
+    err = Console(stderr=True)
+    con = Console()
+    sink = CsvSink(csv_path) if csv_path else None
+    ok = False
+    try:
+        with Progress(TextColumn("evaluating plans"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=err, transient=True, disable=not err.is_terminal) as prog:
+            task = prog.add_task("search", total=None)
+
+            def progress(done, total):
+                prog.update(task, completed=done, total=total)
+
+            res = search(spec, hw, gpus, space, top_k=max(top, (explain or 0) + 3), progress=progress,
+                         csv_writer=sink)
+        ok = True
+    finally:
+        if sink:
+            sink.close(ok)
+    if explain is not None and not 1 <= explain <= len(res.top):
+        raise ParsimError(f"--explain {explain}: only {len(res.top)} plans ranked")
+    best = res.top[0][0] if res.top else None
+    if emit_plan and best:
+        atomic_write_json(emit_plan, best.to_dict())
+    if emit_torchtitan and best:
+        _atomic_text(emit_torchtitan, to_torchtitan_toml(best, spec))
+    if as_json:
+        from cli.main import emit_json
+
+        d = result_to_dict(res, spec, hw, gpus, space, top)
+        if explain:
+            d["explain"] = _explain_dict(spec, hw, res, explain)
+        emit_json(d)
+        return
+    con.print(f"[bold]{spec.name}[/bold] on {gpus} x {hw.device_name} [{hw.name}], global batch "
+              f"{space.global_batch_size} x seq {space.seq_len}: {res.considered:,} plans considered, "
+              f"{res.evaluated:,} evaluated, {res.fitting:,} fit, {res.pruned_memory:,} pruned for memory "
+              f"(usable {res.usable_memory_bytes / GiB:.1f} GiB) in {res.wall_s:.2f} s "
+              f"({res.evaluated / max(res.wall_s, 1e-9):,.0f} plans/s)")
+    if res.pruned_structural:
+        con.print("structurally invalid (degree combinations / batch splits): "
+                  + "; ".join(f"{k}: {v}" for k, v in sorted(res.pruned_structural.items())))
+    if not res.top:
+        if res.closest:
+            plan, mem = res.closest
+            short = mem - res.usable_memory_bytes
+            con.print(f"[red]nothing fits[/red]: the plan closest to fitting ({plan.describe()}, AC {plan.ac}, "
+                      f"local batch {plan.local_batch_size}) needs {mem / GiB:.2f} GiB per GPU, "
+                      f"{short / GiB:.2f} GiB more than the {res.usable_memory_bytes / GiB:.2f} GiB usable. "
+                      "Add GPUs, shorten the sequence or lower the batch.")
+        else:
+            con.print("[red]no valid plan[/red]: every degree combination was structurally invalid (see above)")
+        return
+    t = Table(title=f"top {min(top, len(res.top))} plans (per GPU)")
+    for col, just in (("#", "right"), ("degrees", "left"), ("device order", "left"), ("pp sched", "left"),
+                      ("lbs/mbs", "right"), ("AC", "left"), ("compile", "left"), ("fp8", "left"),
+                      ("reshard", "left"), ("step ms", "right"), ("tok/s/GPU", "right"), ("MFU", "right"),
+                      ("mem GiB", "right"), ("dominant", "left")):
+        t.add_column(col, justify=just)
+    for i, (plan, step, mem, tps, mfu, dom) in enumerate(res.top[:top], 1):
+        t.add_row(str(i), plan.describe(), _order_str(plan), _sched_str(plan),
+                  f"{plan.local_batch_size}/{plan.micro_batch_size}", plan.ac, "y" if plan.compile else "n",
+                  "y" if plan.float8 else "n", plan.fsdp_reshard_after_forward, f"{step / MS:.1f}", f"{tps:,.0f}",
+                  f"{mfu * 100:.1f}%", f"{mem / GiB:.1f}", dom)
+    con.print(t)
+    pt = Table(title=f"Pareto front: step time vs memory ({len(res.pareto)} plans)")
+    for col in ("step ms", "mem GiB", "degrees", "AC", "lbs/mbs"):
+        pt.add_column(col)
+    for plan, step, mem in res.pareto[:12]:
+        pt.add_row(f"{step / MS:.1f}", f"{mem / GiB:.1f}", plan.describe(), plan.ac,
+                   f"{plan.local_batch_size}/{plan.micro_batch_size}")
+    con.print(pt)
+    if explain:
+        _print_explain(con, spec, hw, res, explain)
+    if emit_plan:
+        con.print(f"wrote plan #1 ({best.plan_id}) to {emit_plan}")
+    if emit_torchtitan:
+        con.print(f"wrote torchtitan config for plan #1 to {emit_torchtitan}")
+
+
+def _atomic_text(path: str, text: str):
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".parsim.", dir=d)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _explain_dict(spec, hw, res, n):
+    from parsim.costmodel import predict
+
+    preds = [predict(spec, p[0], hw) for p in res.top[n - 1:n + 3]]
+    base = preds[0]
+    return {"plan": base.to_dict(), "versus": [
+        {"rank": n + 1 + i, "plan_id": p.plan_id, "describe": res.top[n + i][0].describe(),
+         "step_time_delta_s": p.step_time_s - base.step_time_s,
+         "time_delta_s": {k: p.time_breakdown_s.get(k, 0.0) - base.time_breakdown_s.get(k, 0.0)
+                          for k in sorted(set(p.time_breakdown_s) | set(base.time_breakdown_s))},
+         "memory_delta_bytes": {k: p.memory_breakdown_bytes[k] - base.memory_breakdown_bytes[k]
+                                for k in base.memory_breakdown_bytes}} for i, p in enumerate(preds[1:])]}
+
+
+def _print_explain(con, spec, hw, res, n):
+    from rich.table import Table
+
+    d = _explain_dict(spec, hw, res, n)
+    base = d["plan"]
+    plan_n = res.top[n - 1][0]
+    t = Table(title=f"why plan #{n} ({plan_n.describe()}, AC {plan_n.ac}) beats the next ones: "
+                    "time components, ms (others minus #{n})".replace("#{n}", f"#{n}"))
+    t.add_column("component")
+    t.add_column(f"#{n}", justify="right")
+    for v in d["versus"]:
+        t.add_column(f"#{v['rank']} {v['describe']}", justify="right")
+    keys = sorted(set(base["time_breakdown_s"]).union(*[set(v["time_delta_s"]) for v in d["versus"]]))
+    for k in keys:
+        row = [k, f"{base['time_breakdown_s'].get(k, 0.0) / MS:.1f}"]
+        row += [f"{v['time_delta_s'].get(k, 0.0) / MS:+.1f}" for v in d["versus"]]
+        t.add_row(*row)
+    t.add_row("[bold]step[/bold]", f"{base['step_time_s'] / MS:.1f}",
+              *[f"{v['step_time_delta_s'] / MS:+.1f}" for v in d["versus"]])
+    t.add_row("[bold]peak memory GiB[/bold]", f"{base['peak_memory_bytes'] / GiB:.1f}",
+              *[f"{sum(v['memory_delta_bytes'].values()) / GiB:+.1f}" for v in d["versus"]])
+    con.print(t)
+    diffs = []
+    for v in d["versus"]:
+        worst = max(v["time_delta_s"], key=lambda k: v["time_delta_s"][k])
+        diffs.append(f"#{v['rank']} loses most on {worst} (+{v['time_delta_s'][worst] / MS:.1f} ms)")
+    con.print("; ".join(diffs))

@@ -1,0 +1,65 @@
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from cli.main import app
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_predict_json_keys():
+    r = _run("predict", "--model", "llama3-8b", "--gpus", "16", "--seq-len", "4096", "--ac", "selective-op", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    for k in ("plan_id", "fits", "peak_memory_bytes", "memory_breakdown_bytes", "step_time_s", "time_breakdown_s",
+              "comm_bytes", "tokens_per_s_per_gpu", "mfu"):
+        assert k in d
+    assert d["fits"] is True
+
+
+def test_predict_table_output():
+    r = _run("predict", "--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--local-batch-size", "4", "--ac", "full")
+    assert r.exit_code == 0, r.output
+    assert "fits" in r.stdout and "tokens/s/GPU" in r.stdout
+
+
+def test_plan_file_roundtrip(tmp_path):
+    from parsim.plan import Plan
+
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(Plan(dp_shard=8, tp=2, seq_len=4096).to_dict()))
+    r = _run("predict", "--plan", str(p), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["n_gpus"] == 16
+
+
+def _one_line_exit_2(r, fragment):
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and fragment in lines[0], r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_bad_inputs_one_line_exit_2(tmp_path):
+    _one_line_exit_2(_run("predict", "--model", "gpt-17", "--gpus", "8"), "unknown model")
+    _one_line_exit_2(_run("predict", "--gpus", "16", "--dp-shard", "4", "--tp", "2"), "not the 16 GPUs")
+    _one_line_exit_2(_run("predict", "--gpus", "24", "--tp", "3", "--seq-len", "3072"), "n_heads 32 is not divisible by tp 3")
+    _one_line_exit_2(_run("predict", "--gpus", "8", "--ac", "often"), "bad AC mode")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    _one_line_exit_2(_run("predict", "--gpus", "8", "--profile", str(bad)), "corrupt profile")
+    _one_line_exit_2(_run("predict", "--plan", str(bad)), "cannot read plan")
+    _one_line_exit_2(_run("predict", "--gpus", "8", "--profile", "a100-sxm-80gb-spec", "--float8"), "float8")
+
+
+def test_core_imports_no_torch():
+    code = ("import sys; import parsim.costmodel, parsim.search, parsim.spec, parsim.plan, parsim.hardware, "
+            "parsim.report, cli.main; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,117 @@
+import math
+
+import pytest
+
+from parsim.costmodel import predict
+from parsim.hardware import load_profile
+from parsim.plan import Plan
+from parsim.spec import PRESETS
+
+H100 = load_profile("h100-sxm-spec")
+L8, L70 = PRESETS["llama3-8b"], PRESETS["llama3-70b"]
+
+
+def _p(spec=L8, **kw):
+    kw.setdefault("seq_len", 4096)
+    return predict(spec, Plan(**kw), H100)
+
+
+PLANS = [
+    (L8, dict(dp_shard=16, ac="selective-op")),
+    (L70, dict(dp_shard=8, tp=8, local_batch_size=4, ac="full")),
+    (L70, dict(pp=4, dp_shard=4, tp=4, local_batch_size=8, micro_batch_size=1, ac="layer:2")),
+    (L70, dict(pp=4, dp_shard=2, tp=8, local_batch_size=8, micro_batch_size=1, pp_schedule="Interleaved1F1B",
+               pp_stages_per_rank=2, compile=True)),
+    (L8, dict(dp_replicate=2, dp_shard=4, cp=2, tp=2, float8=True)),
+    (PRESETS["mixtral-8x7b"], dict(dp_shard=8, ep=8, ac="full")),
+    (PRESETS["deepseek-v3"], dict(pp=8, dp_shard=8, ep=8, local_batch_size=16, micro_batch_size=1, ac="full")),
+    (PRESETS["gpt3-175b"], dict(pp=8, dp_shard=8, tp=8, local_batch_size=8, micro_batch_size=1, pp_schedule="GPipe")),
+]
+
+
+@pytest.mark.parametrize("spec,kw", PLANS)
+def test_breakdowns_sum_to_totals(spec, kw):
+    pred = _p(spec, **kw)
+    assert math.isclose(sum(pred.memory_breakdown_bytes.values()), pred.peak_memory_bytes, rel_tol=1e-9)
+    assert math.isclose(sum(pred.time_breakdown_s.values()), pred.step_time_s, rel_tol=1e-9)
+    assert all(v >= 0 for v in pred.memory_breakdown_bytes.values())
+    assert all(v >= 0 for v in pred.time_breakdown_s.values())
+    assert pred.step_time_s > 0 and 0 < pred.mfu < 1
+
+
+def test_memory_falls_as_dp_shard_tp_pp_grow():
+    mems = [_p(dp_shard=d).peak_memory_bytes for d in (8, 16, 32)]
+    assert mems[0] > mems[1] > mems[2]
+    mems = [_p(dp_shard=8, tp=t).peak_memory_bytes for t in (1, 2, 4)]
+    assert mems[0] > mems[1] > mems[2]
+    mems = [_p(L70, dp_shard=8, tp=8, pp=p, local_batch_size=8, micro_batch_size=8 if p == 1 else 1).peak_memory_bytes
+            for p in (1, 2, 4)]
+    assert mems[0] > mems[1] > mems[2]
+
+
+def test_memory_rises_with_micro_batch():
+    mems = [_p(dp_shard=16, local_batch_size=b).peak_memory_bytes for b in (1, 2, 4)]
+    assert mems[0] < mems[1] < mems[2]
+    mems = [_p(L70, pp=4, dp_shard=2, tp=8, local_batch_size=8, micro_batch_size=m).peak_memory_bytes for m in (1, 2)]
+    assert mems[0] < mems[1]
+
+
+def test_ac_ordering_of_activations_and_recompute():
+    act = {ac: _p(dp_shard=16, ac=ac).memory_breakdown_bytes["activations"] for ac in ("none", "selective-op", "full")}
+    assert act["full"] < act["selective-op"] < act["none"]
+    rec = {ac: _p(dp_shard=16, ac=ac).time_breakdown_s["recompute"] for ac in ("none", "selective-op", "full")}
+    assert rec["none"] == 0 < rec["selective-op"] < rec["full"]
+    # every second layer checkpointed lands in between
+    half = _p(dp_shard=16, ac="layer:2").memory_breakdown_bytes["activations"]
+    assert act["full"] < half < act["none"]
+
+
+def test_fsdp_comm_bytes_are_exact_param_counts():
+    # FSDP 16, no PP, reshard after forward: each step all-gathers every bf16 shard twice (forward, backward) except
+    # the output unit (kept after forward, torchtitan), and reduce-scatters every fp32 unsharded gradient once
+    pred = _p(dp_shard=16)
+    n, out = L8.n_params, L8.output_params()
+    assert pred.comm_bytes["all_gather/dp_shard"] == pytest.approx((2 * (n - out) + out) / 16 * 2)
+    assert pred.comm_bytes["reduce_scatter/dp_shard"] == pytest.approx(n * 4)
+    assert "all_gather/tp" not in pred.comm_bytes
+
+
+def test_tp_sp_comm_bytes_per_layer():
+    # TP 8 with SP, no AC, one microbatch of 4 x 4096 tokens: per layer 4 all-gathers of T*d/tp and 4 reduce-
+    # scatters of T*d (bf16), plus one of each for the embedding and for the output layer
+    pred = _p(L70, dp_shard=8, tp=8, local_batch_size=4)
+    T, d = 4 * 4096, 8192
+    assert pred.comm_bytes["all_gather/tp"] == pytest.approx((4 * 80 + 2) * T * d / 8 * 2)
+    assert pred.comm_bytes["reduce_scatter/tp"] == pytest.approx((4 * 80 + 2) * T * d * 2)
+
+
+def test_device_order_moves_cost_across_nodes():
+    # TP innermost (inside a node) is cheaper than TP across nodes
+    fast = _p(L70, dp_shard=8, tp=8, local_batch_size=2)
+    slow = _p(L70, dp_shard=8, tp=8, local_batch_size=2, mesh_order=("pp", "dp_replicate", "cp", "tp", "dp_shard"))
+    assert slow.time_breakdown_s["comm_tp"] > 3 * fast.time_breakdown_s["comm_tp"]
+    assert slow.step_time_s > fast.step_time_s
+
+
+def test_pipeline_bubble_shrinks_with_microbatches_and_interleaving():
+    b = {m: _p(L70, pp=4, dp_shard=2, tp=8, local_batch_size=m, micro_batch_size=1) for m in (4, 16)}
+    frac = {m: p.time_breakdown_s["pp_bubble"] / p.step_time_s for m, p in b.items()}
+    assert frac[16] < frac[4]
+    inter = _p(L70, pp=4, dp_shard=2, tp=8, local_batch_size=4, micro_batch_size=1, pp_schedule="Interleaved1F1B",
+               pp_stages_per_rank=2)
+    assert inter.time_breakdown_s["pp_bubble"] < b[4].time_breakdown_s["pp_bubble"]
+
+
+def test_large_model_does_not_fit_on_few_gpus():
+    assert not _p(L70, dp_shard=8).fits
+    assert not _p(L70, dp_shard=64).fits  # 80 layers of activations without AC: ~100 GiB
+    assert _p(L70, dp_shard=64, ac="full").fits
+
+
+def test_ep_all_to_all_and_expert_sharding():
+    mix = PRESETS["mixtral-8x7b"]
+    with_ep = _p(mix, dp_shard=8, ep=8)
+    assert with_ep.comm_bytes["all_to_all/ep"] > 0
+    assert "all_gather/efsdp" not in with_ep.comm_bytes  # efsdp = 8 / 8 = 1: experts are not FSDP-sharded
+    no_ep = _p(mix, dp_shard=8)
+    assert "all_to_all/ep" not in no_ep.comm_bytes

@@ -1,0 +1,109 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from parsim.costmodel import predict
+from parsim.hardware import load_profile
+from parsim.search import SearchSpace, search, to_torchtitan_toml
+from parsim.spec import PRESETS
+
+H100 = load_profile("h100-sxm-spec")
+L8 = PRESETS["llama3-8b"]
+runner = CliRunner()
+
+
+def _small(**kw):
+    kw.setdefault("global_batch_size", 32)
+    kw.setdefault("seq_len", 4096)
+    return SearchSpace(**kw)
+
+
+def test_best_plan_fits_and_matches_predict():
+    res = search(L8, H100, 16, _small())
+    assert res.evaluated == res.considered > 0 and res.fitting > 0
+    assert res.pruned_memory == res.evaluated - res.fitting
+    for plan, step, mem, *_ in res.top:
+        assert mem <= res.usable_memory_bytes
+        pred = predict(L8, plan, H100)  # the scalar path agrees with the vectorized search
+        assert pred.fits and pred.step_time_s == pytest.approx(step) and pred.peak_memory_bytes == pytest.approx(mem)
+    steps = [t[1] for t in res.top]
+    assert steps == sorted(steps)
+
+
+def test_pins_are_honoured():
+    res = search(L8, H100, 16, _small(tp=(2,), pp=(1,), ac=("full",), compile=(False,)))
+    assert res.top
+    for plan, *_ in res.top:
+        assert plan.tp == 2 and plan.pp == 1 and plan.ac == "full" and not plan.compile
+    res = search(L8, H100, 16, _small(max_tp=2, cp=(1,)))
+    assert all(p.tp <= 2 and p.cp == 1 for p, *_ in res.top)
+
+
+def test_deterministic():
+    a = search(L8, H100, 16, _small())
+    b = search(L8, H100, 16, _small())
+    assert [(p.plan_id, t) for p, t, *_ in a.top] == [(p.plan_id, t) for p, t, *_ in b.top]
+    assert [p.plan_id for p, *_ in a.pareto] == [p.plan_id for p, *_ in b.pareto]
+
+
+def test_pareto_front_is_monotone():
+    res = search(L8, H100, 16, _small())
+    times = [t for _, t, _ in res.pareto]
+    mems = [m for _, _, m in res.pareto]
+    assert times == sorted(times) and mems == sorted(mems, reverse=True)
+    assert res.pareto[0][1] == pytest.approx(res.top[0][1])
+
+
+def test_nothing_fits_explains_shortfall():
+    res = search(PRESETS["llama3-405b"], H100, 8, SearchSpace(global_batch_size=8, seq_len=8192))
+    assert not res.top and res.closest is not None
+    plan, mem = res.closest
+    assert mem > res.usable_memory_bytes
+    r = runner.invoke(app, ["search", "--model", "llama3-405b", "--gpus", "8", "--global-batch-size", "8",
+                            "--seq-len", "8192"])
+    assert r.exit_code == 0 and "nothing fits" in r.stdout and "GiB more than" in r.stdout
+
+
+def test_moe_search_uses_expert_parallel():
+    res = search(PRESETS["mixtral-8x7b"], H100, 16, SearchSpace(global_batch_size=16, seq_len=4096,
+                                                                ac=("full",), compile=(False,)))
+    assert res.top
+    assert any(p.ep > 1 for p, *_ in res.pareto + [(t[0],) for t in res.top])
+
+
+def test_cli_search_json_and_emitted_files(tmp_path):
+    plan_f, tt_f = tmp_path / "plan.json", tmp_path / "job.toml"
+    r = runner.invoke(app, ["search", "--model", "llama3-8b", "--gpus", "16", "--global-batch-size", "32",
+                            "--seq-len", "4096", "--top", "3", "--json", "--emit-plan", str(plan_f),
+                            "--emit-torchtitan", str(tt_f), "--explain", "1"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert len(d["top"]) == 3 and d["evaluated"] > 0 and d["pareto"] and d["explain"]["versus"]
+    plan = json.loads(plan_f.read_text())
+    assert plan["dp_shard"] * plan["tp"] * plan["pp"] * plan["cp"] * plan["dp_replicate"] == 16
+    toml = tt_f.read_text()
+    assert "data_parallel_shard_degree" in toml and "[activation_checkpoint]" in toml
+    r2 = runner.invoke(app, ["predict", "--plan", str(plan_f), "--json"])
+    assert r2.exit_code == 0 and json.loads(r2.stdout)["plan_id"] == d["top"][0]["plan_id"]
+
+
+def test_cli_csv_has_every_evaluated_plan(tmp_path):
+    out = tmp_path / "all.csv"
+    r = runner.invoke(app, ["search", "--model", "tiny", "--gpus", "4", "--global-batch-size", "8", "--seq-len",
+                            "1024", "--csv", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    lines = out.read_text().strip().splitlines()
+    assert len(lines) - 1 == d["evaluated"]
+
+
+def test_torchtitan_toml_keys():
+    from parsim.plan import Plan
+
+    toml = to_torchtitan_toml(Plan(pp=2, dp_shard=4, tp=2, local_batch_size=4, micro_batch_size=1,
+                                   ac="layer:2", compile=True, seq_len=4096), L8)
+    for key in ("local_batch_size = 4", "pipeline_parallel_degree = 2", "tensor_parallel_degree = 2",
+                'mode = "selective"', 'selective_ac_option = "2"', "enable = true"):
+        assert key in toml
