@@ -21,7 +21,7 @@ def print_prediction(pred: Prediction, spec, plan) -> None:
     con.print(f"seq {plan.seq_len}, local batch {plan.local_batch_size}, micro batch {plan.micro_batch_size}, "
               f"global batch {plan.global_batch_size}, AC {plan.ac}, compile {plan.compile}, "
               f"order {'>'.join(plan.wrapper_order)}")
-    mem = Table(title=f"memory per GPU, peak on {pred.peak_rank}", show_footer=True)
+    mem = Table(title=f"memory per GPU, peak on {pred.peak_rank} at the {pred.peak_phase}", show_footer=True)
     mem.add_column("component", footer="peak")
     mem.add_column("GiB", justify="right", footer=f"{pred.peak_memory_bytes / GiB:.2f}")
     for k, v in pred.memory_breakdown_bytes.items():

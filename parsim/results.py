@@ -20,6 +20,7 @@ class Prediction:
     peak_memory_bytes: float
     memory_capacity_bytes: float
     peak_rank: str
+    peak_phase: str  # "start of backward" (activations alive) or "optimizer step"
     memory_breakdown_bytes: dict
     step_time_s: float
     time_breakdown_s: dict

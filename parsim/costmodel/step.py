@@ -201,7 +201,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
         use_a = tot_a >= tot_b
         mb = {k: np.where(use_a, phase_a[k], phase_b[k]) for k in MEMORY_KEYS}
         per_rank.append({"step": step, "tb": tb, "mem": np.maximum(tot_a, tot_b), "mb": mb, "comm": cm["bytes"],
-                         "p_shard": p_shard})
+                         "phase_a": use_a})
 
     first, last = per_rank
     time_rank = np.where(last["step"] > first["step"], LAST, FIRST)
@@ -220,6 +220,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
         out["memory_breakdown_bytes"] = {k: np.where(mem_rank == LAST, last["mb"][k], first["mb"][k])
                                          for k in MEMORY_KEYS}
         out["comm_bytes"] = first["comm"]
+        out["peak_in_backward"] = np.where(mem_rank == LAST, last["phase_a"], first["phase_a"])
     else:
         # the dominant cost, cheaply: compare the breakdown entries of the time-critical rank
         keys = sorted(set(first["tb"]) | set(last["tb"]))
@@ -255,6 +256,7 @@ def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
         fits=bool(r["fits"][0]), peak_memory_bytes=float(r["peak_memory_bytes"][0]),
         memory_capacity_bytes=float(hw.usable_memory_bytes),
         peak_rank=f"pp stage {pp_last if r['peak_rank'][0] == LAST else 0}",
+        peak_phase="start of backward" if r["peak_in_backward"][0] else "optimizer step",
         memory_breakdown_bytes=mb, step_time_s=float(r["step_time_s"][0]), time_breakdown_s=tb, comm_bytes=comm,
         tokens_per_s_per_gpu=float(r["tokens_per_s_per_gpu"][0]), mfu=float(r["mfu"][0]), plan=plan.to_dict(),
     )
