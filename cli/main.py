@@ -100,11 +100,9 @@ def build_plan(flags: dict):
     spec = load_model(flags["model"])
     hw = load_profile(flags["profile"])
     if flags.get("plan_file"):
-        try:
-            with open(flags["plan_file"]) as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ParsimError(f"cannot read plan {flags['plan_file']}: {e}") from None
+        from parsim.jsonio import read_json
+
+        data = read_json(flags["plan_file"], "cannot read plan")
         data = data.get("plan", data) if isinstance(data, dict) else data
         plan = Plan.from_dict(data)
         if flags.get("gpus") is not None and plan.world_size != flags["gpus"]:
@@ -136,7 +134,7 @@ def build_plan(flags: dict):
 
 
 def emit_json(obj) -> None:
-    from parsim.hardware import _json_default
+    from parsim.jsonio import _json_default
 
     sys.stdout.write(json.dumps(obj, indent=1, default=_json_default) + "\n")
 

@@ -66,7 +66,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     from rich.table import Table
 
     from parsim.errors import ParsimError
-    from parsim.hardware import atomic_write_json
+    from parsim.jsonio import atomic_write_json
     from parsim.search import result_to_dict, search, to_torchtitan_toml
 
     err = Console(stderr=True)

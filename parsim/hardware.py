@@ -17,16 +17,14 @@ all_to_all across nodes sends (n - rpn)/n of its buffer over the NIC and (rpn-1)
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
 from .errors import ParsimError
+from .jsonio import atomic_write_json, read_json  # noqa: F401 (atomic_write_json re-exported)
 
 SCHEMA_VERSION = 1
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send")
@@ -271,38 +269,6 @@ def _replace(obj, **changes):
     return replace(obj, **changes)
 
 
-def atomic_write_json(path: str | Path, data) -> Path:
-    """Write JSON to a temporary file in the same folder and rename it over ``path``: readers see the old file
-    or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=False, default=_json_default)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, tuple):
-        return list(o)
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
-
-
 def list_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
 
@@ -314,8 +280,4 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         p = PROFILES_DIR / f"{name_or_path}.json"
     if not p.exists():
         raise ParsimError(f"unknown profile {name_or_path!r} (known: {', '.join(list_profiles())})")
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ParsimError(f"corrupt profile {p}: {e}") from None
-    return HardwareProfile.from_dict(d, origin=str(p))
+    return HardwareProfile.from_dict(read_json(p, "corrupt profile"), origin=str(p))

@@ -246,7 +246,6 @@ def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace
     c = base["combos"][base["combo"][bi]]
     o = opts[oi]
     pp = c[:, 0]
-    dp = c[:, 1] * c[:, 2]
     lbs = base["lbs"][bi]
     flip = o[:, 4].astype(bool)
     raf_default = pp == 1
@@ -413,7 +412,7 @@ def to_torchtitan_toml(plan: Plan, spec: ModelSpec) -> str:
         f"data_parallel_shard_degree = {plan.dp_shard}",
         f'fsdp_reshard_after_forward = "{raf}"',
         f"tensor_parallel_degree = {plan.tp}",
-        f"enable_async_tensor_parallel = false",
+        "enable_async_tensor_parallel = false",
         f"pipeline_parallel_degree = {plan.pp}",
         f'pipeline_parallel_schedule = "{plan.pp_schedule}"',
         f"pipeline_parallel_microbatch_size = {plan.micro_batch_size}",

@@ -21,11 +21,11 @@ which is the work a causal flash-attention kernel actually does and is what the 
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .errors import ParsimError
+from .jsonio import read_json
 
 
 def _positive(obj, *names):
@@ -382,10 +382,7 @@ def load_model(name_or_path: str) -> ModelSpec:
     p = Path(name_or_path)
     if not p.exists():
         raise ParsimError(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) and no such file")
-    try:
-        cfg = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ParsimError(f"cannot read model config {p}: {e}") from None
+    cfg = read_json(p, "cannot read model config")
     if not isinstance(cfg, dict):
         raise ParsimError(f"model config {p} is not a JSON object")
     try:

@@ -213,7 +213,7 @@ def layer_params_local(spec: ModelSpec, b, moe: bool) -> tuple[np.ndarray, np.nd
     return non_expert, experts
 
 
-def ac_counts(b: PlanBatch, n_layers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def ac_counts(b, n_layers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(layers fully checkpointed, layers under selective AC, layers without AC) among ``n_layers``."""
     n = n_layers.astype(float)
     every = np.ceil(n / np.maximum(b.ac_every, 1))  # torchtitan: layer ids divisible by N are checkpointed
