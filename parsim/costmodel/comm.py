@@ -29,7 +29,9 @@ from .layers import ac_counts as _ac_counts
 TWO = 2.0  # bf16 activations
 
 
-def rank_comm(spec, b, sh, hw, rank, n_of, kinds, plocal, has_emb, has_out, emb_local, out_local, costs) -> dict:
+def rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local, out_local) -> dict:
+    """Bytes per "<op>/<axis>" for one step on one rank, and the times the step model needs: exposed TP/CP/EP
+    seconds per microbatch, PP send seconds per microbatch, and per-layer FSDP gather / reduce seconds."""
     n = len(b)
     T, t, sd = sh.T, sh.t, sh.sp_div
     d = float(spec.d_model)

@@ -156,8 +156,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
         fwd = fwd + np.where(has_out, out_gemm + loss_mem, 0.0)
         bwd = bwd + np.where(has_out, 2.0 * out_gemm + loss_mem, 0.0)
         # ---- communication ------------------------------------------------------------------------------------
-        cm = C.rank_comm(spec, b, sh, hw, rank, n_of, kinds, plocal, has_emb, has_out, emb_local, out_local,
-                         costs)
+        cm = C.rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local, out_local)
         per_mb_exposed = cm["per_microbatch_exposed_s"]  # TP, CP, EP by axis (fwd + bwd + recompute)
         t_mb = fwd + bwd + rec + sum(per_mb_exposed.values())
         # FSDP / HSDP exposure per pass, from per-layer averages on this rank
