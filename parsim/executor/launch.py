@@ -1,0 +1,99 @@
+"""`parsim run`: launch the worker under torchrun, enforce a timeout, and turn what it wrote into a Measurement.
+
+A hung run is killed at ``timeout_s`` (the whole process group) and recorded as ``timeout``; a crash is recorded
+as ``error`` with the tail of its output; nothing is lost: the Measurement JSON is written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+
+from ..jsonio import atomic_write_json
+from ..plan import Plan
+from ..results import Measurement
+
+
+def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, warmup: int = 2,
+             timeout_s: float = 600.0, out: str | None = None, torchrun_args: list[str] | None = None,
+             device: str | None = None, optimizer: str = "adamw") -> Measurement:
+    """Run ``plan`` for real. ``torchrun_args`` pass through (``--nnodes``, ``--rdzv-endpoint`` ...)."""
+    torchrun_args = list(torchrun_args or [])
+    with tempfile.TemporaryDirectory(prefix="parsim-run-") as tmp:
+        plan_f, res_f = os.path.join(tmp, "plan.json"), os.path.join(tmp, "result.json")
+        with open(plan_f, "w") as f:
+            json.dump(plan.to_dict(), f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
+        if not any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in torchrun_args):
+            cmd += ["--standalone"]
+        cmd += torchrun_args + ["-m", "parsim.executor.worker", "--model", model, "--plan", plan_f, "--out", res_f,
+                                "--steps", str(steps), "--warmup", str(warmup), "--optimizer", optimizer]
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if device == "cpu":
+            env["PARSIM_DEVICE"] = "cpu"
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=timeout_s)
+            status = None
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            status = "timeout"
+        wall = time.perf_counter() - t0
+        prov = {"command": " ".join(cmd), "nproc_per_node": nproc_per_node, "wall_s": wall,
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": model,
+                "plan": plan.to_dict()}
+        if status == "timeout":
+            m = Measurement(plan_id=plan.plan_id, kind="run", status="timeout",
+                            error=f"killed after {timeout_s:.0f} s; last output: {_tail(log)}", provenance=prov)
+        elif not os.path.exists(res_f):
+            m = Measurement(plan_id=plan.plan_id, kind="run", status="error",
+                            error=f"torchrun exited {proc.returncode} without a result: {_tail(log)}",
+                            provenance=prov)
+        else:
+            with open(res_f) as f:
+                m = _merge(plan, json.load(f), prov)
+    if out:
+        atomic_write_json(out, m.to_dict())
+    return m
+
+
+def _tail(log: str, n: int = 1500) -> str:
+    lines = [ln for ln in (log or "").splitlines() if not ln.startswith("W1") and "OMP_NUM_THREADS" not in ln]
+    return "\n".join(lines)[-n:]
+
+
+def _merge(plan: Plan, res: dict, prov: dict) -> Measurement:
+    ranks = [r for r in res["ranks"] if r is not None]
+    prov.update({k: res[k] for k in ("device", "torch", "backend", "world_size", "host")})
+    bad = [r for r in ranks if r["status"] != "ok"]
+    if bad:
+        r = bad[0]
+        prov["traceback"] = r.get("traceback", "")
+        return Measurement(plan_id=plan.plan_id, kind="run", status=r["status"],
+                           error=f"rank {r['rank']}: {r['error']}", provenance=prov)
+    r0 = min(ranks, key=lambda r: r["rank"])
+    # a step takes as long as its slowest rank (steps are barrier-aligned, so ranks agree to within noise)
+    times = [max(r["step_times_s"][i] for r in ranks) for i in range(len(r0["step_times_s"]))]
+    peaks = [(r["peak_memory_bytes"], r["rank"]) for r in ranks if r["peak_memory_bytes"] is not None]
+    peak, peak_rank = max(peaks) if peaks else (None, None)
+    bd = next((r["memory_breakdown_bytes"] for r in ranks if r["rank"] == peak_rank), {})
+    med = statistics.median(times) if times else None
+    prov.update(memory_source=r0.get("memory_source", ""), peak_memory_rank=peak_rank,
+                peak_memory_bytes_per_rank={r["rank"]: r["peak_memory_bytes"] for r in ranks},
+                comm_counts=r0.get("comm_counts", {}),
+                step_time_p90_s=sorted(times)[max(0, int(round(0.9 * len(times))) - 1)] if times else None)
+    tps = plan.global_batch_size * plan.seq_len / med / plan.world_size if med else None
+    return Measurement(plan_id=plan.plan_id, kind="run", status="ok", step_times_s=times, median_step_time_s=med,
+                       peak_memory_bytes=peak, memory_breakdown_bytes=bd, comm_bytes=r0["comm_bytes"],
+                       losses=r0["losses"], tokens_per_s_per_gpu=tps, provenance=prov)

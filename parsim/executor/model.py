@@ -1,0 +1,225 @@
+"""The transformer the executor runs: Llama-style dense blocks and MoE blocks built from a ModelSpec.
+
+Module names follow torchtitan (tok_embeddings, layers.<i>.attention.{wq,wk,wv,wo}, attention_norm, ffn_norm,
+feed_forward.{w1,w2,w3}, moe.{router,experts,shared_experts}, norm, output), so that the TP plan, the FSDP
+wrapping and the PP split address the same modules. ``layers`` is a ModuleDict so that a pipeline stage keeps
+only its layers and the rest are deleted. MLA is approximated by standard attention with ``head_dim``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..spec import ModelSpec
+
+
+def rope_cache(head_dim: int, seq_len: int, theta: float = 500000.0) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32)[: head_dim // 2] / head_dim))
+    t = torch.arange(seq_len, dtype=torch.float32)
+    ang = torch.outer(t, freqs)
+    return torch.stack([ang.cos(), ang.sin()], dim=-1)  # (seq, hd/2, 2)
+
+
+def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x: (b, s, h, hd); rotate pairs (real arithmetic: works for DTensor local tensors and fake tensors)."""
+    s = x.shape[1]
+    c = cache[:s].to(x.dtype)
+    cos, sin = c[..., 0][None, :, None, :], c[..., 1][None, :, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
+        d = spec.d_model
+        self.wq = nn.Linear(d, spec.n_heads * spec.head_dim, bias=spec.bias)
+        self.wk = nn.Linear(d, spec.n_kv_heads * spec.head_dim, bias=spec.bias)
+        self.wv = nn.Linear(d, spec.n_kv_heads * spec.head_dim, bias=spec.bias)
+        self.wo = nn.Linear(spec.n_heads * spec.head_dim, d, bias=spec.bias)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 for heads: under TP each rank holds n_heads / tp heads
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, spec: ModelSpec, d_ff: int):
+        super().__init__()
+        self.gated = spec.mlp == "swiglu"
+        self.w1 = nn.Linear(spec.d_model, d_ff, bias=spec.bias)
+        self.w2 = nn.Linear(d_ff, spec.d_model, bias=spec.bias)
+        if self.gated:
+            self.w3 = nn.Linear(spec.d_model, d_ff, bias=spec.bias)
+
+    def forward(self, x):
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class GroupedExperts(nn.Module):
+    """``n_local`` experts as stacked weights (E, d, ff): grouped compute, one matmul per local expert."""
+
+    def __init__(self, d: int, d_ff: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, d, d_ff))
+        self.w3 = nn.Parameter(torch.empty(n_experts, d, d_ff))
+        self.w2 = nn.Parameter(torch.empty(n_experts, d_ff, d))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: tokens sorted by local expert; counts: tokens per local expert."""
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        outs = []
+        start = 0
+        for e, n in enumerate(counts):
+            xe = x[start:start + n]
+            outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+            start += n
+        return torch.cat(outs, dim=0) if outs else x[:0]
+
+
+class MoE(nn.Module):
+    """Token-choice top-k routing; routed experts optionally sharded over an EP process group (dp2ep):
+    tokens are dispatched to the rank holding their expert with all_to_all_single and combined back."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        m = spec.moe
+        self.n_experts, self.top_k = m.n_experts, m.top_k
+        self.router = nn.Linear(spec.d_model, m.n_experts, bias=False)
+        self.experts = GroupedExperts(spec.d_model, m.d_ff_expert, m.n_experts)
+        self.shared_experts = FeedForward(spec, m.d_ff_expert * m.n_shared_experts) if m.n_shared_experts else None
+        self.ep_group = None  # set by apply_ep
+        self.ep_size = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = x.reshape(-1, d)
+        scores = F.softmax(self.router(h).float(), dim=-1)
+        top_w, top_i = scores.topk(self.top_k, dim=-1)
+        top_w = (top_w / top_w.sum(-1, keepdim=True)).to(h.dtype)
+        flat = top_i.reshape(-1)
+        order = flat.argsort(stable=True)
+        tokens = h[order // self.top_k]
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        if self.ep_size > 1:
+            out = self._ep_forward(tokens, counts)
+        else:
+            out = self.experts(tokens, counts.tolist())
+        combined = torch.zeros_like(h).index_add_(0, order // self.top_k,
+                                                  out * top_w.reshape(-1)[order].unsqueeze(-1))
+        y = combined.view(b, s, d)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    def _ep_forward(self, tokens, counts):
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        import torch.distributed as dist
+
+        ep, g = self.ep_size, self.ep_group
+        n_local = self.n_experts // ep
+        # how many tokens each EP rank receives from us, and how many we receive from each EP rank, per expert
+        send_counts = counts.view(ep, n_local)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=g)
+        in_splits = send_counts.sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        recv = all_to_all_single_autograd(tokens, out_splits, in_splits, g)
+        # received chunks are ordered by source rank, then local expert: regroup by local expert
+        rc = recv_counts.tolist()
+        pieces = torch.split(recv, [c for row in rc for c in row])
+        by_expert = [pieces[r * n_local + e] for e in range(n_local) for r in range(ep)]
+        per_expert = [sum(rc[r][e] for r in range(ep)) for e in range(n_local)]
+        out = self.experts(torch.cat(by_expert) if by_expert else recv, per_expert)
+        # undo the regrouping, then send results back
+        out_pieces = torch.split(out, [rc[r][e] for e in range(n_local) for r in range(ep)])
+        back = [out_pieces[e * ep + r] for r in range(ep) for e in range(n_local)]
+        back = torch.cat(back) if back else out
+        return all_to_all_single_autograd(back, in_splits, out_splits, g)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int):
+        super().__init__()
+        norm = nn.RMSNorm if spec.norm == "rmsnorm" else nn.LayerNorm
+        self.attention_norm = norm(spec.d_model)
+        self.attention = Attention(spec)
+        self.ffn_norm = norm(spec.d_model)
+        self.is_moe = spec.is_moe_layer(layer_id)
+        if self.is_moe:
+            self.moe = MoE(spec)
+        else:
+            d_ff = spec.d_ff
+            self.feed_forward = FeedForward(spec, d_ff)
+
+    def forward(self, x, rope):
+        h = x + self.attention(self.attention_norm(x), rope)
+        f = self.moe if self.is_moe else self.feed_forward
+        return h + f(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, spec: ModelSpec, max_seq_len: int):
+        super().__init__()
+        self.spec = spec
+        self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.n_layers)})
+        norm = nn.RMSNorm if spec.norm == "rmsnorm" else nn.LayerNorm
+        self.norm = norm(spec.d_model)
+        self.output = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
+        self.register_buffer("rope", rope_cache(spec.head_dim, max_seq_len), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0):
+        """Deterministic init independent of sharding: every parameter is drawn from a generator seeded by its
+        name, on the full shape, so a sharded model and a single-process model start identical."""
+        for name, p in self.named_parameters():
+            g = torch.Generator().manual_seed(seed * 1_000_003 + (hash_name(name) % 1_000_000_007))
+            if name.endswith("norm.weight") or name.endswith("_norm.weight"):
+                full = torch.ones(p.shape)
+            elif name.endswith(".bias"):
+                full = torch.zeros(p.shape)
+            else:
+                full = torch.randn(p.shape, generator=g) * 0.02
+            _copy_full(p, full)
+        self.rope = rope_cache(self.spec.head_dim, self.rope.shape[0])
+
+
+def hash_name(name: str) -> int:
+    h = 0
+    for ch in name:
+        h = (h * 131 + ord(ch)) % (2**61 - 1)
+    return h
+
+
+def _copy_full(p: torch.Tensor, full: torch.Tensor):
+    """Copy a full-shape tensor into a parameter that may be a DTensor (take this rank's shard)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        p.copy_(distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements))
+    else:
+        p.copy_(full.to(p.dtype))

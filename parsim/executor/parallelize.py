@@ -1,0 +1,265 @@
+"""Apply a Plan to the model with the real PyTorch stack, in the plan's wrapper order.
+
+Meshes are built over the plan's axes in its device order (``init_device_mesh`` lays ranks out row-major, the
+last axis fastest, the same convention the cost model uses). Each wrapper is a function of (model parts, plan,
+meshes); an order other than the default is attempted as written, and a failure is raised to the caller, who
+records it as the measurement's error.
+
+TP plan = torchtitan's Llama plan (ColwiseParallel wq/wk/wv/w1/w3, RowwiseParallel wo/w2, SequenceParallel norms,
+PrepareModuleInput gathering the sequence before attention and FFN); logits are replicated (no loss parallel).
+EP (dp2ep): the routed experts of a MoE layer are split over the innermost ``ep`` ranks of dp_shard and wrapped
+by their own FSDP over the remaining ``efsdp`` ranks (torchtitan's dp_shard_mod_ep); the executor supports EP
+with cp = tp = 1.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..errors import ParsimError
+from ..plan import AXES, Plan, parse_ac
+
+
+class Meshes:
+    def __init__(self, plan: Plan, device_type: str):
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        self.plan = plan
+        shape = tuple(getattr(plan, a) for a in plan.mesh_order)
+        self.world = init_device_mesh(device_type, shape, mesh_dim_names=tuple(plan.mesh_order))
+        w = self.world
+        self.tp = w["tp"] if plan.tp > 1 else None
+        self.pp = w["pp"] if plan.pp > 1 else None
+        self.cp = w["cp"] if plan.cp > 1 else None
+        # FSDP shards over dp_shard x cp flattened; HSDP adds dp_replicate
+        shard = w[tuple(("dp_shard", "cp"))]._flatten("dp_shard_cp") if plan.cp > 1 else w["dp_shard"]
+        self.fsdp_shard_name = "dp_shard+cp" if plan.cp > 1 else "dp_shard"
+        if plan.dp_replicate > 1:
+            names = ("dp_replicate", "dp_shard_cp") if plan.cp > 1 else ("dp_replicate", "dp_shard")
+            self.fsdp = w[names]
+        else:
+            self.fsdp = shard
+        self.use_fsdp = plan.dp_replicate * plan.dp_shard * plan.cp > 1
+        # the ranks grid in canonical axis order, for the EP mesh
+        canon = w.mesh.permute(*[plan.mesh_order.index(a) for a in AXES])  # (pp, dpr, dps, cp, tp)
+        self.ep = self.efsdp = None
+        if plan.ep > 1:
+            if plan.cp > 1 or plan.tp > 1 or plan.ep_from != "dp_shard":
+                raise ParsimError("the executor supports expert parallel with cp = tp = 1, EP taken from dp_shard")
+            e = plan.efsdp
+            grid = canon.reshape(plan.pp, plan.dp_replicate, e, plan.ep, 1, 1)
+            ep_mesh = DeviceMesh(device_type, grid.reshape(plan.pp, plan.dp_replicate, e, plan.ep),
+                                 mesh_dim_names=("pp_e", "dp_replicate_e", "efsdp", "ep"))
+            self.ep = ep_mesh["ep"]
+            self.efsdp = ep_mesh[("dp_replicate_e", "efsdp")] if plan.dp_replicate > 1 else ep_mesh["efsdp"]
+
+    def axis_of_group(self) -> dict[str, str]:
+        """process-group name -> parsim axis name, for the collective counter."""
+        out = {}
+        for name in self.plan.mesh_order:
+            out[self.world[name].get_group().group_name] = name
+        if self.plan.cp > 1:
+            out[self.world[("dp_shard", "cp")]._flatten("dp_shard_cp").get_group().group_name] = "dp_shard+cp"
+        if self.ep is not None:
+            out[self.ep.get_group().group_name] = "ep"
+            eg = self.efsdp
+            for g in (eg.get_group(d) for d in range(eg.ndim)):
+                out.setdefault(g.group_name, "efsdp")
+        return out
+
+
+# ---- wrappers ----------------------------------------------------------------------------------------------------
+def apply_tp(parts: list[nn.Module], plan: Plan, meshes: Meshes):
+    if plan.tp == 1:
+        return
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    sp = plan.sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+    for m in parts:
+        top = {}
+        if getattr(m, "tok_embeddings", None) is not None:
+            top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        if getattr(m, "norm", None) is not None and sp:
+            top["norm"] = SequenceParallel()
+        if getattr(m, "output", None) is not None:
+            top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
+        if top:
+            parallelize_module(m, meshes.tp, top)
+        for block in m.layers.values():
+            if block.is_moe:
+                raise ParsimError("the executor applies TP to dense blocks only (MoE blocks need tp = 1)")
+            lp = {
+                "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
+                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            }
+            if block.feed_forward.gated:
+                lp["feed_forward.w3"] = ColwiseParallel()
+            if sp:
+                lp["attention_norm"] = SequenceParallel()
+                lp["ffn_norm"] = SequenceParallel()
+            parallelize_module(block, meshes.tp, lp)
+
+
+def _sac_policy():
+    """torchtitan's op-level selective AC: save every other mm, SDPA outputs and reduce-scatter outputs."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops.aten.max.default}
+
+    def make():
+        count = {"fwd": 0, "rec": 0}
+
+        def policy(ctx, func, *args, **kwargs):
+            key = "rec" if ctx.is_recompute else "fwd"
+            if func == torch.ops.aten.mm.default:
+                count[key] += 1
+            keep = func in save and not (func == torch.ops.aten.mm.default and count[key] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return policy
+
+    return make
+
+
+def apply_ac(parts, plan: Plan, meshes):
+    mode, every = parse_ac(plan.ac)
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    for m in parts:
+        for key in list(m.layers.keys()):
+            block = m.layers[key]
+            if mode == "full" or (mode == "layer" and int(key) % every == 0):
+                wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            elif mode == "selective-op":
+                make = _sac_policy()
+                wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
+                                             context_fn=lambda make=make: create_selective_checkpoint_contexts(make()))
+            else:
+                continue
+            wrapped.is_moe = getattr(block, "is_moe", False)
+            m.layers[key] = wrapped
+
+
+def apply_compile(parts, plan: Plan, meshes):
+    if not plan.compile:
+        return
+    for m in parts:
+        for block in m.layers.values():
+            block.compile()
+
+
+def apply_ep(parts, plan: Plan, meshes: Meshes):
+    """Keep this EP rank's experts (a slice of the full, identically initialized tensors)."""
+    if plan.ep == 1:
+        return
+    r = meshes.ep.get_local_rank()
+    for m in parts:
+        for block in m.layers.values():
+            moe = getattr(_inner(block), "moe", None) if getattr(block, "is_moe", False) else None
+            if moe is None:
+                continue
+            n = moe.n_experts // plan.ep
+            ex = moe.experts
+            for name in ("w1", "w2", "w3"):
+                full = getattr(ex, name)
+                setattr(ex, name, nn.Parameter(full.detach()[r * n:(r + 1) * n].clone()))
+            moe.ep_group, moe.ep_size = meshes.ep.get_group(), plan.ep
+
+
+def _inner(block):
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
+def apply_fsdp(parts, plan: Plan, meshes: Meshes):
+    if not meshes.use_fsdp:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    mp = MixedPrecisionPolicy(param_dtype=dt[plan.param_dtype], reduce_dtype=dt[plan.reduce_dtype])
+    raf = plan.reshard_after_forward
+    for m in parts:
+        for block in m.layers.values():
+            inner = _inner(block)
+            if getattr(block, "is_moe", False) and plan.ep > 1:
+                fully_shard(inner.moe.experts, mesh=meshes.efsdp, mp_policy=mp, reshard_after_forward=raf)
+            fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=raf)
+        if getattr(m, "tok_embeddings", None) is not None:
+            fully_shard(m.tok_embeddings, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=raf)
+        if getattr(m, "output", None) is not None:
+            # torchtitan groups [norm, output]; the output alone keeps FSDPMemTracker working (a multi-module
+            # group trips its one-call-per-iteration check) and moves only the final norm's d weights to the root
+            fully_shard(m.output, mesh=meshes.fsdp, mp_policy=mp,
+                        reshard_after_forward=plan.fsdp_reshard_after_forward == "always")
+        fully_shard(m, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=raf)
+        # gloo's AVG reduction is silently wrong (pytorch#162338): FSDP2 on gloo divided the gradients of some
+        # groups (last block, final norm, output) by the dp size and not others. The loss is normalized by the
+        # global token count, so a plain SUM is right on every backend: SUM collectives (force_sum) *and* a divide
+        # factor of 1 (force_sum alone still post-divides by the dp size).
+        for mod in m.modules():
+            if hasattr(mod, "set_force_sum_reduction_for_comms"):
+                mod.set_force_sum_reduction_for_comms(True)
+                mod.set_gradient_divide_factor(1.0)
+
+
+def split_pipeline(model: nn.Module, plan: Plan, meshes: Meshes) -> tuple[list[nn.Module], list[int]]:
+    """This rank's stage modules (loop placement: stage s on pp rank s % pp) and their stage indices. Layers are
+    split evenly, the first stages taking the extra ones (as the cost model assumes)."""
+    if plan.pp == 1:
+        return [model], [0]
+    n_stages = plan.pp * plan.pp_stages_per_rank
+    L = len(model.layers)
+    base, extra = divmod(L, n_stages)
+    bounds = [0]
+    for s in range(n_stages):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    rank = meshes.pp.get_local_rank()
+    parts, ids = [], []
+    keys = list(model.layers.keys())
+    for s in range(rank, n_stages, plan.pp):
+        stage = copy.deepcopy(model)
+        keep = set(keys[bounds[s]:bounds[s + 1]])
+        for k in keys:
+            if k not in keep:
+                del stage.layers[k]
+        if s != 0:
+            stage.tok_embeddings = None
+        if s != n_stages - 1:
+            stage.norm = None
+            stage.output = None
+        parts.append(stage)
+        ids.append(s)
+    return parts, ids
+
+
+WRAPPER_FNS = {"tp": apply_tp, "ac": apply_ac, "compile": apply_compile, "fsdp": apply_fsdp}
+
+
+def apply_plan(model: nn.Module, plan: Plan, meshes: Meshes) -> tuple[list[nn.Module], list[int]]:
+    """Apply the plan's wrappers in its order; 'pp' splits the (possibly already wrapped) model into stages."""
+    apply_ep([model], plan, meshes)
+    parts, ids = [model], [0]
+    for w in plan.wrapper_order:
+        if w == "pp":
+            if len(parts) != 1:
+                raise ParsimError("pp can be applied once")
+            parts, ids = split_pipeline(parts[0], plan, meshes)
+        else:
+            WRAPPER_FNS[w](parts, plan, meshes)
+    return parts, ids
+

@@ -1,0 +1,263 @@
+"""One rank of `parsim run`: build, parallelize, train on synthetic data, measure. Run under torchrun:
+
+    torchrun --nproc-per-node 4 -m parsim.executor.worker --model tiny --plan plan.json --out result.json
+
+Data: for step i a generator seeded with 1000 + i draws the global batch of token ids (global x seq+1); data-
+parallel rank r takes rows [r * local * accum, (r+1) * local * accum) and pass k of them rows [k*local, (k+1)*local).
+The loss of a rank is the summed token cross-entropy divided by the *global* token count, so gradients reduced
+with SUM are the global-mean gradients (on gloo the AVG path is wrong, pytorch#162338), and the logged loss is
+the all-reduced sum (divided by tp: TP ranks compute the same logits). Gradients are clipped to norm 1.0 and
+AdamW(lr=1e-3, weight_decay=0.1) steps — (or SGD for parity checks) the same as `reference.py`, the single-process run the losses are
+compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..plan import Plan
+from ..spec import load_model
+
+SEED_DATA = 1000
+LR, WD, CLIP = 1e-3, 0.1, 1.0
+SGD_LR = 0.5
+
+
+def make_optimizer(params, name: str):
+    """AdamW for real runs; SGD for parity checks (its update is proportional to the gradient, so a gradient
+    scaled wrongly — e.g. gloo's AVG path — shows in the losses, which Adam's normalization would hide)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=SGD_LR)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True)
+
+
+def batch_for_step(step: int, global_batch: int, seq: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(SEED_DATA + step)
+    return torch.randint(0, vocab, (global_batch, seq + 1), generator=g)
+
+
+def clip_and_step(params, opt, pp_group=None, ep_group=None, expert_ids=frozenset()):
+    """Clip to the global gradient norm and step. Gradients live on several meshes (FSDP x TP, the expert-FSDP
+    mesh): each group's norm is reduced over its own mesh (DTensor), expert norms are summed over the EP group
+    (each EP rank holds different experts) and everything over the PP stages."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        key = ("expert" if id(p) in expert_ids else "dense", id(getattr(p.grad, "device_mesh", None)))
+        groups.setdefault(key, []).append(p.grad)
+    total_sq = None
+    for (kind, _), grads in groups.items():
+        n = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if hasattr(n, "full_tensor"):
+            n = n.full_tensor()
+        sq = n.float() ** 2
+        if kind == "expert" and ep_group is not None:
+            dist.all_reduce(sq, group=ep_group)
+        total_sq = sq if total_sq is None else total_sq + sq
+    if total_sq is None:
+        total_sq = torch.zeros(())
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    # torch.nn.utils.clip_grads_with_norm_'s coefficient, applied per mesh group (a foreach over mixed meshes fails)
+    coef = min(1.0, CLIP / (float(total_sq.sqrt()) + 1e-6))
+    if coef < 1.0:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    args = ap.parse_args(argv)
+    if os.environ.get("PARSIM_HANG_DUMP_S"):  # debugging aid: dump every thread's stack after N seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["PARSIM_HANG_DUMP_S"]), exit=True)
+
+    cuda = torch.cuda.is_available() and os.environ.get("PARSIM_DEVICE", "") != "cpu"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    result = {"rank": rank, "status": "ok", "error": ""}
+    try:
+        result.update(_run(args, device, rank, world))
+    except Exception as e:  # noqa: BLE001 - recorded, not raised: a failing plan is data
+        oom = isinstance(e, torch.cuda.OutOfMemoryError) if cuda else False
+        result.update(status="oom" if oom else "error", error=f"{type(e).__name__}: {e}".strip()[:2000],
+                      traceback=traceback.format_exc()[-4000:])
+    gathered = [None] * world
+    try:
+        dist.all_gather_object(gathered, result)
+    except Exception:  # noqa: BLE001 - ranks out of step after an error: write what this rank has
+        gathered = [result]
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"ranks": gathered, "device": str(device), "torch": torch.__version__,
+                       "backend": dist.get_backend(), "world_size": world, "host": socket.gethostname()}, f)
+    dist.destroy_process_group()
+    return 0
+
+
+def _run(args, device, rank, world) -> dict:
+    from .measure import CommCounter, breakdown_from_snapshot
+    from .model import GroupedExperts, Transformer
+    from .parallelize import Meshes, apply_plan
+
+    with open(args.plan) as f:
+        plan = Plan.from_dict(json.load(f))
+    spec = load_model(args.model)
+    plan.validate_for(spec, world)
+    if plan.cp > 1 and device.type != "cuda":
+        raise RuntimeError("context parallel SDPA handlers are CUDA-only: cp > 1 needs a GPU")
+    torch.manual_seed(0)
+    model = Transformer(spec, plan.seq_len)
+    model.init_weights(seed=0)
+    model.to(device)
+    meshes = Meshes(plan, device.type)
+    parts, stage_ids = apply_plan(model, plan, meshes)
+    params = [p for m in parts for p in m.parameters()]
+    opt = make_optimizer(params, args.optimizer)
+    expert_ids = {id(p) for m in parts for mod in m.modules() if isinstance(mod, GroupedExperts)
+                  for p in mod.parameters()}
+
+    coord = dict(zip(plan.mesh_order, meshes.world.get_coordinate()))
+    dp_rank = coord["dp_replicate"] * plan.dp_shard + coord["dp_shard"]
+    lbs, ga, seq = plan.local_batch_size, plan.grad_accum_steps, plan.seq_len
+    n_global = plan.global_batch_size * seq
+    schedule = _schedule(plan, parts, stage_ids, meshes, device, n_global) if plan.pp > 1 else None
+    first, last = 0 in stage_ids, (plan.pp * plan.pp_stages_per_rank - 1) in stage_ids
+
+    def step(i: int) -> torch.Tensor:
+        """One training step; returns this rank's share of the loss (reduced outside any counter)."""
+        data = batch_for_step(i, plan.global_batch_size, seq, spec.vocab_size)
+        mine = data[dp_rank * lbs * ga:(dp_rank + 1) * lbs * ga].to(device)
+        contrib = torch.zeros((), device=device)
+        for k in range(ga):
+            x, y = mine[k * lbs:(k + 1) * lbs, :-1], mine[k * lbs:(k + 1) * lbs, 1:]
+            if schedule is None:
+                logits = parts[0](x)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / n_global
+                loss.backward()
+                contrib += loss.detach()
+            else:
+                losses = []
+                schedule.step(x if first else None, target=y if last else None, losses=losses if last else None)
+                if last:
+                    contrib += torch.stack([lo.detach() for lo in losses]).sum()
+        clip_and_step(params, opt, meshes.pp.get_group() if meshes.pp is not None else None,
+                      meshes.ep.get_group() if meshes.ep is not None else None, expert_ids)
+        return contrib
+
+    def logged(contrib: torch.Tensor) -> float:
+        dist.all_reduce(contrib)  # logging only: not part of the counted step
+        return float(contrib) / (plan.tp * plan.cp)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    losses, times = [], []
+    comm, counts, peak, breakdown, mem_note = {}, {}, None, {}, ""
+    total = args.warmup + args.steps
+    for i in range(total):
+        sync()
+        t0 = time.perf_counter()
+        if i == 0 and not os.environ.get("PARSIM_NO_COUNT"):  # collective bytes of one step (not timed)
+            counter = CommCounter(meshes.axis_of_group())
+            with counter:
+                contrib = step(i)
+            losses.append(logged(contrib))
+            comm, counts = counter.bytes, counter.counts
+        elif i == min(1, total - 1) and device.type == "cpu":  # tensor-level memory of one step (not timed)
+            peak, breakdown, mem_note, lo = _tracked_step(step, i, parts, opt, plan, breakdown_from_snapshot)
+            losses.append(logged(lo))
+        else:
+            if device.type == "cuda" and i == args.warmup:
+                torch.cuda.reset_peak_memory_stats()
+            losses.append(logged(step(i)))
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        peak = float(torch.cuda.max_memory_allocated())
+        breakdown = {"allocated_peak": peak}
+        mem_note = "torch.cuda.max_memory_allocated over the timed steps"
+    return {"losses": losses, "step_times_s": times, "median_step_time_s": statistics.median(times) if times else None,
+            "peak_memory_bytes": peak, "memory_breakdown_bytes": breakdown, "memory_source": mem_note,
+            "comm_bytes": comm, "comm_counts": counts}
+
+
+def _tracked_step(step, i, parts, opt, plan, breakdown_from_snapshot):
+    """One step under a memory tracker: FSDPMemTracker (FSDP, one forward per step: categories), MemTracker
+    (no FSDP, one forward per step), else PeakTracker (pipeline microbatches or gradient accumulation: total
+    only). A tracker error fails the step on every rank alike, so ranks stay in step."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from .measure import PeakTracker
+
+    one_forward = plan.pp == 1 and plan.grad_accum_steps == 1
+    fsdp = plan.dp_replicate * plan.dp_shard * plan.cp > 1
+    if one_forward:
+        tracker = FSDPMemTracker(parts[0], opt) if fsdp else MemTracker()
+        if not fsdp:
+            tracker.track_external(*parts, opt)
+        with tracker:
+            lo = step(i)
+        peak, breakdown = breakdown_from_snapshot(tracker.get_tracker_snapshot("peak"))
+        src = "FSDPMemTracker" if fsdp else "MemTracker"
+    else:
+        base = [p for m in parts for p in m.parameters()] + [p.grad for m in parts for p in m.parameters()
+                                                              if p.grad is not None]
+        base += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        tracker = PeakTracker(base)
+        with tracker:
+            lo = step(i)
+        peak, breakdown = float(tracker.peak), {"total": float(tracker.peak)}
+        src = "parsim PeakTracker"
+    return peak, breakdown, f"{src}: tensor-level peak of one step (torch.distributed._tools / dispatch mode)", lo
+
+
+def _schedule(plan, parts, stage_ids, meshes, device, n_global):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
+                                                        ScheduleInterleaved1F1B)
+
+    n_stages = plan.pp * plan.pp_stages_per_rank
+    g = meshes.pp.get_group()
+    stages = [PipelineStage(m, s, n_stages, device, group=g) for m, s in zip(parts, stage_ids)]
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum") / n_global
+
+    n_micro = plan.n_microbatches
+    if plan.pp_schedule == "Interleaved1F1B":
+        return ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn, scale_grads=False)
+    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[plan.pp_schedule]
+    return cls(stages[0], n_micro, loss_fn=loss_fn, scale_grads=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
