@@ -20,7 +20,7 @@ class Prediction:
     peak_memory_bytes: float
     memory_capacity_bytes: float
     peak_rank: str
-    peak_phase: str  # "start of backward" (activations alive) or "optimizer step"
+    peak_phase: str  # end of forward | backward of the last layer | end of backward | optimizer step
     memory_breakdown_bytes: dict
     step_time_s: float
     time_breakdown_s: dict

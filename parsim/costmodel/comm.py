@@ -11,7 +11,8 @@ Bytes follow parsim's convention: the input tensors one rank hands to the collec
 * TP with sequence parallel, per layer and microbatch: forward 2 all-gathers (T*d/tp) before the column-parallel
   linears and 2 reduce-scatters (T*d) after the row-parallel ones; backward the mirror image; without SP, 2
   all-reduces (T*d) each way (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022). Recompute repeats the
-  forward collectives that AC does not save (selective-op saves reduce-scatter outputs).
+  forward collectives that AC does not save (selective-op saves reduce-scatter outputs). Under SP the norm
+  weights' gradients (d elements each) are all-reduced over tp in every backward (DTensor Partial -> Replicate).
 * CP (torch context parallel, all-gather rotation): forward all-gathers K and V, backward all-gathers them again
   and reduce-scatters their gradients.
 * EP (dp2ep): per MoE layer, dispatch and combine all-to-all of the routed tokens (T_routed x d), twice more in
@@ -75,6 +76,12 @@ def rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local,
     per_mb["tp"] += add("all_gather", "tp", T * d / t * TWO, M * ag_calls, g_tp, r_tp, tp_on & sp) / np.maximum(M, 1)
     per_mb["tp"] += add("reduce_scatter", "tp", T * d * TWO, M * rs_calls, g_tp, r_tp, tp_on & sp) / np.maximum(M, 1)
     per_mb["tp"] += add("all_reduce", "tp", T * d * TWO, M * ar_calls, g_tp, r_tp, tp_on & ~sp) / np.maximum(M, 1)
+    # SP: the norm weights are replicated over tp but see only their sequence shard: their gradients (param dtype)
+    # are all-reduced over tp when FSDP syncs gradients, once per pass (traced) — two norms per layer and the
+    # final norm on the last stage
+    norm_calls = 2.0 * n_layers + np.where(has_out, 1.0, 0.0)
+    norm_bytes = d * np.where(b.pp > 1, rb, pb)  # with PP they were accumulated in reduce_dtype first
+    per_mb["tp"] += add("all_reduce", "tp", norm_bytes, ga * norm_calls, g_tp, r_tp, tp_on & sp) / np.maximum(M, 1)
 
     # ---- CP ------------------------------------------------------------------------------------------------------
     kv = T * (spec.kv_dim + spec.v_dim) / t * TWO

@@ -135,7 +135,9 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     if spec.mla:
         out += [("wq_b.out" if spec.mla.q_lora_rank else "wq.out", T * spec.q_dim / t * b2, "mm"),
                 ("wkv_b.out", T * spec.n_heads * (spec.mla.qk_nope_head_dim + spec.mla.v_head_dim) / t * b2, "mm")]
+    rope_dim = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
     out += [
+        ("rope.cos_sin", T * rope_dim * b2, "other"),  # the bf16 cos and sin (hd/2 each) the rotation keeps
         ("sdpa.out", T * spec.attn_out_dim / t * b2, "sdpa"),
         ("sdpa.logsumexp", T * spec.n_heads / t * b4, "sdpa"),
         ("wo.out", T * d * b2, "mm"),

@@ -21,10 +21,11 @@ Time model (sums exactly to ``step_time_s``):
 * optimizer: AdamW reads param, grad, exp_avg, exp_avg_sq (fp32) and writes three of them: 28 B/param, plus the
   gradient-norm read of 4 B/param, at HBM speed.
 
-Memory (sums exactly to ``peak_memory_bytes``): the larger of two phases, (A) the start of backward of the last
-microbatch in flight: sharded fp32 params + AdamW states + gradients that exist then + FSDP unsharded buffers +
-activations of all in-flight microbatches + the recompute transient of one layer + logits/loss; (B) the optimizer
-step: params + states + sharded grads + one fp32 temporary per parameter (foreach AdamW).
+Memory (sums exactly to ``peak_memory_bytes``): the largest of four moments of the step, each itemized:
+end of forward (activations of the in-flight microbatches, logits and loss), backward of the last layer (FSDP
+unsharded params of two blocks and one block's gradient buffers, the recompute transient), end of backward (the
+embedding's dense full-vocabulary gradient on the first stage) and the optimizer step (one fp32 temporary per
+parameter, foreach AdamW). All hold the sharded fp32 params and AdamW states.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ TIME_KEYS = ("compute_forward", "compute_backward", "recompute", "pp_bubble", "o
 MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "fsdp_unsharded_params", "fsdp_grad_buffers",
                "activations", "recompute_transient", "logits_and_loss", "optimizer_temporaries")
 ADAMW_BYTES_PER_PARAM = 28.0 + 4.0
+PHASES = ("end of forward", "backward of the last layer", "end of backward", "optimizer step")
 SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
 
 
@@ -181,26 +183,54 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
         for axis, frac in share.items():
             tb[f"comm_{axis}"] = tb.get(f"comm_{axis}", 0.0) + fsdp_exposed * frac
         step = sum(tb.values())
-        # ---- memory --------------------------------------------------------------------------------------------
+        # ---- memory: the largest of four moments of the step ----------------------------------------------------
         inflight = _inflight(b, rank)
-        grads_a = np.where(b.pp > 1, (ne_local + ex_local) * rb, np.where(ga > 1, p_shard * 4.0, 0.0))
-        unsharded = np.where(b.raf, 2.0 * (ne_local + ex_local) / lay * pb + out_local * pb,
-                             (ne_local + ex_local) * pb)
-        unsharded = np.where((fsdp > 1) | (efsdp > 1), unsharded, 0.0)
-        grad_buf = (ne_local + ex_local) / lay * (pb + rb)
-        logits_bytes = np.where(has_out, logits * (2.0 + 4.0 + 4.0) + 2.0 * sh.T * d * 2.0, 0.0)
-        phase_a = {"parameters": p_shard * 4.0, "gradients": grads_a, "optimizer_states": p_shard * 8.0,
-                   "fsdp_unsharded_params": unsharded, "fsdp_grad_buffers": grad_buf,
-                   "activations": inflight * act, "recompute_transient": transient,
-                   "logits_and_loss": logits_bytes, "optimizer_temporaries": np.zeros(n)}
-        phase_b = {k: np.zeros(n) for k in MEMORY_KEYS}
-        phase_b.update(parameters=p_shard * 4.0, gradients=p_shard * 4.0, optimizer_states=p_shard * 8.0,
-                       optimizer_temporaries=p_shard * 4.0)
-        tot_a, tot_b = sum(phase_a.values()), sum(phase_b.values())
-        use_a = tot_a >= tot_b
-        mb = {k: np.where(use_a, phase_a[k], phase_b[k]) for k in MEMORY_KEYS}
-        per_rank.append({"step": step, "tb": tb, "mem": np.maximum(tot_a, tot_b), "mb": mb, "comm": cm["bytes"],
-                         "phase_a": use_a})
+        base = {"parameters": p_shard * 4.0, "optimizer_states": p_shard * 8.0}
+        # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
+        # earlier passes; with PP the peak is the first backward of the step (most microbatches in flight), when
+        # nothing has accumulated yet
+        grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, 0.0)
+        sharded = (fsdp > 1) | (efsdp > 1)
+        layer_w = (ne_local + ex_local - emb_local - out_local) / lay  # one block's weights on this rank
+        keep_all = (ne_local + ex_local) * pb  # reshard_after_forward off: the whole stage stays unsharded
+        unsh_fwd = np.where(sharded, np.where(b.raf, out_local * pb, keep_all), 0.0)
+        unsh_bwd = np.where(sharded, np.where(b.raf, (out_local + 2.0 * layer_w) * pb, keep_all), 0.0)
+        grad_buf = layer_w * (pb + rb)  # one block's unsharded grads and the reduce-scatter input
+        acts = inflight * act
+        # the loss: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the end of forward under loss
+        # parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the log-softmax output,
+        # the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read off the live
+        # storages at the peak of executor traces). Plus the final norm's input and gathered output.
+        per_logit = np.where(b.tp > 1, 10.0, 12.0)
+        logits_bytes = np.where(has_out, logits * per_logit + sh.T * d * 2.0 + sh.T * d / sh.sp_div * 2.0, 0.0)
+        z = np.zeros(n)
+        phases = {
+            "end of forward": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_fwd, activations=acts,
+                                   logits_and_loss=logits_bytes),
+            "backward of the last layer": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_bwd,
+                                               fsdp_grad_buffers=grad_buf, activations=acts,
+                                               recompute_transient=transient),
+            # the embedding's backward (first stage) materializes a dense gradient of the full vocabulary, also
+            # under TP (seen in traces with torch 2.13's RowwiseParallel embedding); without PP FSDP then
+            # reduce-scatters it (input in reduce_dtype), with PP it accumulates it unsharded in reduce_dtype at full
+            # vocabulary size, beside the other blocks' accumulated grads, while the other in-flight microbatches
+            # keep their activations
+            "end of backward": dict(base,
+                                    gradients=np.where(b.pp > 1, (ne_local + ex_local - emb_local) * rb,
+                                                       np.maximum(grads_prev, p_shard * 4.0)),
+                                    fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),
+                                    fsdp_grad_buffers=np.where(has_emb, V * d * pb + np.where(b.pp > 1, V * d * rb,
+                                                                                              emb_local * rb), z),
+                                    activations=np.maximum(inflight - 1.0, 0.0) * act),
+            "optimizer step": dict(base, gradients=p_shard * 4.0, optimizer_temporaries=p_shard * 4.0),
+        }
+        totals = {k: sum(v.values()) for k, v in phases.items()}
+        names = list(phases)
+        which = np.argmax(np.stack([totals[k] for k in names]), axis=0)
+        mb = {k: np.choose(which, [np.broadcast_to(phases[p].get(k, z), (n,)) for p in names]) for k in MEMORY_KEYS}
+        peak_rank_mem = np.choose(which, [np.broadcast_to(totals[p], (n,)) for p in names])
+        per_rank.append({"step": step, "tb": tb, "mem": peak_rank_mem, "mb": mb, "comm": cm["bytes"],
+                         "phase": which})
 
     first, last = per_rank
     time_rank = np.where(last["step"] > first["step"], LAST, FIRST)
@@ -219,7 +249,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
         out["memory_breakdown_bytes"] = {k: np.where(mem_rank == LAST, last["mb"][k], first["mb"][k])
                                          for k in MEMORY_KEYS}
         out["comm_bytes"] = first["comm"]
-        out["peak_in_backward"] = np.where(mem_rank == LAST, last["phase_a"], first["phase_a"])
+        out["peak_phase"] = np.where(mem_rank == LAST, last["phase"], first["phase"])
     else:
         # the dominant cost, cheaply: compare the breakdown entries of the time-critical rank
         keys = sorted(set(first["tb"]) | set(last["tb"]))
@@ -255,7 +285,7 @@ def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
         fits=bool(r["fits"][0]), peak_memory_bytes=float(r["peak_memory_bytes"][0]),
         memory_capacity_bytes=float(hw.usable_memory_bytes),
         peak_rank=f"pp stage {pp_last if r['peak_rank'][0] == LAST else 0}",
-        peak_phase="start of backward" if r["peak_in_backward"][0] else "optimizer step",
+        peak_phase=PHASES[int(r["peak_phase"][0])],
         memory_breakdown_bytes=mb, step_time_s=float(r["step_time_s"][0]), time_breakdown_s=tb, comm_bytes=comm,
         tokens_per_s_per_gpu=float(r["tokens_per_s_per_gpu"][0]), mfu=float(r["mfu"][0]), plan=plan.to_dict(),
     )

@@ -22,14 +22,62 @@ def rope_cache(head_dim: int, seq_len: int, theta: float = 500000.0) -> torch.Te
     return torch.stack([ang.cos(), ang.sin()], dim=-1)  # (seq, hd/2, 2)
 
 
-def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """x: (b, s, h, hd); rotate pairs (real arithmetic: works for DTensor local tensors and fake tensors)."""
-    s = x.shape[1]
-    c = cache[:s].to(x.dtype)
-    cos, sin = c[..., 0][None, :, None, :], c[..., 1][None, :, None, :]
+def _rotate(x, cos, sin):
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return out.flatten(-2)
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class _Rope(torch.autograd.Function):
+    """Rotary embedding as one autograd node that saves nothing per token: the rotation is linear, so its
+    backward is the rotation by the opposite angle (what a fused RoPE kernel keeps, not the CPU composite's
+    intermediates)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rotate(g, cos, -sin), None, None
+
+
+def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x: (b, s, h, hd) -> rotated pairs."""
+    c = cache[: x.shape[1]].to(x.dtype)
+    return _Rope.apply(x, c[..., 0][None, :, None, :], c[..., 1][None, :, None, :])
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm saving its input and the fp32 1/rms per token, like the fused CUDA kernel (the CPU composite
+    keeps fp32 copies of the input and of the normalized input, 4x more), so traces on CPU show GPU memory."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, w, rstd)
+        return (xf * rstd).to(x.dtype) * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        gw = g.float() * w.float()
+        gx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        dw = (g.float() * xhat).sum(dim=tuple(range(g.dim() - 1)))
+        return gx.to(x.dtype), dw.to(w.dtype), None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -49,11 +97,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        rep = q.shape[2] // k.shape[2]
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=2)
-            v = v.repeat_interleave(rep, dim=2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=q.shape[2] != k.shape[2])
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -157,7 +202,7 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, layer_id: int):
         super().__init__()
-        norm = nn.RMSNorm if spec.norm == "rmsnorm" else nn.LayerNorm
+        norm = RMSNorm if spec.norm == "rmsnorm" else nn.LayerNorm
         self.attention_norm = norm(spec.d_model)
         self.attention = Attention(spec)
         self.ffn_norm = norm(spec.d_model)
@@ -180,7 +225,7 @@ class Transformer(nn.Module):
         self.spec = spec
         self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.d_model)
         self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.n_layers)})
-        norm = nn.RMSNorm if spec.norm == "rmsnorm" else nn.LayerNorm
+        norm = RMSNorm if spec.norm == "rmsnorm" else nn.LayerNorm
         self.norm = norm(spec.d_model)
         self.output = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         self.register_buffer("rope", rope_cache(spec.head_dim, max_seq_len), persistent=False)

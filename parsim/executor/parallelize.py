@@ -6,7 +6,7 @@ meshes); an order other than the default is attempted as written, and a failure 
 records it as the measurement's error.
 
 TP plan = torchtitan's Llama plan (ColwiseParallel wq/wk/wv/w1/w3, RowwiseParallel wo/w2, SequenceParallel norms,
-PrepareModuleInput gathering the sequence before attention and FFN); logits are replicated (no loss parallel).
+PrepareModuleInput gathering the sequence before attention and FFN), loss parallel on vocab-sharded logits.
 EP (dp2ep): the routed experts of a MoE layer are split over the innermost ``ep`` ranks of dp_shard and wrapped
 by their own FSDP over the remaining ``efsdp`` ranks (torchtitan's dp_shard_mod_ep); the executor supports EP
 with cp = tp = 1.
@@ -88,7 +88,9 @@ def apply_tp(parts: list[nn.Module], plan: Plan, meshes: Meshes):
         if getattr(m, "norm", None) is not None and sp:
             top["norm"] = SequenceParallel()
         if getattr(m, "output", None) is not None:
-            top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
+            # loss parallel (torchtitan's default): logits stay sharded over the vocabulary; the cross-entropy
+            # runs on the shards under torch.distributed.tensor.parallel.loss_parallel()
+            top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
         if top:
             parallelize_module(m, meshes.tp, top)
         for block in m.layers.values():

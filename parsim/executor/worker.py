@@ -47,6 +47,22 @@ def batch_for_step(step: int, global_batch: int, seq: int, vocab: int) -> torch.
     return torch.randint(0, vocab, (global_batch, seq + 1), generator=g)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A loss under loss_parallel is a replicated DTensor: its local value is the loss."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def loss_context(plan: Plan):
+    """loss_parallel() under TP (vocab-sharded logits), else nothing."""
+    import contextlib
+
+    if plan.tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
 def clip_and_step(params, opt, pp_group=None, ep_group=None, expert_ids=frozenset()):
     """Clip to the global gradient norm and step. Gradients live on several meshes (FSDP x TP, the expert-FSDP
     mesh): each group's norm is reduced over its own mesh (DTensor), expert norms are summed over the EP group
@@ -70,11 +86,11 @@ def clip_and_step(params, opt, pp_group=None, ep_group=None, expert_ids=frozense
         total_sq = torch.zeros(())
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
-    # torch.nn.utils.clip_grads_with_norm_'s coefficient, applied per mesh group (a foreach over mixed meshes fails)
-    coef = min(1.0, CLIP / (float(total_sq.sqrt()) + 1e-6))
-    if coef < 1.0:
-        for grads in groups.values():
-            torch._foreach_mul_(grads, coef)
+    # torch.nn.utils.clip_grads_with_norm_'s coefficient, applied per mesh group (a foreach over mixed meshes
+    # fails); kept a tensor so that the same code runs on fake tensors in `parsim trace`
+    coef = torch.clamp(CLIP / (total_sq.sqrt() + 1e-6), max=1.0)
+    for grads in groups.values():
+        torch._foreach_mul_(grads, coef)
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -120,7 +136,7 @@ def main(argv=None) -> int:
 
 
 def _run(args, device, rank, world) -> dict:
-    from .measure import CommCounter, breakdown_from_snapshot
+    from .measure import CommCounter, track_step
     from .model import GroupedExperts, Transformer
     from .parallelize import Meshes, apply_plan
 
@@ -150,6 +166,10 @@ def _run(args, device, rank, world) -> dict:
 
     def step(i: int) -> torch.Tensor:
         """One training step; returns this rank's share of the loss (reduced outside any counter)."""
+        with loss_context(plan):
+            return _step(i)
+
+    def _step(i: int) -> torch.Tensor:
         data = batch_for_step(i, plan.global_batch_size, seq, spec.vocab_size)
         mine = data[dp_rank * lbs * ga:(dp_rank + 1) * lbs * ga].to(device)
         contrib = torch.zeros((), device=device)
@@ -159,12 +179,12 @@ def _run(args, device, rank, world) -> dict:
                 logits = parts[0](x)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / n_global
                 loss.backward()
-                contrib += loss.detach()
+                contrib += _local(loss.detach())
             else:
                 losses = []
                 schedule.step(x if first else None, target=y if last else None, losses=losses if last else None)
                 if last:
-                    contrib += torch.stack([lo.detach() for lo in losses]).sum()
+                    contrib += torch.stack([_local(lo.detach()) for lo in losses]).sum()
         clip_and_step(params, opt, meshes.pp.get_group() if meshes.pp is not None else None,
                       meshes.ep.get_group() if meshes.ep is not None else None, expert_ids)
         return contrib
@@ -191,7 +211,8 @@ def _run(args, device, rank, world) -> dict:
             losses.append(logged(contrib))
             comm, counts = counter.bytes, counter.counts
         elif i == min(1, total - 1) and device.type == "cpu":  # tensor-level memory of one step (not timed)
-            peak, breakdown, mem_note, lo = _tracked_step(step, i, parts, opt, plan, breakdown_from_snapshot)
+            lo, peak, breakdown, peak_op = track_step(lambda: step(i), parts, opt)
+            mem_note = f"parsim PeakTracker: tensor-level peak of live storages during one step (CPU), at {peak_op}"
             losses.append(logged(lo))
         else:
             if device.type == "cuda" and i == args.warmup:
@@ -207,37 +228,6 @@ def _run(args, device, rank, world) -> dict:
     return {"losses": losses, "step_times_s": times, "median_step_time_s": statistics.median(times) if times else None,
             "peak_memory_bytes": peak, "memory_breakdown_bytes": breakdown, "memory_source": mem_note,
             "comm_bytes": comm, "comm_counts": counts}
-
-
-def _tracked_step(step, i, parts, opt, plan, breakdown_from_snapshot):
-    """One step under a memory tracker: FSDPMemTracker (FSDP, one forward per step: categories), MemTracker
-    (no FSDP, one forward per step), else PeakTracker (pipeline microbatches or gradient accumulation: total
-    only). A tracker error fails the step on every rank alike, so ranks stay in step."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from .measure import PeakTracker
-
-    one_forward = plan.pp == 1 and plan.grad_accum_steps == 1
-    fsdp = plan.dp_replicate * plan.dp_shard * plan.cp > 1
-    if one_forward:
-        tracker = FSDPMemTracker(parts[0], opt) if fsdp else MemTracker()
-        if not fsdp:
-            tracker.track_external(*parts, opt)
-        with tracker:
-            lo = step(i)
-        peak, breakdown = breakdown_from_snapshot(tracker.get_tracker_snapshot("peak"))
-        src = "FSDPMemTracker" if fsdp else "MemTracker"
-    else:
-        base = [p for m in parts for p in m.parameters()] + [p.grad for m in parts for p in m.parameters()
-                                                              if p.grad is not None]
-        base += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        tracker = PeakTracker(base)
-        with tracker:
-            lo = step(i)
-        peak, breakdown = float(tracker.peak), {"total": float(tracker.peak)}
-        src = "parsim PeakTracker"
-    return peak, breakdown, f"{src}: tensor-level peak of one step (torch.distributed._tools / dispatch mode)", lo
 
 
 def _schedule(plan, parts, stage_ids, meshes, device, n_global):

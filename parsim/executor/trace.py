@@ -1,0 +1,154 @@
+"""`parsim trace`: the executor's model and plan code for any world size, in one CPU process, under a fake
+process group and FakeTensorMode: per-rank peak memory with a breakdown and collective bytes per (op, axis) of one
+training step (tier 1 of DESIGN.md: exact, full scale, no GPU).
+
+The model is built and parallelized on the meta device *outside* FakeTensorMode (building inside fails: sub-mesh
+coordinates use ``nonzero``), then materialized with ``to_empty`` inside it. Step 1 runs under the collective
+counter and creates the optimizer states; step 2 runs under parsim's PeakTracker (live local storages; what was
+alive at the peak by category).
+
+Pipeline parallel: the schedule's point-to-point exchange needs real peers, so the trace replays the traced rank's
+part of the schedule itself: forwards in schedule order with at most W chunk-microbatches in flight (W from the
+schedule: 1F1B ``pp - rank``, GPipe all, Interleaved1F1B torch's warm-up + 1), backwards oldest first, gradient
+sync only on the last backward (as torch.distributed.pipelining drives FSDP). PP sends are recorded from the
+sizes of the tensors the stage would send. torch.compile is not applied in traces (it changes no parameter or
+collective; inductor's fusion would change activation memory, which the trace then overstates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..plan import Plan
+from ..results import Measurement
+from ..spec import ModelSpec
+
+
+def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .measure import CommCounter, track_step
+    from .model import GroupedExperts, Transformer
+    from .parallelize import Meshes, apply_plan
+    from .worker import clip_and_step, loss_context, make_optimizer
+
+    plan.validate_for(spec)
+    t0 = time.perf_counter()
+    traced = dataclasses.replace(plan, compile=False)
+    dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
+    prov = {"rank": rank, "world_size": plan.world_size, "torch": torch.__version__, "model": spec.name,
+            "plan": plan.to_dict(), "notes": []}
+    if plan.compile:
+        prov["notes"].append("compile not applied in the trace")
+    try:
+        with torch.device("meta"):
+            model = Transformer(spec, plan.seq_len)
+        meshes = Meshes(traced, "cpu")
+        parts, stage_ids = apply_plan(model, traced, meshes)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            for m in parts:
+                m.to_empty(device="cpu")
+            params = [p for m in parts for p in m.parameters()]
+            opt = make_optimizer(params, "adamw")
+            expert_ids = {id(p) for m in parts for mod in m.modules() if isinstance(mod, GroupedExperts)
+                          for p in mod.parameters()}
+            pp_g = meshes.pp.get_group() if meshes.pp is not None else None
+            ep_g = meshes.ep.get_group() if meshes.ep is not None else None
+            sends = {"bytes": 0}
+
+            def step():
+                with loss_context(traced):
+                    _fake_step(spec, traced, parts, stage_ids, sends)
+                clip_and_step(params, opt, pp_g, ep_g, expert_ids)
+
+            counter = CommCounter(meshes.axis_of_group())
+            with counter:
+                step()
+            comm = dict(counter.bytes)
+            if sends["bytes"]:
+                comm["send/pp"] = comm.get("send/pp", 0) + sends["bytes"]
+            sends["bytes"] = 0
+            _, peak, breakdown, peak_op = track_step(step, parts, opt)
+        prov.update(memory_source=f"parsim PeakTracker under FakeTensorMode (tensor-level, rank {rank})", peak_op=peak_op,
+                    comm_counts=dict(counter.counts), wall_s=time.perf_counter() - t0)
+        return Measurement(plan_id=plan.plan_id, kind="trace", status="ok", peak_memory_bytes=peak,
+                           memory_breakdown_bytes=breakdown, comm_bytes=comm, provenance=prov)
+    except Exception as e:  # noqa: BLE001 - a plan the code cannot trace is recorded, not raised
+        import traceback
+
+        prov.update(wall_s=time.perf_counter() - t0, traceback=traceback.format_exc()[-4000:])
+        return Measurement(plan_id=plan.plan_id, kind="trace", status="error", error=f"{type(e).__name__}: {e}"[:2000],
+                           provenance=prov)
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss(logits, y, n_global):
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / n_global
+
+
+def _fake_step(spec, plan: Plan, parts, stage_ids, sends):
+    """Forward + backward of one step for the traced rank (see the module docstring for PP)."""
+    mbs, seq = plan.micro_batch_size, plan.seq_len
+    n_global = plan.global_batch_size * seq
+    n_stages = plan.pp * plan.pp_stages_per_rank
+    for _ in range(plan.grad_accum_steps):
+        if plan.pp == 1:
+            x = torch.randint(0, spec.vocab_size, (plan.local_batch_size, seq))
+            _loss(parts[0](x), x, n_global).backward()
+            continue
+        from torch.distributed.fsdp import FSDPModule
+
+        seq_local = seq // plan.cp // (plan.tp if plan.sequence_parallel else 1)
+        hidden_shape = (mbs, seq_local, spec.d_model)
+        # forward order of (chunk, microbatch) on this rank and the in-flight bound, from the schedule
+        m, v, pp = plan.n_microbatches, plan.pp_stages_per_rank, plan.pp
+        rank = parts and stage_ids[0] % pp
+        if plan.pp_schedule == "GPipe":
+            order, width = [(0, i) for i in range(m)], m
+        elif plan.pp_schedule == "1F1B":
+            order, width = [(0, i) for i in range(m)], min(m, pp - rank)
+        else:
+            order = [(c, g + i) for g in range(0, m, pp) for c in range(v) for i in range(min(pp, m - g))]
+            width = min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank)) + 1
+        inflight = []
+        n_back = [0] * len(parts)
+
+        def backward_oldest():
+            c, out, inp = inflight.pop(0)
+            last_mb = n_back[c] == m - 1
+            mod = parts[c]
+            if isinstance(mod, FSDPModule):
+                mod.set_is_last_backward(last_mb)
+                mod.set_reshard_after_backward(last_mb)
+                mod.set_requires_gradient_sync(last_mb)
+            if stage_ids[c] == n_stages - 1:
+                out.backward()
+            else:
+                out.backward(torch.ones_like(out))
+            if stage_ids[c] != 0:
+                sends["bytes"] += inp.numel() * inp.element_size()  # gradient sent to the previous stage
+            n_back[c] += 1
+
+        for c, _i in order:
+            sid = stage_ids[c]
+            if sid == 0:
+                inp = torch.randint(0, spec.vocab_size, (mbs, seq))
+            else:
+                inp = torch.randn(hidden_shape, requires_grad=True)
+            out = parts[c](inp)
+            if sid == n_stages - 1:
+                out = _loss(out, torch.randint(0, spec.vocab_size, (mbs, seq)), n_global)
+            else:
+                sends["bytes"] += out.numel() * out.element_size()
+            inflight.append((c, out, inp))
+            if len(inflight) >= width:
+                backward_oldest()
+        while inflight:
+            backward_oldest()
