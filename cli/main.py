@@ -230,6 +230,121 @@ def search(
                    emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json)
 
 
+def _measurement_summary(m, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from parsim.units import GiB, MS
+
+    con = Console()
+    color = "green" if m.status == "ok" else "red"
+    con.print(f"[bold]{title}[/bold] plan {m.plan_id}: [{color}]{m.status}[/{color}] {m.error}")
+    if m.status != "ok":
+        return
+    if m.step_times_s:
+        con.print(f"step time median {m.median_step_time_s / MS:.1f} ms over {len(m.step_times_s)} steps "
+                  f"(p90 {m.provenance.get('step_time_p90_s', 0) / MS:.1f} ms), "
+                  f"{m.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; losses {', '.join(f'{x:.4f}' for x in m.losses)}")
+    if m.peak_memory_bytes is not None:
+        t = Table(title=f"peak memory {m.peak_memory_bytes / GiB:.3f} GiB ({m.provenance.get('memory_source', '')})")
+        t.add_column("component")
+        t.add_column("GiB", justify="right")
+        for k, v in m.memory_breakdown_bytes.items():
+            t.add_row(k, f"{v / GiB:.3f}")
+        con.print(t)
+    c = Table(title="collectives per step (rank 0, input bytes)")
+    c.add_column("collective/axis")
+    c.add_column("bytes", justify="right")
+    for k, v in sorted(m.comm_bytes.items()):
+        c.add_row(k, f"{v:,.0f}")
+    con.print(c)
+
+
+@app.command()
+@guarded
+@plan_options
+def run(
+    flags: dict,
+    nproc_per_node: int = typer.Option(..., "--nproc-per-node", help="processes (GPUs, or CPU ranks with gloo)"),
+    steps: int = typer.Option(5, "--steps", help="timed steps"),
+    warmup: int = typer.Option(2, "--warmup", help="untimed steps first (collectives and memory are measured here)"),
+    timeout: float = typer.Option(600.0, "--timeout", help="seconds before a hung run is killed and recorded"),
+    out: Optional[str] = typer.Option(None, "--out", help="write the Measurement JSON here"),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", help="passed to torchrun (multi-node)"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="passed to torchrun"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="passed to torchrun"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu to force gloo on a GPU machine"),
+    param_dtype: Optional[str] = typer.Option(None, "--param-dtype", help="float32 | bfloat16 (default bfloat16)"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Run a plan for real under torchrun (gloo on CPU, NCCL on GPUs) and measure it."""
+    import dataclasses
+
+    from parsim.errors import ParsimError
+
+    spec, plan, _ = build_plan(flags)
+    if param_dtype:
+        plan = dataclasses.replace(plan, param_dtype=param_dtype)
+    world = plan.world_size
+    n_nodes = int(nnodes.split(":")[-1]) if nnodes else 1
+    if nproc_per_node * n_nodes != world:
+        raise ParsimError(f"the plan needs {world} ranks, --nproc-per-node x nodes = {nproc_per_node} x {n_nodes}")
+    from parsim.executor.launch import run_plan
+
+    extra = []
+    if nnodes:
+        extra.append(f"--nnodes={nnodes}")
+    if rdzv_endpoint:
+        extra += [f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-backend=c10d"]
+    if node_rank is not None:
+        extra.append(f"--node-rank={node_rank}")
+    m = run_plan(flags["model"], plan, nproc_per_node, steps=steps, warmup=warmup, timeout_s=timeout, out=out,
+                 torchrun_args=extra, device=device)
+    if as_json:
+        emit_json(m.to_dict())
+    else:
+        _measurement_summary(m, f"{spec.name} {plan.describe()}")
+
+
+@app.command()
+@guarded
+@plan_options
+def trace(
+    flags: dict,
+    rank: int = typer.Option(0, "--rank", help="which rank to trace"),
+    out: Optional[str] = typer.Option(None, "--out", help="write the Measurement JSON here"),
+    compare: bool = typer.Option(False, "--compare", help="print the prediction beside the trace"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Trace one training step of a plan at full scale in one CPU process (fake process group + FakeTensorMode)."""
+    from parsim.errors import ParsimError
+    from parsim.executor.trace import trace_plan
+    from parsim.jsonio import atomic_write_json
+
+    spec, plan, hw = build_plan(flags)
+    if not 0 <= rank < plan.world_size:
+        raise ParsimError(f"--rank {rank} is outside the world of {plan.world_size} ranks")
+    m = trace_plan(spec, plan, rank=rank)
+    if out:
+        atomic_write_json(out, m.to_dict())
+    pred = None
+    if compare:
+        from parsim.costmodel import predict as _predict
+
+        pred = _predict(spec, plan, hw)
+    if as_json:
+        d = m.to_dict()
+        if pred is not None:
+            d["prediction"] = pred.to_dict()
+        emit_json(d)
+        return
+    _measurement_summary(m, f"trace {spec.name} {plan.describe()} rank {rank}")
+    if pred is not None:
+        from parsim.report import print_comparison
+
+        print_comparison(pred, m)
+
+
 def main():
     app()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .results import Prediction
+from .results import Measurement, Prediction
 from .units import GiB, MS
 
 
@@ -41,3 +41,25 @@ def print_prediction(pred: Prediction, spec, plan) -> None:
     con.print(f"{fit}: peak {pred.peak_memory_bytes / GiB:.2f} GiB of {pred.memory_capacity_bytes / GiB:.2f} GiB usable; "
               f"step {pred.step_time_s / MS:.1f} ms, {pred.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
               f"MFU {pred.mfu * 100:.1f}%, dominant cost {pred.dominant_cost}")
+
+
+def comparison_rows(pred: Prediction, meas: Measurement) -> list[tuple[str, float, float]]:
+    """(quantity, predicted, measured) for peak memory and every collective either side has."""
+    rows = [("peak_memory_bytes", pred.peak_memory_bytes, meas.peak_memory_bytes or 0.0)]
+    for k in sorted(set(pred.comm_bytes) | set(meas.comm_bytes)):
+        rows.append((k, float(pred.comm_bytes.get(k, 0.0)), float(meas.comm_bytes.get(k, 0.0))))
+    if meas.median_step_time_s:
+        rows.append(("step_time_s", pred.step_time_s, meas.median_step_time_s))
+    return rows
+
+
+def print_comparison(pred: Prediction, meas: Measurement) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"prediction vs {meas.kind} (plan {pred.plan_id})")
+    for c in ("quantity", "predicted", "measured", "diff"):
+        t.add_column(c, justify="left" if c == "quantity" else "right")
+    for k, p, m in comparison_rows(pred, meas):
+        diff = f"{100.0 * (p - m) / m:+.2f}%" if m else "-"
+        t.add_row(k, f"{p:,.0f}" if p >= 1000 else f"{p:.4g}", f"{m:,.0f}" if m >= 1000 else f"{m:.4g}", diff)
+    _console().print(t)

@@ -113,7 +113,9 @@ def rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local,
     out_gathers = fwd_rounds * (1.0 + b.raf_always)
     f = fsdp.astype(float)
     ef = efsdp.astype(float)
-    ag_ne_bytes = ga * (gathers * (ne_layers + emb_local) + out_gathers * out_local) / f * pb
+    # the final norm sits in the root FSDP unit (gathered like a block); the output projection is its own unit
+    norm_local = np.where(has_out, float(spec.d_model * (2 if spec.norm == "layernorm" else 1)), 0.0)
+    ag_ne_bytes = ga * (gathers * (ne_layers + emb_local + norm_local) + out_gathers * (out_local - norm_local)) / f * pb
     rs_ne_bytes = ga * (ne_layers + emb_local + out_local) * rb
     lay = np.maximum(n_layers, 1.0)
     fsdp_times = {}
@@ -134,7 +136,8 @@ def rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local,
     # gradient-norm all-reduces (4 bytes, once per step)
     one = np.ones(n)
     for axis, g, r, mask in (("dp_shard", fsdp, rpn["fsdp"], ~fsdp_axis_cp), ("dp_shard+cp", fsdp, rpn["fsdp"], fsdp_axis_cp),
-                             ("tp", b.tp, rpn["tp"], True), ("pp", b.pp, rpn["pp"], True)):
+                             ("tp", b.tp, rpn["tp"], True), ("pp", b.pp, rpn["pp"], True),
+                             ("ep", b.ep, rpn["ep"], True)):  # experts' norm summed over EP ranks
         add("all_reduce", axis, 4.0 * one, one, g, r, mask)
 
     ag_total = sum(v[0] for v in fsdp_times.values()) + ex_ag

@@ -187,9 +187,13 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
         inflight = _inflight(b, rank)
         base = {"parameters": p_shard * 4.0, "optimizer_states": p_shard * 8.0}
         # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
-        # earlier passes; with PP the peak is the first backward of the step (most microbatches in flight), when
-        # nothing has accumulated yet
-        grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, 0.0)
+        # earlier passes; with PP, once the schedule reaches its steady state (more microbatches than in flight,
+        # 1F1B / interleaved) the unsharded grads accumulated in reduce_dtype — the embedding's at full vocabulary
+        # size — sit beside a full set of in-flight activations; before that (or with GPipe) nothing has
+        # accumulated yet
+        accumulated = (ne_local + ex_local - emb_local) * rb + np.where(has_emb, V * d * rb, 0.0)
+        steady = (b.pp > 1) & (b.sched != SCHED_GPIPE) & (m_pass > inflight)
+        grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, np.where(steady, accumulated, 0.0))
         sharded = (fsdp > 1) | (efsdp > 1)
         layer_w = (ne_local + ex_local - emb_local - out_local) / lay  # one block's weights on this rank
         keep_all = (ne_local + ex_local) * pb  # reshard_after_forward off: the whole stage stays unsharded
@@ -216,7 +220,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
             # vocabulary size, beside the other blocks' accumulated grads, while the other in-flight microbatches
             # keep their activations
             "end of backward": dict(base,
-                                    gradients=np.where(b.pp > 1, (ne_local + ex_local - emb_local) * rb,
+                                    gradients=np.where(b.pp > 1, accumulated - np.where(has_emb, V * d * rb, 0.0),
                                                        np.maximum(grads_prev, p_shard * 4.0)),
                                     fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),
                                     fsdp_grad_buffers=np.where(has_emb, V * d * pb + np.where(b.pp > 1, V * d * rb,

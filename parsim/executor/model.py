@@ -151,6 +151,9 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(spec, m.d_ff_expert * m.n_shared_experts) if m.n_shared_experts else None
         self.ep_group = None  # set by apply_ep
         self.ep_size = 1
+        # traces (fake tensors) cannot follow data-dependent routing: route a balanced, static share instead
+        # (tokens x top_k / n_experts per expert, the capacity-factor-1 case the cost model assumes)
+        self.static_routing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -158,14 +161,20 @@ class MoE(nn.Module):
         scores = F.softmax(self.router(h).float(), dim=-1)
         top_w, top_i = scores.topk(self.top_k, dim=-1)
         top_w = (top_w / top_w.sum(-1, keepdim=True)).to(h.dtype)
-        flat = top_i.reshape(-1)
-        order = flat.argsort(stable=True)
+        n_routed = h.shape[0] * self.top_k
+        if self.static_routing:
+            order = torch.arange(n_routed, device=h.device)
+            per, rem = divmod(n_routed, self.n_experts)
+            counts = [per + (1 if e < rem else 0) for e in range(self.n_experts)]
+        else:
+            flat = top_i.reshape(-1)
+            order = flat.argsort(stable=True)
+            counts = torch.bincount(flat, minlength=self.n_experts).tolist()
         tokens = h[order // self.top_k]
-        counts = torch.bincount(flat, minlength=self.n_experts)
         if self.ep_size > 1:
             out = self._ep_forward(tokens, counts)
         else:
-            out = self.experts(tokens, counts.tolist())
+            out = self.experts(tokens, counts)
         combined = torch.zeros_like(h).index_add_(0, order // self.top_k,
                                                   out * top_w.reshape(-1)[order].unsqueeze(-1))
         y = combined.view(b, s, d)
@@ -173,21 +182,25 @@ class MoE(nn.Module):
             y = y + self.shared_experts(x)
         return y
 
-    def _ep_forward(self, tokens, counts):
+    def _ep_forward(self, tokens, counts: list[int]):
         from torch.distributed._functional_collectives import all_to_all_single_autograd
         import torch.distributed as dist
 
         ep, g = self.ep_size, self.ep_group
         n_local = self.n_experts // ep
         # how many tokens each EP rank receives from us, and how many we receive from each EP rank, per expert
-        send_counts = counts.view(ep, n_local)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=g)
-        in_splits = send_counts.sum(1).tolist()
-        out_splits = recv_counts.sum(1).tolist()
+        sc = [counts[r * n_local:(r + 1) * n_local] for r in range(ep)]
+        if self.static_routing:  # every rank sends the same balanced counts
+            rc = [list(row) for row in sc]
+        else:
+            send_t = torch.tensor(sc, device=tokens.device)
+            recv_t = torch.empty_like(send_t)
+            dist.all_to_all_single(recv_t, send_t, group=g)
+            rc = recv_t.tolist()
+        in_splits = [sum(row) for row in sc]
+        out_splits = [sum(row) for row in rc]
         recv = all_to_all_single_autograd(tokens, out_splits, in_splits, g)
         # received chunks are ordered by source rank, then local expert: regroup by local expert
-        rc = recv_counts.tolist()
         pieces = torch.split(recv, [c for row in rc for c in row])
         by_expert = [pieces[r * n_local + e] for e in range(n_local) for r in range(ep)]
         per_expert = [sum(rc[r][e] for r in range(ep)) for e in range(n_local)]

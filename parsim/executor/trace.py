@@ -11,7 +11,8 @@ Pipeline parallel: the schedule's point-to-point exchange needs real peers, so t
 part of the schedule itself: forwards in schedule order with at most W chunk-microbatches in flight (W from the
 schedule: 1F1B ``pp - rank``, GPipe all, Interleaved1F1B torch's warm-up + 1), backwards oldest first, gradient
 sync only on the last backward (as torch.distributed.pipelining drives FSDP). PP sends are recorded from the
-sizes of the tensors the stage would send. torch.compile is not applied in traces (it changes no parameter or
+sizes of the tensors the stage would send. MoE routing is static and balanced in traces (fake tensors cannot
+follow data-dependent token counts). torch.compile is not applied in traces (it changes no parameter or
 collective; inductor's fusion would change activation memory, which the trace then overstates).
 """
 
@@ -49,6 +50,9 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
     try:
         with torch.device("meta"):
             model = Transformer(spec, plan.seq_len)
+        for mod in model.modules():
+            if hasattr(mod, "static_routing"):
+                mod.static_routing = True
         meshes = Meshes(traced, "cpu")
         parts, stage_ids = apply_plan(model, traced, meshes)
         with FakeTensorMode(allow_non_fake_inputs=True):
