@@ -192,7 +192,9 @@ def search(
     emit_torchtitan: Optional[str] = typer.Option(None, "--emit-torchtitan", help="write the best plan as a "
                                                   "torchtitan TOML job config"),
     csv: Optional[str] = typer.Option(None, "--csv", help="write every evaluated plan to this CSV"),
-    execute: int = typer.Option(0, "--execute", help="run the top K plans with the executor"),
+    execute: int = typer.Option(0, "--execute", help="run the top K plans with the executor on this machine"),
+    execute_out: Optional[str] = typer.Option(None, "--execute-out", help="write predictions and measurements "
+                                              "of --execute to this JSON"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
 ):
     """Search every plan for a model on N GPUs and rank them by predicted step time."""
@@ -205,8 +207,8 @@ def search(
     hw = load_profile(flags["profile"])
     gpus = flags["gpus"] or 8
     gbs = flags["global_batch_size"] or gpus
-    if execute:
-        raise ParsimError("--execute needs the executor (parsim run), which this build does not have yet")
+    if execute < 0:
+        raise ParsimError("--execute takes K >= 0")
     ac = tuple(a.strip() for a in ac_modes.split(",")) if ac_modes else \
         ((flags["ac"],) if flags["ac"] != "none" else None)
     kw = dict(global_batch_size=gbs, seq_len=flags["seq_len"], max_tp=max_tp, max_pp=max_pp,
@@ -227,7 +229,8 @@ def search(
     from cli.views import run_search_cli
 
     run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,
-                   emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json)
+                   emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json, execute=execute,
+                   model_arg=flags["model"], execute_out=execute_out)
 
 
 def _measurement_summary(m, title: str) -> None:

@@ -60,7 +60,8 @@ class CsvSink:
             os.unlink(self.tmp)
 
 
-def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torchtitan, csv_path, as_json):
+def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torchtitan, csv_path, as_json,
+                   execute=0, model_arg=None, execute_out=None):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
@@ -94,12 +95,17 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         atomic_write_json(emit_plan, best.to_dict())
     if emit_torchtitan and best:
         _atomic_text(emit_torchtitan, to_torchtitan_toml(best, spec))
+    executed = _execute(spec, hw, res, execute, model_arg or spec.name, err) if execute else []
+    if execute_out and executed:
+        atomic_write_json(execute_out, executed)
     if as_json:
         from cli.main import emit_json
 
         d = result_to_dict(res, spec, hw, gpus, space, top)
         if explain:
             d["explain"] = _explain_dict(spec, hw, res, explain)
+        if executed:
+            d["executed"] = executed
         emit_json(d)
         return
     con.print(f"[bold]{spec.name}[/bold] on {gpus} x {hw.device_name} [{hw.name}], global batch "
@@ -142,6 +148,8 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     con.print(pt)
     if explain:
         _print_explain(con, spec, hw, res, explain)
+    if executed:
+        _print_executed(con, executed)
     if emit_plan:
         con.print(f"wrote plan #1 ({best.plan_id}) to {emit_plan}")
     if emit_torchtitan:
@@ -197,3 +205,44 @@ def _print_explain(con, spec, hw, res, n):
         worst = max(v["time_delta_s"], key=lambda k: v["time_delta_s"][k])
         diffs.append(f"#{v['rank']} loses most on {worst} (+{v['time_delta_s'][worst] / MS:.1f} ms)")
     con.print("; ".join(diffs))
+
+
+def _execute(spec, hw, res, k, model_arg, err) -> list[dict]:
+    """Run the top-k plans with the executor on this machine: CUDA when it has enough GPUs, else gloo on CPU."""
+    from parsim.costmodel import predict
+    from parsim.errors import ParsimError
+
+    try:
+        import torch
+    except ImportError:
+        raise ParsimError("--execute needs torch installed (pip install torch)") from None
+    from parsim.executor.launch import run_plan
+
+    out = []
+    for i, (plan, *_rest) in enumerate(res.top[:k], 1):
+        n = plan.world_size
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= n
+        if not cuda and n > 8:
+            err.print(f"plan #{i} needs {n} ranks; this machine runs at most 8 CPU ranks: skipped")
+            continue
+        err.print(f"executing plan #{i} ({plan.describe()}) on {n} {'GPUs' if cuda else 'CPU ranks (gloo)'} ...")
+        m = run_plan(model_arg, plan, n, steps=5, warmup=2, timeout_s=900, device=None if cuda else "cpu")
+        out.append({"rank": i, "prediction": predict(spec, plan, hw).to_dict(), "measurement": m.to_dict()})
+    return out
+
+
+def _print_executed(con, executed):
+    from rich.table import Table
+
+    t = Table(title="executed: prediction beside measurement")
+    for c in ("#", "plan", "status", "pred step ms", "meas step ms", "diff", "pred mem GiB", "meas mem GiB", "diff"):
+        t.add_column(c, justify="left" if c in ("plan", "status") else "right")
+    for e in executed:
+        p, m = e["prediction"], e["measurement"]
+        ms, mm = m.get("median_step_time_s"), m.get("peak_memory_bytes")
+        t.add_row(str(e["rank"]), p["plan_id"], m["status"] + (f" {m['error'][:40]}" if m["error"] else ""),
+                  f"{p['step_time_s'] / MS:.1f}", f"{ms / MS:.1f}" if ms else "-",
+                  f"{100 * (p['step_time_s'] - ms) / ms:+.0f}%" if ms else "-",
+                  f"{p['peak_memory_bytes'] / GiB:.3f}", f"{mm / GiB:.3f}" if mm else "-",
+                  f"{100 * (p['peak_memory_bytes'] - mm) / mm:+.1f}%" if mm else "-")
+    con.print(t)

@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 from parsim.costmodel import predict  # noqa: E402
 from parsim.executor.launch import run_plan  # noqa: E402
 from parsim.executor.reference import reference_losses  # noqa: E402
-from parsim.executor.trace import trace_plan  # noqa: E402
+from parsim.executor.trace import trace_in_subprocess as trace_plan  # noqa: E402
 from parsim.hardware import load_profile  # noqa: E402
 from parsim.plan import Plan  # noqa: E402
 from parsim.spec import PRESETS  # noqa: E402

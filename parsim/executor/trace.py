@@ -156,3 +156,37 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends):
                 backward_oldest()
         while inflight:
             backward_oldest()
+
+
+def trace_in_subprocess(spec: ModelSpec, plan: Plan, rank: int = 0, timeout_s: float = 1800.0) -> Measurement:
+    """``trace_plan`` in a fresh interpreter. torch keeps state of a fake world after destroy_process_group
+    (a second trace in one process failed: "Could not resolve the process group registered under the name
+    201"), so callers that trace several plans (tests, benchmarks) isolate each one."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from ..jsonio import read_json
+
+    with tempfile.TemporaryDirectory(prefix="parsim-trace-") as tmp:
+        inp, out = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
+        with open(inp, "w") as f:
+            json.dump({"spec": spec.to_dict(), "plan": plan.to_dict(), "rank": rank}, f)
+        proc = subprocess.run([sys.executable, "-m", "parsim.executor.trace", inp, out], capture_output=True,
+                              text=True, timeout=timeout_s)
+        if not os.path.exists(out):
+            return Measurement(plan_id=plan.plan_id, kind="trace", status="error",
+                               error=f"trace process exited {proc.returncode}: {proc.stderr[-1500:]}")
+        return Measurement.from_dict(read_json(out, "bad trace output"))
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ..jsonio import atomic_write_json, read_json
+
+    job = read_json(sys.argv[1], "bad trace input")
+    result = trace_plan(ModelSpec.from_dict(job["spec"]), Plan.from_dict(job["plan"]), rank=job["rank"])
+    atomic_write_json(sys.argv[2], result.to_dict())
