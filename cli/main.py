@@ -348,6 +348,40 @@ def trace(
         print_comparison(pred, m)
 
 
+@app.command()
+@guarded
+def profile(
+    nproc_per_node: int = typer.Option(..., "--nproc-per-node", help="ranks (GPUs, or CPU ranks with gloo)"),
+    out: str = typer.Option(..., "--out", help="profile name: writes profiles/NAME.json and NAME.samples.csv"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted profile"),
+    min_bytes: int = typer.Option(0, "--min-bytes", help="smallest message (default 1 KiB)"),
+    max_bytes: int = typer.Option(0, "--max-bytes", help="largest message (default 16 MiB on CPU, 1 GiB on GPU)"),
+    factor: int = typer.Option(4, "--factor", help="geometric step of the message sizes"),
+    ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,send", "--ops"),
+    model: str = typer.Option("tiny", "--model", help="model whose block is timed (and GEMM shapes taken)"),
+    seq_len: int = typer.Option(512, "--seq-len"),
+    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="default: the profiles/ folder"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu to profile gloo on a GPU machine"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Measure collectives and compute on this machine, fit them, and write a hardware profile."""
+    from parsim.profiler.run import profile as _profile
+
+    if factor < 2:
+        from parsim.errors import ParsimError
+
+        raise ParsimError(f"--factor must be >= 2, got {factor}")
+    hw = _profile(out, nproc_per_node, resume=resume, min_bytes=min_bytes, max_bytes=max_bytes, factor=factor,
+                  ops=ops, model=model, seq_len=seq_len, out_dir=out_dir, device=device,
+                  log=lambda m: typer.echo(m, err=True))
+    if as_json:
+        emit_json(hw.to_dict())
+        return
+    from parsim.report import print_profile
+
+    print_profile(hw)
+
+
 def main():
     app()
 

@@ -125,6 +125,7 @@ class HardwareProfile:
     collectives: tuple = ()  # CollectiveFit, measured
     float8_gemm_efficiency: EfficiencyCurve | None = None
     compile_memory_bound_factor: float = 0.5  # memory-bound time with torch.compile (fusion), fraction of eager
+    comm_overlap: bool = True  # collectives run beside compute (NCCL streams); gloo on CPU blocks the rank
     samples: dict = field(default_factory=dict)  # raw measurements (or a path to them), kept for refits
     corrections: dict = field(default_factory=dict)  # multiplicative corrections fitted by calibrate
     source: str = "spec-sheet"  # spec-sheet | measured

@@ -63,3 +63,23 @@ def print_comparison(pred: Prediction, meas: Measurement) -> None:
         diff = f"{100.0 * (p - m) / m:+.2f}%" if m else "-"
         t.add_row(k, f"{p:,.0f}" if p >= 1000 else f"{p:.4g}", f"{m:,.0f}" if m >= 1000 else f"{m:.4g}", diff)
     _console().print(t)
+
+
+def print_profile(hw) -> None:
+    from rich.table import Table
+
+    con = _console()
+    t = Table(title=f"{hw.name}: fitted collectives (t = latency + S x busbw factor / busbw)")
+    for c in ("op", "group", "per node", "from bytes", "latency us", "busbw GB/s", "median rel. residual", "points"):
+        t.add_column(c, justify="left" if c == "op" else "right")
+    for f in hw.collectives:
+        t.add_row(f.op, str(f.group_size), str(f.ranks_per_node), f"{f.min_bytes:,.0f}", f"{f.latency_s * 1e6:.1f}",
+                  "latency-bound" if f.busbw_bytes_per_s > 1e14 else f"{f.busbw_bytes_per_s / 1e9:.3f}",
+                  f"{f.rel_residual * 100:.1f}%", str(f.n_samples))
+    con.print(t)
+    res = hw.samples.get("fit_residuals", {})
+    peaks = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in hw.peak_flops.items())
+    con.print(f"compute: {peaks}; GEMM x_half {hw.gemm_efficiency.x_half:.3g} FLOP (residual "
+              f"{res.get('gemm', 0) * 100:.1f}%), attention x_half {hw.attention_efficiency.x_half:.3g} (residual "
+              f"{res.get('attention', 0) * 100:.1f}%), memory {hw.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s "
+              f"(residual {res.get('elementwise', 0) * 100:.1f}%); took {hw.provenance.get('wall_s', 0):.0f} s")

@@ -6,8 +6,9 @@ Bytes follow parsim's convention: the input tensors one rank hands to the collec
   the bf16 shard (``params/fsdp * param_bytes``), a backward re-gather when the unit was resharded after forward,
   one reduce-scatter of the unsharded gradient in ``reduce_dtype`` per pass, and for HSDP an all-reduce of the
   sharded gradient over ``dp_replicate``. torchtitan keeps the output unit unsharded after forward unless
-  reshard_after_forward is ``always``. With PP, FSDP gathers once per pass and reduces at the last microbatch
-  unless it reshards after every forward.
+  reshard_after_forward is ``always``. With PP, FSDP gathers once for the forwards and once for the backwards of
+  a pass (measured with torch.distributed.pipelining) and reduces at the last microbatch, unless it reshards
+  after every forward (then per microbatch).
 * TP with sequence parallel, per layer and microbatch: forward 2 all-gathers (T*d/tp) before the column-parallel
   linears and 2 reduce-scatters (T*d) after the row-parallel ones; backward the mirror image; without SP, 2
   all-reduces (T*d) each way (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022). Recompute repeats the
@@ -73,8 +74,18 @@ def rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local,
     ag_calls = ag_calls + np.where(has_emb, 1.0, 0.0) + np.where(has_out, 1.0, 0.0)
     rs_calls = rs_calls + np.where(has_emb, 1.0, 0.0) + np.where(has_out, 1.0, 0.0)
     ar_calls = ar_calls + np.where(has_emb, 1.0, 0.0) + np.where(has_out, 1.0, 0.0)
-    per_mb["tp"] += add("all_gather", "tp", T * d / t * TWO, M * ag_calls, g_tp, r_tp, tp_on & sp) / np.maximum(M, 1)
-    per_mb["tp"] += add("reduce_scatter", "tp", T * d * TWO, M * rs_calls, g_tp, r_tp, tp_on & sp) / np.maximum(M, 1)
+    # activations are bf16 under FSDP mixed precision. Under autocast (no data parallelism) the residual stream
+    # is fp32: the forward all-gathers of norm outputs (and their recomputes), the embedding's backward all-gather
+    # and the reduce-scatters of their gradients move fp32; the forward reduce-scatters of matmul outputs and the
+    # backward all-gathers of their (bf16) gradients move bf16 (matched byte for byte on CPU runs)
+    res = sh.res_b
+    edge = np.where(has_emb, 1.0, 0.0) + np.where(has_out, 1.0, 0.0)
+    ag_res_calls = 2.0 * n_layers + 2.0 * (n_full + n_sac) + edge
+    rs_res_calls = 2.0 * n_layers + edge
+    ag_b = (ag_res_calls * res + (ag_calls - ag_res_calls) * TWO) / np.maximum(ag_calls, 1)
+    rs_b = (rs_res_calls * res + (rs_calls - rs_res_calls) * TWO) / np.maximum(rs_calls, 1)
+    per_mb["tp"] += add("all_gather", "tp", T * d / t * ag_b, M * ag_calls, g_tp, r_tp, tp_on & sp) / np.maximum(M, 1)
+    per_mb["tp"] += add("reduce_scatter", "tp", T * d * rs_b, M * rs_calls, g_tp, r_tp, tp_on & sp) / np.maximum(M, 1)
     per_mb["tp"] += add("all_reduce", "tp", T * d * TWO, M * ar_calls, g_tp, r_tp, tp_on & ~sp) / np.maximum(M, 1)
     # SP: the norm weights are replicated over tp but see only their sequence shard: their gradients (param dtype)
     # are all-reduced over tp when FSDP syncs gradients, once per pass (traced) — two norms per layer and the
@@ -109,7 +120,9 @@ def rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local,
     ne_layers = sum(n_of[k] * plocal[k][0] for k in kinds)
     ex_layers = sum(n_of[k] * plocal[k][1] for k in kinds)
     fwd_rounds = np.where((b.pp > 1) & b.raf, m_pass, 1.0)
-    gathers = fwd_rounds * (1.0 + b.raf)
+    # with PP and no reshard-after-forward, torch's schedules still re-gather once for the backward phase
+    # (measured: 2 gathers per unit and pass for 2 and for 4 microbatches)
+    gathers = fwd_rounds * (1.0 + (b.raf | (b.pp > 1)))
     out_gathers = fwd_rounds * (1.0 + b.raf_always)
     f = fsdp.astype(float)
     ef = efsdp.astype(float)
@@ -161,4 +174,5 @@ def rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local,
         "fsdp_reduce_layer_s": red_layer,
         "fsdp_ag_first_s": ag_layer,
         "fsdp_share": share,
+        "fsdp_total_s": total,
     }

@@ -67,6 +67,9 @@ class Shapes:
         self.T = (b.micro_batch_size * b.seq_len / b.cp).astype(float)
         self.t = b.tp.astype(float)
         self.sp_div = np.where(b.sp, self.t, 1.0)
+        # without data parallelism FSDP applies no mixed precision: autocast keeps the residual stream (block
+        # inputs, norm inputs) in fp32 while matmuls produce bf16
+        self.res_b = np.where((b.dp_replicate * b.dp_shard * b.cp == 1) & (b.param_bytes < 4), 4.0, 2.0)
         self.seq = b.seq_len.astype(float)
         self.etp = b.etp_eff.astype(float)
         self.ep = b.ep.astype(float)
@@ -117,8 +120,9 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     T, t, sd = sh.T, sh.t, sh.sp_div
     d = spec.d_model
     b2, b4 = 2.0, 4.0
+    rb = sh.res_b
     out = [
-        ("attention_norm.input", T * d / sd * b2, "input"),
+        ("attention_norm.input", T * d / sd * rb, "input"),
         ("attention_norm.rstd", T / sd * b4, "other"),
         ("attention_norm.output(gathered)", T * d * b2, "other"),
     ]
@@ -143,7 +147,7 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
         ("wo.out", T * d * b2, "mm"),
     ]
     out += [("wo.reduce_scatter.out", np.where(sd > 1, T * d / sd * b2, 0.0), "rs"),
-            ("ffn_norm.input", T * d / sd * b2, "other"), ("ffn_norm.rstd", T / sd * b4, "other"),
+            ("ffn_norm.input", T * d / sd * rb, "other"), ("ffn_norm.rstd", T / sd * b4, "other"),
             ("ffn_norm.output(gathered)", T * d * b2, "other")]
     if not moe:
         out += _mlp_saved(spec, T, spec.d_ff / t, "mlp", T * d * b2)

@@ -123,8 +123,15 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends):
             width = min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank)) + 1
         inflight = []
         n_back = [0] * len(parts)
+        first_backward = [True]
 
         def backward_oldest():
+            if first_backward[0]:  # torch's schedules re-gather once for the backward phase (as measured)
+                first_backward[0] = False
+                for part in parts:
+                    for mod in part.modules():
+                        if isinstance(mod, FSDPModule):
+                            mod.reshard()
             c, out, inp = inflight.pop(0)
             last_mb = n_back[c] == m - 1
             mod = parts[c]

@@ -52,15 +52,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def loss_context(plan: Plan):
-    """loss_parallel() under TP (vocab-sharded logits), else nothing."""
+def loss_context(plan: Plan, device_type: str = "cpu"):
+    """The step's contexts: loss_parallel() under TP (vocab-sharded logits), and, when no FSDP applies mixed
+    precision (no data parallelism), torch.autocast to the plan's param dtype as torchtitan does."""
     import contextlib
 
+    stack = contextlib.ExitStack()
     if plan.tp > 1:
         from torch.distributed.tensor.parallel import loss_parallel
 
-        return loss_parallel()
-    return contextlib.nullcontext()
+        stack.enter_context(loss_parallel())
+    if plan.dp_replicate * plan.dp_shard * plan.cp == 1 and plan.param_dtype != "float32":
+        stack.enter_context(torch.autocast(device_type, dtype=getattr(torch, plan.param_dtype)))
+    return stack
 
 
 def clip_and_step(params, opt, pp_group=None, ep_group=None, expert_ids=frozenset()):
@@ -166,7 +170,7 @@ def _run(args, device, rank, world) -> dict:
 
     def step(i: int) -> torch.Tensor:
         """One training step; returns this rank's share of the loss (reduced outside any counter)."""
-        with loss_context(plan):
+        with loss_context(plan, device.type):
             return _step(i)
 
     def _step(i: int) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""Compute benchmarks in one process: GEMMs, attention (SDPA forward + backward), memory-bound elementwise
+kernels, the AdamW step, and one real transformer block of a ModelSpec forward + backward.
+
+On CPU each torchrun rank runs with OMP_NUM_THREADS=1, so the benchmarks run with ``threads`` (default 1) to
+measure what one rank gets. Times are medians of ``reps`` after warm-up (CUDA: synchronized).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def _time(fn, reps: int, cuda: bool) -> float:
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def gemm_samples(device, dtype, shapes, reps=5) -> list[dict]:
+    cuda = device.type == "cuda"
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        t = _time(lambda: a @ b, reps, cuda)
+        out.append({"kind": "gemm", "m": m, "n": n, "k": k, "dtype": str(dtype).replace("torch.", ""),
+                    "flops": 2.0 * m * n * k, "time_s": t})
+    return out
+
+
+def attention_samples(device, dtype, shapes, reps=3) -> list[dict]:
+    """SDPA causal forward and backward; flops counted as the cost model does (causal half)."""
+    cuda = device.type == "cuda"
+    out = []
+    for b, h, s, d in shapes:
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        t_f = _time(fwd, reps, cuda)
+
+        def fb():
+            o = fwd()
+            o.backward(torch.ones_like(o))
+
+        t_fb = _time(fb, reps, cuda)
+        flops = 2.0 * b * h * s * s * d  # QK^T and AV, causal half: 2 * (2 * b*h*s*s*d) / 2
+        out.append({"kind": "attention", "b": b, "h": h, "s": s, "d": d, "dtype": str(dtype).replace("torch.", ""),
+                    "flops": flops, "time_fwd_s": t_f, "time_bwd_s": max(t_fb - t_f, 1e-9)})
+    return out
+
+
+def memory_samples(device, sizes_elems, reps=5) -> list[dict]:
+    cuda = device.type == "cuda"
+    out = []
+    for n in sizes_elems:
+        x = torch.randn(n, device=device)
+        y = torch.empty_like(x)
+        t = _time(lambda: torch.mul(x, 2.0, out=y), reps, cuda)
+        out.append({"kind": "elementwise", "elements": n, "bytes": 2.0 * n * 4, "time_s": t})
+    return out
+
+
+def optimizer_samples(device, sizes_params, reps=3) -> list[dict]:
+    cuda = device.type == "cuda"
+    out = []
+    for n in sizes_params:
+        p = torch.nn.Parameter(torch.randn(n, device=device))
+        p.grad = torch.randn(n, device=device)
+        opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+        t = _time(opt.step, reps, cuda)
+        out.append({"kind": "adamw", "params": n, "time_s": t})
+    return out
+
+
+def block_sample(spec, tokens: int, seq_len: int, device, dtype, reps=3) -> dict:
+    """Forward + backward of one real block of ``spec`` on ``tokens`` tokens (batch = tokens / seq_len)."""
+    from ..executor.model import Block, rope_cache
+
+    cuda = device.type == "cuda"
+    blk = Block(spec, 0).to(device=device, dtype=dtype)
+    rope = rope_cache(spec.head_dim, seq_len).to(device)
+    x = torch.randn(max(1, tokens // seq_len), seq_len, spec.d_model, device=device, dtype=dtype, requires_grad=True)
+    t_f = _time(lambda: blk(x, rope), reps, cuda)
+
+    def fb():
+        blk(x, rope).sum().backward()
+
+    t_fb = _time(fb, reps, cuda)
+    return {"kind": "block", "model": spec.name, "tokens": tokens, "seq_len": seq_len,
+            "dtype": str(dtype).replace("torch.", ""), "time_fwd_s": t_f, "time_fwd_bwd_s": t_fb}
+
+
+def run_compute(device, spec=None, seq_len=512, threads: int | None = 1, quick=False) -> list[dict]:
+    if device.type == "cpu" and threads:
+        torch.set_num_threads(threads)
+    cpu = device.type == "cpu"
+    dtype = torch.bfloat16 if not cpu else torch.float32
+    sq = [128, 256, 512, 1024] if cpu else [256, 512, 1024, 2048, 4096, 8192]
+    shapes = [(s, s, s) for s in sq]
+    if spec is not None:
+        t = seq_len
+        shapes += [(t, spec.q_dim, spec.d_model), (t, spec.d_ff, spec.d_model), (t, spec.d_model, spec.d_ff)]
+    if quick:
+        shapes = shapes[:3]
+    out = gemm_samples(device, dtype, shapes)
+    out += gemm_samples(device, torch.bfloat16, shapes[:3]) if cpu else gemm_samples(device, torch.float32, shapes[:3])
+    att = [(1, 4, 256, 64), (1, 8, 512, 64), (1, 8, 1024, 64)] if cpu else \
+        [(1, 32, 1024, 128), (1, 32, 4096, 128), (2, 32, 8192, 128)]
+    out += attention_samples(device, dtype, att[:2] if quick else att)
+    out += memory_samples(device, [1 << 18, 1 << 20, 1 << 22] + ([] if quick else [1 << 24]))
+    out += optimizer_samples(device, [1 << 16, 1 << 20] + ([] if quick else [1 << 22]))
+    if spec is not None:
+        out.append(block_sample(spec, seq_len, seq_len, device, dtype))
+    return out

@@ -1,0 +1,71 @@
+"""Fits of measured samples (scipy): collective latency/bandwidth per (op, group size, ranks per node), and
+throughput curves for GEMM, attention and memory-bound kernels. Torch-free: it only sees numbers.
+
+Collectives follow nccl-tests: ``t = latency + S * factor(op, n) / busbw``, linear in (1, S * factor), fitted by
+non-negative least squares on *relative* errors (each row divided by the measured time) so that small messages
+count as much as large ones. When one line leaves a median relative residual above 15% and there are enough
+points, the sweep is split at the breakpoint that minimizes the summed residuals: a small-message and a
+large-message segment (e.g. a protocol switch).
+
+Compute curves: ``t = (x + x_half) / rate``, i.e. linear in x with intercept, again NNLS on relative errors;
+the fitted ``rate`` is the sustained throughput of large kernels (stored as the profile's peak) and
+``x_half`` the work at which half of it is reached: EfficiencyCurve(eff_max=1, x_half).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import nnls
+
+from ..hardware import CollectiveFit, busbw_factor
+
+
+def _nnls_rel(cols: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Solve t ~ cols @ x, x >= 0, minimizing relative errors; returns (x, relative residuals)."""
+    a = cols / t[:, None]
+    x, _ = nnls(a, np.ones_like(t))
+    pred = cols @ x
+    return x, np.abs(pred - t) / t
+
+
+def fit_line(s_bytes, t, op: str, n: int) -> tuple[float, float, float]:
+    """(latency_s, busbw_bytes_per_s, median relative residual) for one segment."""
+    s_bytes, t = np.asarray(s_bytes, float), np.asarray(t, float)
+    f = float(busbw_factor(op, n))
+    x, res = _nnls_rel(np.stack([np.ones_like(s_bytes), s_bytes * f], axis=1), t)
+    lat, inv_bw = float(x[0]), float(x[1])
+    bw = 1.0 / inv_bw if inv_bw > 0 else 1e15  # no measurable bandwidth term: latency-bound everywhere
+    return lat, bw, float(np.median(res))
+
+
+def fit_collective(op: str, n: int, rpn: int, s_bytes, t, split_above: float = 0.15,
+                   min_points: int = 3) -> list[CollectiveFit]:
+    s_bytes, t = np.asarray(s_bytes, float), np.asarray(t, float)
+    order = np.argsort(s_bytes)
+    s_bytes, t = s_bytes[order], t[order]
+    lat, bw, res = fit_line(s_bytes, t, op, n)
+    one = [CollectiveFit(op, n, rpn, lat, bw, 0.0, res, len(t))]
+    if res <= split_above or len(t) < 2 * min_points:
+        return one
+    best = None
+    for k in range(min_points, len(t) - min_points + 1):
+        l1, b1, r1 = fit_line(s_bytes[:k], t[:k], op, n)
+        l2, b2, r2 = fit_line(s_bytes[k:], t[k:], op, n)
+        score = r1 * k + r2 * (len(t) - k)
+        if best is None or score < best[0]:
+            best = (score, k, (l1, b1, r1), (l2, b2, r2))
+    _, k, (l1, b1, r1), (l2, b2, r2) = best
+    if (r1 * k + r2 * (len(t) - k)) / len(t) >= res:
+        return one
+    return [CollectiveFit(op, n, rpn, l1, b1, 0.0, r1, k),
+            CollectiveFit(op, n, rpn, l2, b2, float(s_bytes[k]), r2, len(t) - k)]
+
+
+def fit_throughput(work, t) -> tuple[float, float, float]:
+    """(rate per second, x_half, median relative residual) of ``t = (work + x_half) / rate``."""
+    work, t = np.asarray(work, float), np.asarray(t, float)
+    x, res = _nnls_rel(np.stack([work, np.ones_like(work)], axis=1), t)
+    a, c = float(x[0]), float(x[1])
+    if a <= 0:
+        a = float(np.min(t / work))
+    return 1.0 / a, c / a, float(np.median(res))

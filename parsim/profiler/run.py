@@ -1,0 +1,205 @@
+"""`parsim profile`: measure collectives (torchrun) and compute (this process), fit them, write a profile.
+
+Files: ``profiles/<name>.json`` (the HardwareProfile, source "measured", with provenance) and
+``profiles/<name>.samples.csv`` (every raw sample). Work in progress is checkpointed in
+``profiles/.<name>.partial/`` after every point; ``--resume`` continues from there instead of starting over.
+Everything is written atomically.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..errors import ParsimError
+from ..hardware import COLLECTIVE_OPS, PROFILES_DIR, EfficiencyCurve, HardwareProfile, Topology
+from ..jsonio import atomic_write_json, read_json
+from .fit import fit_collective, fit_throughput
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _atomic_text(path: Path, text: str):
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: int = 0, max_bytes: int = 0,
+            factor: int = 4, ops: str = ",".join(COLLECTIVE_OPS), model: str | None = "tiny", seq_len: int = 512,
+            out_dir: Path | None = None, timeout_s: float = 1800.0, device: str | None = None, quick=False,
+            log=print) -> HardwareProfile:
+    import torch
+
+    from ..spec import load_model
+    from .compute import run_compute
+
+    out_dir = Path(out_dir or PROFILES_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir / f".{name}.partial"
+    if partial.exists() and not resume:
+        raise ParsimError(f"an interrupted profile {name!r} exists in {partial}: pass --resume to continue it, "
+                          "or delete that folder to start over")
+    partial.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    # 1. collectives under torchrun
+    coll_f = partial / "collectives.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+           "-m", "parsim.profiler.collectives", "--out", str(coll_f), "--ops", ops, "--factor", str(factor)]
+    if min_bytes:
+        cmd += ["--min-bytes", str(min_bytes)]
+    if max_bytes:
+        cmd += ["--max-bytes", str(max_bytes)]
+    if resume:
+        cmd.append("--resume")
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if device == "cpu":
+        env["PARSIM_DEVICE"] = "cpu"
+    t_coll = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, timeout=timeout_s, stdout=None, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("W1"))[-1500:]
+        raise ParsimError(f"collective benchmark failed (exit {proc.returncode}); --resume continues: {tail}")
+    coll = read_json(coll_f, "bad collective samples")
+    t_coll = time.perf_counter() - t_coll
+    # 2. compute in this process
+    comp_f = partial / "compute.json"
+    dev = torch.device("cuda") if torch.cuda.is_available() and device != "cpu" else torch.device("cpu")
+    if resume and comp_f.exists():
+        comp = read_json(comp_f, "bad compute samples")
+    else:
+        log("measuring compute (GEMM, attention, elementwise, AdamW, one block) ...")
+        spec = load_model(model) if model else None
+        comp = {"samples": run_compute(dev, spec, seq_len, threads=1 if dev.type == "cpu" else None, quick=quick),
+                "threads": torch.get_num_threads()}
+        atomic_write_json(comp_f, comp)
+    # 3. fit and write
+    hw, fit_rows = build_profile(name, coll, comp, dev, nproc_per_node, cmdline=" ".join(sys.argv),
+                                 wall_s=time.perf_counter() - t0, coll_wall_s=t_coll)
+    hw.save(out_dir / f"{name}.json")
+    _atomic_text(out_dir / f"{name}.samples.csv", samples_csv(coll["samples"], comp["samples"]))
+    for f in partial.iterdir():
+        f.unlink()
+    partial.rmdir()
+    return hw
+
+
+def samples_csv(coll: list[dict], comp: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["kind", "op", "group_size", "group_kind", "ranks_per_node", "bytes", "dtype", "time_s",
+                "time_min_s", "time_max_s", "detail"])
+    for s in coll:
+        w.writerow(["collective", s["op"], s["group_size"], s["group_kind"], s["ranks_per_node"], s["buffer_bytes"],
+                    s["dtype"], s["time_s"], s["time_min_s"], s["time_max_s"], f"wrong={s['wrong']}"])
+    for s in comp:
+        t = s.get("time_s", s.get("time_fwd_s"))
+        detail = json.dumps({k: v for k, v in s.items() if k not in ("kind", "time_s")}, separators=(",", ":"))
+        w.writerow([s["kind"], "", "", "", "", s.get("bytes", ""), s.get("dtype", ""), t, "", "", detail])
+    return buf.getvalue()
+
+
+def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdline: str = "", wall_s: float = 0.0,
+                  coll_wall_s: float = 0.0) -> tuple[HardwareProfile, list]:
+    import torch
+
+    samples = coll["samples"]
+    if any(s["wrong"] for s in samples):
+        bad = sorted({(s["op"], s["group_size"]) for s in samples if s["wrong"]})
+        raise ParsimError(f"collectives returned wrong results for {bad}: the profile would lie, not writing it")
+    groups = {}
+    for s in samples:
+        groups.setdefault((s["op"], s["group_size"], s["ranks_per_node"]), []).append(s)
+    fits = []
+    for (op, n, rpn), ss in sorted(groups.items()):
+        # contiguous and strided groups of one size and ranks-per-node cost the same in the model: fit together
+        fits += fit_collective(op, n, rpn, [s["buffer_bytes"] for s in ss], [s["time_s"] for s in ss])
+    cs = comp["samples"]
+    main_dtype = "float32" if dev.type == "cpu" else "bfloat16"
+    g = [s for s in cs if s["kind"] == "gemm" and s["dtype"] == main_dtype]
+    rate, x_half, g_res = fit_throughput([s["flops"] for s in g], [s["time_s"] for s in g])
+    other = [s for s in cs if s["kind"] == "gemm" and s["dtype"] != main_dtype]
+    other_rate = fit_throughput([s["flops"] for s in other], [s["time_s"] for s in other])[0] if other else rate
+    att = [s for s in cs if s["kind"] == "attention"]
+    a_rate, a_half, a_res = fit_throughput([s["flops"] for s in att], [s["time_fwd_s"] for s in att])
+    mem = [s for s in cs if s["kind"] == "elementwise"]
+    bw, _, m_res = fit_throughput([s["bytes"] for s in mem], [s["time_s"] for s in mem])
+    world = coll["world_size"]
+    # the largest group inside one node gives the intra-node bandwidth of the topology fallback
+    intra = {}
+    for op in COLLECTIVE_OPS:
+        cand = [f for f in fits if f.op == op and f.ranks_per_node >= f.group_size]
+        if cand:
+            best = max(cand, key=lambda f: (f.group_size, f.min_bytes))
+            intra[op] = best.busbw_bytes_per_s
+    for op in COLLECTIVE_OPS:
+        intra.setdefault(op, min(intra.values()) if intra else 1e9)
+    lat = [f.latency_s for f in fits if f.min_bytes == 0]
+    peak = {main_dtype: rate, ("bfloat16" if main_dtype == "float32" else "float32"): other_rate}
+    mem_total = _ram_bytes() if dev.type == "cpu" else float(torch.cuda.get_device_properties(0).total_memory)
+    per_rank_mem = mem_total / (nproc_per_node if dev.type == "cpu" else 1)
+    rows = [(f.op, f.group_size, f.ranks_per_node, f.min_bytes, f.latency_s, f.busbw_bytes_per_s, f.rel_residual,
+             f.n_samples) for f in fits]
+    hw = HardwareProfile(
+        name=name, device_name=_cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(0),
+        gpus_per_node=nproc_per_node if dev.type == "cpu" else torch.cuda.device_count(), n_nodes=1,
+        memory_bytes=per_rank_mem, memory_reserved_bytes=min(0.05 * per_rank_mem, 2**30), peak_flops=peak,
+        memory_bandwidth_bytes_per_s=bw, gemm_efficiency=EfficiencyCurve(1.0, x_half),
+        attention_efficiency=EfficiencyCurve(1.0, a_half), memory_efficiency=1.0,
+        topology=Topology(intra_node_busbw_bytes_per_s=intra, inter_node_bytes_per_s_per_gpu=min(intra.values()),
+                          intra_latency_s=float(sorted(lat)[len(lat) // 2]) if lat else 1e-4,
+                          inter_latency_s=float(max(lat)) if lat else 1e-4, latency_per_log2_rank_s=0.0),
+        collectives=tuple(fits), source="measured", comm_overlap=dev.type != "cpu",
+        # ranks that share cores get that share of the single-thread compute measured (measured: os.cpu_count())
+        corrections={"compute_scale": max(1.0, nproc_per_node / (os.cpu_count() or 1))} if dev.type == "cpu" else {},
+        assumptions=(
+            "peak_flops are the sustained throughput fitted on the measured GEMMs (eff_max = 1), not a spec sheet",
+            "inter-node bandwidth is not measured (one node): the topology fallback uses the slowest intra-node op",
+            "compile_memory_bound_factor and float8 are not measured",
+            "gloo on CPU: collectives block the rank (comm_overlap false); ranks beyond the cores share them "
+            "(corrections.compute_scale = ranks / cores)",
+            f"{'CPU: compute measured with 1 thread, as each torchrun rank runs (OMP_NUM_THREADS=1); ' if dev.type == 'cpu' else ''}"
+            "memory_bytes is the device memory per rank" + (" (RAM / ranks)" if dev.type == "cpu" else ""),
+        ),
+        samples={"file": f"{name}.samples.csv", "fit_residuals": {
+            "gemm": g_res, "attention": a_res, "elementwise": m_res}},
+        provenance={
+            "how": "measured by parsim profile", "command": cmdline, "host": socket.gethostname(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(dev),
+            "device_count": world, "ranks_per_node": nproc_per_node, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "nccl": coll.get("nccl"), "backend": coll.get("backend"),
+            "gloo": "bundled with torch " + torch.__version__ if coll.get("backend") == "gloo" else None,
+            "compute_threads": comp.get("threads"), "wall_s": wall_s, "collectives_wall_s": coll_wall_s,
+            "python": platform.python_version()},
+    )
+    return hw, rows
+
+
+def _ram_bytes() -> float:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8.0 * 2**30

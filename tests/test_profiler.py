@@ -1,0 +1,66 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from parsim.hardware import busbw_factor, load_profile
+from parsim.profiler.fit import fit_collective, fit_throughput
+
+
+def test_fit_recovers_known_latency_and_bandwidth():
+    rng = np.random.default_rng(0)
+    s = np.geomspace(1e3, 1e9, 13)
+    lat, bw = 25e-6, 180e9
+    t = lat + s * busbw_factor("all_reduce", 8) / bw
+    t = t * (1 + rng.normal(0, 0.01, size=t.shape))  # 1% noise
+    (f,) = fit_collective("all_reduce", 8, 8, s, t)
+    assert f.latency_s == pytest.approx(lat, rel=0.05)
+    assert f.busbw_bytes_per_s == pytest.approx(bw, rel=0.05)
+    assert f.rel_residual < 0.02
+
+
+def test_fit_splits_small_and_large_messages():
+    s = np.geomspace(1e3, 1e9, 19)
+    small = 5e-6 + s * (7 / 8) / 20e9
+    large = 60e-6 + s * (7 / 8) / 300e9
+    t = np.where(s < 1e6, small, large)
+    fits = fit_collective("all_gather", 8, 8, s, t)
+    assert len(fits) == 2
+    lo, hi = fits
+    assert hi.min_bytes == pytest.approx(s[s >= 1e6][0])
+    assert lo.busbw_bytes_per_s == pytest.approx(20e9, rel=0.05)
+    assert hi.busbw_bytes_per_s == pytest.approx(300e9, rel=0.05)
+
+
+def test_fit_throughput_recovers_rate_and_half_point():
+    x = np.geomspace(1e6, 1e12, 10)
+    rate, half = 500e12, 3e9
+    t = (x + half) / rate
+    r, h, res = fit_throughput(x, t)
+    assert r == pytest.approx(rate, rel=1e-3) and h == pytest.approx(half, rel=1e-2) and res < 1e-6
+
+
+def test_committed_cpu_profiles_load_and_are_marked_measured():
+    for name in ("cpu-gloo-2", "cpu-gloo-4"):
+        hw = load_profile(name)
+        assert hw.source == "measured" and hw.provenance["how"].startswith("measured")
+        assert hw.collectives and all(c.busbw_bytes_per_s > 0 for c in hw.collectives)
+        assert {c.group_size for c in hw.collectives} >= {2}
+
+
+@pytest.mark.slow
+def test_collective_benchmark_resumes_instead_of_starting_over(tmp_path):
+    """Run a small sweep, then --resume with more ops: earlier samples are kept as they were (not re-measured)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "c.json"
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+            "parsim.profiler.collectives", "--out", str(out), "--max-bytes", "4096", "--trials", "1"]
+    subprocess.run(base + ["--ops", "all_reduce"], check=True, capture_output=True)
+    first = json.loads(out.read_text())["samples"]
+    assert first and all(s["op"] == "all_reduce" and s["wrong"] == 0 for s in first)
+    subprocess.run(base + ["--ops", "all_reduce,all_gather", "--resume"], check=True, capture_output=True)
+    second = json.loads(out.read_text())["samples"]
+    assert second[: len(first)] == first
+    assert {s["op"] for s in second} == {"all_reduce", "all_gather"}
