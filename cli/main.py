@@ -249,7 +249,8 @@ def _measurement_summary(m, title: str) -> None:
                   f"(p90 {m.provenance.get('step_time_p90_s', 0) / MS:.1f} ms), "
                   f"{m.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; losses {', '.join(f'{x:.4f}' for x in m.losses)}")
     if m.peak_memory_bytes is not None:
-        t = Table(title=f"peak memory {m.peak_memory_bytes / GiB:.3f} GiB ({m.provenance.get('memory_source', '')})")
+        con.print(f"memory: {m.provenance.get('memory_source', '')}")
+        t = Table(title=f"peak memory {m.peak_memory_bytes / GiB:.3f} GiB")
         t.add_column("component")
         t.add_column("GiB", justify="right")
         for k, v in m.memory_breakdown_bytes.items():
