@@ -67,7 +67,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     from rich.table import Table
 
     from parsim.errors import ParsimError
-    from parsim.jsonio import atomic_write_json
+    from parsim.jsonio import atomic_write_json, atomic_write_text
     from parsim.search import result_to_dict, search, to_torchtitan_toml
 
     err = Console(stderr=True)
@@ -94,7 +94,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     if emit_plan and best:
         atomic_write_json(emit_plan, best.to_dict())
     if emit_torchtitan and best:
-        _atomic_text(emit_torchtitan, to_torchtitan_toml(best, spec))
+        atomic_write_text(emit_torchtitan, to_torchtitan_toml(best, spec))
     executed = _execute(spec, hw, res, execute, model_arg or spec.name, err) if execute else []
     if execute_out and executed:
         atomic_write_json(execute_out, executed)
@@ -154,14 +154,6 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         con.print(f"wrote plan #1 ({best.plan_id}) to {emit_plan}")
     if emit_torchtitan:
         con.print(f"wrote torchtitan config for plan #1 to {emit_torchtitan}")
-
-
-def _atomic_text(path: str, text: str):
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".parsim.", dir=d)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _explain_dict(spec, hw, res, n):

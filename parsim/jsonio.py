@@ -21,6 +21,22 @@ def read_json(path: str | Path, what: str):
         raise ParsimError(f"{what} {p}: {e}") from None
 
 
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write text to a temporary file beside ``path`` and rename it over ``path`` (atomic)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
 def atomic_write_json(path: str | Path, data) -> Path:
     """Write JSON to a temporary file in the same folder and rename it over ``path``: readers see the old file
     or the new one, never half of one."""

@@ -107,3 +107,18 @@ def test_torchtitan_toml_keys():
     for key in ("local_batch_size = 4", "pipeline_parallel_degree = 2", "tensor_parallel_degree = 2",
                 'mode = "selective"', 'selective_ac_option = "2"', "enable = true"):
         assert key in toml
+
+
+@pytest.mark.slow
+def test_cli_search_execute_runs_the_top_plan(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "exec.json"
+    r = runner.invoke(app, ["search", "--model", "tiny", "--gpus", "2", "--global-batch-size", "4", "--seq-len", "128",
+                            "--profile", "cpu-gloo-2", "--top", "2", "--execute", "1", "--execute-out", str(out),
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    (e,) = d["executed"]
+    assert e["prediction"]["plan_id"] == d["top"][0]["plan_id"] == e["measurement"]["plan_id"]
+    assert e["measurement"]["status"] == "ok" and e["measurement"]["median_step_time_s"] > 0
+    assert json.loads(out.read_text())[0]["measurement"]["status"] == "ok"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import ParsimError
 from ..hardware import COLLECTIVE_OPS, PROFILES_DIR, EfficiencyCurve, HardwareProfile, Topology
-from ..jsonio import atomic_write_json, read_json
+from ..jsonio import atomic_write_json, atomic_write_text, read_json
 from .fit import fit_collective, fit_throughput
 
 
@@ -34,15 +34,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
-
-
-def _atomic_text(path: Path, text: str):
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: int = 0, max_bytes: int = 0,
@@ -97,7 +88,7 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
     hw, fit_rows = build_profile(name, coll, comp, dev, nproc_per_node, cmdline=" ".join(sys.argv),
                                  wall_s=time.perf_counter() - t0, coll_wall_s=t_coll)
     hw.save(out_dir / f"{name}.json")
-    _atomic_text(out_dir / f"{name}.samples.csv", samples_csv(coll["samples"], comp["samples"]))
+    atomic_write_text(out_dir / f"{name}.samples.csv", samples_csv(coll["samples"], comp["samples"]))
     for f in partial.iterdir():
         f.unlink()
     partial.rmdir()
