@@ -1,10 +1,11 @@
 """Tier 2 (measured, small scale, real): run every plan of a small space on this machine's CPUs with gloo and
 put the prediction from this machine's measured profile beside the measurement.
 
-    python bench/validate_cpu.py [--profile cpu-gloo-4] [--steps 5]
+    python bench/validate_cpu.py [--ranks 4|2] [--profile cpu-gloo-4] [--steps 5]
 
-Plans: tiny (4 ranks, global batch 8, seq 256): FSDP4, FSDP2xTP2, PP2xFSDP2, PP2xTP2, TP4, AC full, AC selective,
-compile; tiny-moe EP2. Runs are interleaved, each the median of --steps steps after 2 warm-up steps. Reports
+Plans (tiny, global batch 8, seq 256): 4 ranks: FSDP4, FSDP2xTP2, PP2xFSDP2, PP2xTP2, TP4, AC full, AC selective,
+compile, tiny-moe EP2; 2 ranks (one rank per core on this machine): FSDP2, TP2, PP2 (2 and 4 microbatches),
+DDP-style HSDP2, AC full, AC selective, compile, tiny-moe EP2. Runs are interleaved, each the median of --steps steps after 2 warm-up steps. Reports
 step-time and peak-memory errors, the rank correlation of step times, and the regret of the model's top pick.
 """
 
@@ -24,6 +25,17 @@ from parsim.plan import Plan  # noqa: E402
 from parsim.spec import PRESETS  # noqa: E402
 
 S, G = 256, 8
+PLANS_2 = [
+    ("tiny", dict(dp_shard=2, local_batch_size=4)),
+    ("tiny", dict(tp=2, local_batch_size=8)),
+    ("tiny", dict(pp=2, local_batch_size=8, micro_batch_size=2)),
+    ("tiny", dict(pp=2, local_batch_size=8, micro_batch_size=4)),
+    ("tiny", dict(dp_replicate=2, local_batch_size=4)),
+    ("tiny", dict(dp_shard=2, local_batch_size=4, ac="full")),
+    ("tiny", dict(dp_shard=2, local_batch_size=4, ac="selective-op")),
+    ("tiny", dict(dp_shard=2, local_batch_size=4, compile=True)),
+    ("tiny-moe", dict(dp_shard=2, ep=2, local_batch_size=4)),
+]
 PLANS = [
     ("tiny", dict(dp_shard=4, local_batch_size=2)),
     ("tiny", dict(dp_shard=2, tp=2, local_batch_size=4)),
@@ -39,15 +51,17 @@ PLANS = [
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", default="cpu-gloo-4")
+    ap.add_argument("--profile", default=None, help="default: cpu-gloo-<ranks>")
+    ap.add_argument("--ranks", type=int, default=4, choices=(2, 4))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    hw = load_profile(args.profile)
+    hw = load_profile(args.profile or f"cpu-gloo-{args.ranks}")
+    plans = PLANS if args.ranks == 4 else PLANS_2
     rows = []
     print(f"{'plan':<34} {'status':<6} {'meas ms':>8} {'pred ms':>8} {'err':>6} {'meas MiB':>9} {'pred MiB':>9} "
           f"{'err':>6}  collective bytes (meas / pred)")
-    for model, kw in PLANS:
+    for model, kw in plans:
         plan = Plan(seq_len=S, **kw)
         assert plan.global_batch_size == G
         m = run_plan(model, plan, plan.world_size, steps=args.steps, warmup=2, timeout_s=900, device="cpu")

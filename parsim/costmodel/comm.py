@@ -110,7 +110,7 @@ def rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local,
     v = b.v.astype(float)
     sends = np.where(b.pp > 1, (2.0 * v - 1.0), 0.0)  # first: v fwd + (v-1) bwd; last: (v-1) fwd + v bwd
     pp_rpn = np.minimum(rpn["pp"], 2)
-    t_pp = add("send", "pp", T * d / sd * TWO, M * sends, np.where(b.pp > 1, 2, 1), pp_rpn)
+    t_pp = add("send", "pp", T * d / sd * sh.res_b, M * sends, np.where(b.pp > 1, 2, 1), pp_rpn)  # fp32 under autocast
     pp_exposed = t_pp / np.maximum(M, 1)
 
     # ---- FSDP / HSDP (per pass) ----------------------------------------------------------------------------------

@@ -20,6 +20,9 @@ Time model (sums exactly to ``step_time_s``):
   arXiv:2104.04473, sec. 2.2: bubble fraction (p-1)/m for 1F1B/GPipe, divided by v for interleaving).
 * optimizer: AdamW reads param, grad, exp_avg, exp_avg_sq (fp32) and writes three of them: 28 B/param, plus the
   gradient-norm read of 4 B/param, at HBM speed.
+* measured corrections of the profile: ``compute_scale`` (ranks sharing cores) multiplies compute;
+  ``layer_overhead_{fwd,bwd}_s`` (one real block timed by the profiler minus the model's time for it: dispatch,
+  autograd and small-kernel costs) is added per layer and microbatch (selective AC recomputes half of it).
 
 Memory (sums exactly to ``peak_memory_bytes``): the largest of four moments of the step, each itemized:
 end of forward (activations of the in-flight microbatches, logits and loss), backward of the last layer (FSDP
@@ -76,9 +79,12 @@ def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
     # memory-bound kernels: every non-GEMM tensor the layer saves is written once and read about twice
     mem_bytes = 3.0 * (act["none"] - _gemm_output_bytes(spec, sh, moe))
     mem_t = np.maximum(mem_bytes, 0.0) / mem_bw * np.where(b.compile, hw.compile_memory_bound_factor, 1.0)
-    fwd = (gemm_t + attn_t + mem_t) * compute_scale
-    bwd = (2.0 * gemm_t + 2.5 * attn_t + 2.0 * mem_t) * compute_scale
-    sac = (sac_gemm_t + mem_t) * compute_scale
+    # fixed per-layer costs the FLOP/byte terms miss, measured by the profiler on one real block (0 if absent)
+    ovf = float(hw.corrections.get("layer_overhead_fwd_s", 0.0))
+    ovb = float(hw.corrections.get("layer_overhead_bwd_s", 0.0))
+    fwd = (gemm_t + attn_t + mem_t + ovf) * compute_scale
+    bwd = (2.0 * gemm_t + 2.5 * attn_t + 2.0 * mem_t + ovb) * compute_scale
+    sac = (sac_gemm_t + mem_t + 0.5 * ovf) * compute_scale
     return {"fwd": fwd, "bwd": bwd, "rec_full": fwd, "rec_sac": sac, "act": act}
 
 

@@ -61,7 +61,7 @@ def _group_name(args) -> str | None:
 
 
 class CommCounter(TorchDispatchMode):
-    def __init__(self, axis_of_group: dict[str, str]):
+    def __init__(self, axis_of_group: dict[str, tuple[str, ...]]):
         super().__init__()
         self.axis_of_group = axis_of_group
         self.bytes: dict[str, int] = {}
@@ -73,7 +73,11 @@ class CommCounter(TorchDispatchMode):
         if hit is not None:
             op, idx = hit
             name = _group_name(list(args) + list(kwargs.values()))
-            axis = self.axis_of_group.get(name, f"group:{name}")
+            axes = self.axis_of_group.get(name, (f"group:{name}",))
+            if op == "all_to_all" and "ep" in axes:
+                axis = "ep"
+            else:
+                axis = next((a for a in axes if a != "ep"), axes[0])
             key = f"{op}/{axis}"
             self.bytes[key] = self.bytes.get(key, 0) + _nbytes(args[idx])
             self.counts[key] = self.counts.get(key, 0) + 1

@@ -56,18 +56,25 @@ class Meshes:
             self.ep = ep_mesh["ep"]
             self.efsdp = ep_mesh[("dp_replicate_e", "efsdp")] if plan.dp_replicate > 1 else ep_mesh["efsdp"]
 
-    def axis_of_group(self) -> dict[str, str]:
-        """process-group name -> parsim axis name, for the collective counter."""
-        out = {}
+    def axis_of_group(self) -> dict[str, tuple[str, ...]]:
+        """process-group name -> the parsim axes it serves, for the collective counter. One group can serve
+        several axes (dp_shard = ep = 2 gives the dense FSDP group and the EP group the same ranks, and torch
+        the same process group): the counter then names all-to-alls ep and the rest by the dense axis."""
+        out: dict[str, tuple[str, ...]] = {}
+
+        def put(group_name, axis):
+            if axis not in out.get(group_name, ()):
+                out[group_name] = out.get(group_name, ()) + (axis,)
+
         for name in self.plan.mesh_order:
-            out[self.world[name].get_group().group_name] = name
+            put(self.world[name].get_group().group_name, name)
         if self.plan.cp > 1:
-            out[self.world[("dp_shard", "cp")]._flatten("dp_shard_cp").get_group().group_name] = "dp_shard+cp"
+            put(self.world[("dp_shard", "cp")]._flatten("dp_shard_cp").get_group().group_name, "dp_shard+cp")
         if self.ep is not None:
-            out[self.ep.get_group().group_name] = "ep"
+            put(self.ep.get_group().group_name, "ep")
             eg = self.efsdp
             for g in (eg.get_group(d) for d in range(eg.ndim)):
-                out.setdefault(g.group_name, "efsdp")
+                put(g.group_name, "efsdp")
         return out
 
 
