@@ -9,6 +9,10 @@ with SUM are the global-mean gradients (on gloo the AVG path is wrong, pytorch#1
 the all-reduced sum (divided by tp: TP ranks compute the same logits). Gradients are clipped to norm 1.0 and
 AdamW(lr=1e-3, weight_decay=0.1) steps — (or SGD for parity checks) the same as `reference.py`, the single-process run the losses are
 compared with.
+
+Environment: PARSIM_DEVICE=cpu forces gloo on a GPU machine; debugging aids: PARSIM_NO_COUNT=1 skips the
+collective counter, PARSIM_HANG_DUMP_S=N dumps every thread's stack after N seconds (found the PP hang),
+PARSIM_DEBUG=1 makes the memory tracker print what is alive at the peak.
 """
 
 from __future__ import annotations
