@@ -38,23 +38,9 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 
 def atomic_write_json(path: str | Path, data) -> Path:
-    """Write JSON to a temporary file in the same folder and rename it over ``path``: readers see the old file
-    or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=False, default=_json_default)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    """Write JSON atomically: readers see the old file or the new one, never half of one. Serializing happens
+    before anything is written, so data that cannot be serialized leaves the old file untouched."""
+    return atomic_write_text(path, json.dumps(data, indent=1, sort_keys=False, default=_json_default) + "\n")
 
 
 def _json_default(o):
