@@ -18,7 +18,7 @@ all_to_all across nodes sends (n - rpn)/n of its buffer over the NIC and (rpn-1)
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -163,7 +163,7 @@ class HardwareProfile:
     def with_nodes(self, n_gpus: int) -> "HardwareProfile":
         """The same hardware sized for ``n_gpus`` (whole nodes, the last one possibly partial)."""
         n_nodes = max(1, math.ceil(n_gpus / self.gpus_per_node))
-        return _replace(self, n_nodes=n_nodes)
+        return replace(self, n_nodes=n_nodes)
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -262,12 +262,6 @@ class HardwareProfile:
 
     def save(self, path: str | Path) -> Path:
         return atomic_write_json(path, self.to_dict())
-
-
-def _replace(obj, **changes):
-    from dataclasses import replace
-
-    return replace(obj, **changes)
 
 
 def list_profiles() -> list[str]:

@@ -277,20 +277,23 @@ def _world_msg(plan: Plan, n_gpus: int) -> str:
     return f"degrees multiply to {prod} = {plan.world_size}, not the {n_gpus} GPUs asked for"
 
 
-def ranks_per_node(degrees: dict[str, int], order: tuple[str, ...], gpus_per_node: int, group: tuple[str, ...]) -> int:
-    """Ranks of one ``group`` (one or more axes, flattened) that share a node.
+def ranks_per_node(degrees: dict, order: tuple[str, ...], gpus_per_node: int, group: tuple[str, ...]):
+    """Ranks of one ``group`` (one or more axes, flattened) that share a node; degrees may be ints or numpy arrays
+    (the cost model evaluates many plans at once with the same formula).
 
     Ranks are laid out row-major over ``order`` (innermost axis fastest); a node holds ``gpus_per_node`` consecutive
     ranks. With power-of-two degrees the node is a sub-box of the grid, so the count is the product over the
     group's axes of how many coordinates of each fit: ``clamp(gpus_per_node // stride(axis), 1, degree)``."""
-    stride = 1
+    import numpy as np
+
+    stride = np.ones_like(degrees[order[0]])
     strides = {}
     for a in reversed(order):
         strides[a] = stride
-        stride *= degrees[a]
-    out = 1
+        stride = stride * degrees[a]
+    out = np.ones_like(stride)
     for a in group:
-        out *= min(degrees[a], max(1, gpus_per_node // strides[a]))
+        out = out * np.minimum(degrees[a], np.maximum(1, gpus_per_node // strides[a]))
     return out
 
 

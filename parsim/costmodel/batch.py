@@ -10,21 +10,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..plan import AC_MODES, AXES, PP_SCHEDULES, Plan, parse_ac
+from ..plan import ranks_per_node
 from ..units import DTYPE_BYTES
-
-
-def rpn_array(degrees: dict, order: tuple[str, ...], gpus_per_node: int, group: tuple[str, ...]) -> np.ndarray:
-    """Vectorized ``plan.ranks_per_node``: ranks of a flattened ``group`` of axes that share a node, with ranks
-    laid out row-major over ``order`` (innermost fastest)."""
-    stride = np.ones_like(degrees[order[0]])
-    strides = {}
-    for a in reversed(order):
-        strides[a] = stride
-        stride = stride * degrees[a]
-    out = np.ones_like(stride)
-    for a in group:
-        out = out * np.minimum(degrees[a], np.maximum(1, gpus_per_node // strides[a]))
-    return out
 
 
 @dataclass
@@ -142,9 +129,9 @@ def group_rpn(b: PlanBatch, order: tuple[str, ...], gpus_per_node: int) -> dict:
     EP groups (torchtitan dp2ep) take the innermost ``ep`` ranks of the flattened dp_shard x cp (x tp when etp = 1)
     block, and the expert-FSDP group the rest; DDP-style EP takes the innermost ranks of dp_replicate."""
     deg = {a: getattr(b, a) for a in AXES}
-    out = {a: rpn_array(deg, order, gpus_per_node, (a,)) for a in AXES}
-    out["fsdp"] = rpn_array(deg, order, gpus_per_node, ("dp_shard", "cp"))
-    block = np.where(b.etp == 1, rpn_array(deg, order, gpus_per_node, ("dp_shard", "cp", "tp")), out["fsdp"])
+    out = {a: ranks_per_node(deg, order, gpus_per_node, (a,)) for a in AXES}
+    out["fsdp"] = ranks_per_node(deg, order, gpus_per_node, ("dp_shard", "cp"))
+    block = np.where(b.etp == 1, ranks_per_node(deg, order, gpus_per_node, ("dp_shard", "cp", "tp")), out["fsdp"])
     ep_tt = np.minimum(b.ep, block)
     efsdp_tt = np.maximum(1, block // np.maximum(b.ep, 1))
     out["ep"] = np.where(b.ep_ddp, np.minimum(b.ep, out["dp_replicate"]), ep_tt)
@@ -153,4 +140,4 @@ def group_rpn(b: PlanBatch, order: tuple[str, ...], gpus_per_node: int) -> dict:
     return out
 
 
-__all__ = ["PlanBatch", "rpn_array", "group_rpn", "GROUPS", "AC_MODES"]
+__all__ = ["PlanBatch", "group_rpn", "GROUPS", "AC_MODES"]

@@ -172,7 +172,6 @@ def rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local,
         "pp_exposed_s": pp_exposed,
         "fsdp_ag_layer_s": ag_layer,
         "fsdp_reduce_layer_s": red_layer,
-        "fsdp_ag_first_s": ag_layer,
         "fsdp_share": share,
         "fsdp_total_s": total,
     }

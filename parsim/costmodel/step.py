@@ -173,7 +173,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
         ag_l, red_l = cm["fsdp_ag_layer_s"], cm["fsdp_reduce_layer_s"]
         fwd_rounds = np.where((b.pp > 1) & b.raf, m_pass, 1.0)
         bwd_gather = np.where(b.raf | (b.pp > 1), 1.0, 0.0)
-        exp_fwd = fwd_rounds * (cm["fsdp_ag_first_s"] + n_layers * np.maximum(0.0, ag_l - f_l))
+        exp_fwd = fwd_rounds * (ag_l + n_layers * np.maximum(0.0, ag_l - f_l))
         exp_bwd = n_layers * np.maximum(0.0, bwd_gather * ag_l + red_l - b_l) + red_l \
             + (fwd_rounds - 1.0) * bwd_gather * n_layers * np.maximum(0.0, ag_l - b_l)
         fsdp_exposed = ga * (exp_fwd + exp_bwd)

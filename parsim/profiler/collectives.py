@@ -23,10 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
-FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-          "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-          "broadcast": lambda n: 1.0, "send": lambda n: 1.0}
+from ..hardware import COLLECTIVE_OPS as OPS, busbw_factor
 
 
 def group_shapes(world: int, local_world: int) -> list[tuple[int, str, list[list[int]]]]:
@@ -188,7 +185,7 @@ def main(argv=None) -> int:
                                        f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'#wrong':>6}")
             algbw = s_bytes / t / 1e9
             progress.console.print(f"  {s_bytes:>12} {count:>10} {args.dtype:>8} {t * 1e6:>10.1f} {algbw:>10.3f} "
-                                   f"{algbw * FACTOR[op](g):>10.3f} {int(bad):>6}")
+                                   f"{algbw * float(busbw_factor(op, g)):>10.3f} {int(bad):>6}")
             progress.update(task, advance=1)
             _save(args.out, samples, world, local_world, device, t_start)  # checkpoint: --resume continues here
     if rank == 0:
