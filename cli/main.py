@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import sys
 from typing import Optional
 
@@ -24,34 +25,36 @@ def _root():
 
 
 # ---- shared plan flags (CLI contract of shared/DESIGN.md; names follow torchtitan) -------------------------------------
+# Every flag defaults to None ("not given"): predict/run/trace fill in parsim.flags.DEFAULTS, search pins what is given.
 PLAN_FLAGS = [
-    ("model", str, typer.Option("llama3-8b", "--model", help="preset name or a config.json path")),
+    ("model", Optional[str], typer.Option(None, "--model", help="preset name or a config.json path [llama3-8b]")),
     ("gpus", Optional[int], typer.Option(None, "--gpus", help="number of GPUs (default: product of the degrees)")),
-    ("dp_replicate", int, typer.Option(1, "--dp-replicate")),
-    ("dp_shard", int, typer.Option(-1, "--dp-shard", help="-1 = the GPUs the other degrees leave")),
-    ("tp", int, typer.Option(1, "--tp")),
-    ("pp", int, typer.Option(1, "--pp")),
-    ("cp", int, typer.Option(1, "--cp")),
-    ("ep", int, typer.Option(1, "--ep")),
-    ("etp", int, typer.Option(1, "--etp")),
-    ("local_batch_size", int, typer.Option(1, "--local-batch-size")),
-    ("micro_batch_size", int, typer.Option(0, "--micro-batch-size", help="0 = local batch (no microbatching)")),
-    ("global_batch_size", int, typer.Option(0, "--global-batch-size", help="0 = local batch x dp")),
-    ("seq_len", int, typer.Option(4096, "--seq-len")),
-    ("pp_schedule", str, typer.Option("1F1B", "--pp-schedule", help="GPipe | 1F1B | Interleaved1F1B")),
-    ("pp_stages_per_rank", int, typer.Option(0, "--pp-stages-per-rank", help="0 = 1, or 2 for Interleaved1F1B")),
-    ("ac", str, typer.Option("none", "--ac", help="none | full | selective-op | layer:N")),
-    ("compile", bool, typer.Option(False, "--compile/--no-compile")),
-    ("float8", bool, typer.Option(False, "--float8/--no-float8")),
+    ("dp_replicate", Optional[int], typer.Option(None, "--dp-replicate", help="[1]")),
+    ("dp_shard", Optional[int], typer.Option(None, "--dp-shard", help="-1 = the GPUs the other degrees leave [-1]")),
+    ("tp", Optional[int], typer.Option(None, "--tp", help="[1]")),
+    ("pp", Optional[int], typer.Option(None, "--pp", help="[1]")),
+    ("cp", Optional[int], typer.Option(None, "--cp", help="[1]")),
+    ("ep", Optional[int], typer.Option(None, "--ep", help="[1]")),
+    ("etp", Optional[int], typer.Option(None, "--etp", help="[1]")),
+    ("local_batch_size", Optional[int], typer.Option(None, "--local-batch-size", help="[1]")),
+    ("micro_batch_size", Optional[int], typer.Option(None, "--micro-batch-size", help="[local batch]")),
+    ("global_batch_size", Optional[int], typer.Option(None, "--global-batch-size", help="[local batch x dp]")),
+    ("seq_len", Optional[int], typer.Option(None, "--seq-len", help="[4096]")),
+    ("pp_schedule", Optional[str], typer.Option(None, "--pp-schedule", help="GPipe | 1F1B | Interleaved1F1B [1F1B]")),
+    ("pp_stages_per_rank", Optional[int], typer.Option(None, "--pp-stages-per-rank",
+                                                       help="[1, or 2 for Interleaved1F1B]")),
+    ("ac", Optional[str], typer.Option(None, "--ac", help="none | full | selective-op | layer:N [none]")),
+    ("compile", Optional[bool], typer.Option(None, "--compile/--no-compile", help="[no]")),
+    ("float8", Optional[bool], typer.Option(None, "--float8/--no-float8", help="[no]")),
     ("sequence_parallel", Optional[bool], typer.Option(None, "--sequence-parallel/--no-sequence-parallel",
-                                                        help="default: on when tp > 1")),
-    ("fsdp_reshard_after_forward", str, typer.Option("default", "--fsdp-reshard-after-forward",
-                                                     help="default | always | never")),
-    ("mesh_order", str, typer.Option("pp,dp_replicate,dp_shard,cp,tp", "--mesh-order",
-                                     help="device order, outermost first")),
-    ("order", str, typer.Option("pp,tp,ac,compile,fsdp", "--order", help="wrapper order")),
-    ("plan_file", Optional[str], typer.Option(None, "--plan", help="plan JSON (overrides the plan flags)")),
-    ("profile", str, typer.Option("h100-sxm-spec", "--profile", help="profile name or path")),
+                                                        help="[on when tp > 1]")),
+    ("fsdp_reshard_after_forward", Optional[str], typer.Option(None, "--fsdp-reshard-after-forward",
+                                                               help="default | always | never [default]")),
+    ("mesh_order", Optional[str], typer.Option(None, "--mesh-order", help="device order, outermost first; may list "
+                                               "only the axes > 1 [pp,dp_replicate,dp_shard,cp,tp]")),
+    ("order", Optional[str], typer.Option(None, "--order", help="wrapper order [pp,tp,ac,compile,fsdp]")),
+    ("plan_file", Optional[str], typer.Option(None, "--plan", help="plan JSON (instead of the plan flags)")),
+    ("profile", Optional[str], typer.Option(None, "--profile", help="profile name or path [h100-sxm-spec]")),
 ]
 
 
@@ -81,52 +84,43 @@ def guarded(fn):
         try:
             return fn(*args, **kwargs)
         except ParsimError as e:
-            typer.echo(f"error: {e}", err=True)
+            typer.echo(f"error: {_one_line(str(e))}", err=True)
             raise typer.Exit(2)
-        except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-            typer.echo(f"error: {e}", err=True)
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+            typer.echo(f"error: {_one_line(str(e))}", err=True)
             raise typer.Exit(2)
 
     return wrapper
 
 
+def _one_line(msg: str) -> str:
+    return " ".join(msg.split())
+
+
 def build_plan(flags: dict):
-    """(ModelSpec, Plan, HardwareProfile) from the shared flags."""
+    """(ModelSpec, Plan, HardwareProfile) from the shared flags: every given flag checked (parsim.flags), then
+    either the plan file (``--plan``; other plan flags beside it are refused) or the flags with their defaults."""
     from parsim.errors import ParsimError
+    from parsim.flags import DEFAULTS, check_flags, given_plan_flags, plan_from_given
     from parsim.hardware import load_profile
-    from parsim.plan import Plan, plan_from_flags
+    from parsim.plan import Plan
     from parsim.spec import load_model
 
-    spec = load_model(flags["model"])
-    hw = load_profile(flags["profile"])
+    check_flags(flags)
+    spec = load_model(flags["model"] or DEFAULTS["model"])
+    hw = load_profile(flags["profile"] or DEFAULTS["profile"])
     if flags.get("plan_file"):
         from parsim.jsonio import read_json
 
+        extra = given_plan_flags(flags)
+        if extra:
+            raise ParsimError(f"--plan gives the whole plan: drop {', '.join(extra)} (or edit the plan file)")
         data = read_json(flags["plan_file"], "cannot read plan")
         data = data.get("plan", data) if isinstance(data, dict) else data
         plan = Plan.from_dict(data)
-        if flags.get("gpus") is not None and plan.world_size != flags["gpus"]:
-            plan.validate_for(spec, flags["gpus"])
+        plan.validate_for(spec, flags.get("gpus"))
     else:
-        gpus = flags.get("gpus")
-        if gpus is None:
-            if flags["dp_shard"] == -1:
-                raise ParsimError("give --gpus, or --dp-shard explicitly")
-            gpus = flags["dp_replicate"] * flags["dp_shard"] * flags["tp"] * flags["pp"] * flags["cp"]
-        if gpus < 1:
-            raise ParsimError(f"--gpus must be >= 1, got {gpus}")
-        sched = flags["pp_schedule"]
-        spr = flags["pp_stages_per_rank"] or (2 if sched == "Interleaved1F1B" and flags["pp"] > 1 else 1)
-        plan = plan_from_flags(
-            gpus, dp_replicate=flags["dp_replicate"], dp_shard=flags["dp_shard"], tp=flags["tp"], pp=flags["pp"],
-            cp=flags["cp"], ep=flags["ep"], etp=flags["etp"], local_batch_size=flags["local_batch_size"],
-            micro_batch_size=flags["micro_batch_size"], global_batch_size=flags["global_batch_size"],
-            seq_len=flags["seq_len"], pp_schedule=sched, pp_stages_per_rank=spr, ac=flags["ac"],
-            compile=flags["compile"], float8=flags["float8"], sequence_parallel=flags["sequence_parallel"],
-            fsdp_reshard_after_forward=flags["fsdp_reshard_after_forward"],
-            mesh_order=tuple(s.strip() for s in flags["mesh_order"].split(",")),
-            wrapper_order=tuple(s.strip() for s in flags["order"].split(",")),
-        )
+        plan = plan_from_given(flags)
     plan.validate_for(spec)
     if plan.float8 and "float8" not in hw.peak_flops:
         raise ParsimError(f"--float8 needs a GPU with float8 tensor cores; profile {hw.name} has none")
@@ -136,7 +130,7 @@ def build_plan(flags: dict):
 def emit_json(obj) -> None:
     from parsim.jsonio import _json_default
 
-    sys.stdout.write(json.dumps(obj, indent=1, default=_json_default) + "\n")
+    sys.stdout.write(json.dumps(obj, indent=1, default=_json_default, allow_nan=False) + "\n")
 
 
 # ---- commands ----------------------------------------------------------------------------------------------------
@@ -157,20 +151,6 @@ def predict(flags: dict, as_json: bool = typer.Option(False, "--json", help="pri
     print_prediction(pred, spec, plan)
 
 
-def _pins(flags: dict, no_pp: bool, no_cp: bool) -> dict:
-    """Degrees the user pinned: a flag differing from its default pins that axis."""
-    pins = {}
-    defaults = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
-    for k, dflt in defaults.items():
-        if flags[k] != dflt:
-            pins[k] = (flags[k],)
-    if no_pp:
-        pins["pp"] = (1,)
-    if no_cp:
-        pins["cp"] = (1,)
-    return pins
-
-
 @app.command()
 @guarded
 @plan_options
@@ -183,10 +163,10 @@ def search(
     max_pp: Optional[int] = typer.Option(None, "--max-pp"),
     ac_modes: Optional[str] = typer.Option(None, "--ac-modes", help="comma list of AC modes to search "
                                            "(default: none,selective-op,full,layer:2; --ac pins one)"),
-    search_compile: Optional[bool] = typer.Option(None, "--search-compile/--no-search-compile",
-                                                  help="search compile on and off (default), or pin with --compile"),
     fixed_order: bool = typer.Option(False, "--default-mesh-order", help="only the default device order"),
     headroom: float = typer.Option(0.0, "--headroom", help="fraction of usable GPU memory to keep free"),
+    max_plans: Optional[int] = typer.Option(None, "--max-plans", help="refuse spaces larger than this "
+                                            "(default 50,000,000; 0 = no limit)"),
     explain: Optional[int] = typer.Option(None, "--explain", help="why plan N (1-based) beats the next ones"),
     emit_plan: Optional[str] = typer.Option(None, "--emit-plan", help="write the best plan as parsim plan JSON"),
     emit_torchtitan: Optional[str] = typer.Option(None, "--emit-torchtitan", help="write the best plan as a "
@@ -197,40 +177,29 @@ def search(
                                               "of --execute to this JSON"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
 ):
-    """Search every plan for a model on N GPUs and rank them by predicted step time."""
-    from parsim.errors import ParsimError
+    """Search every plan for a model on N GPUs and rank them by predicted step time. Every plan flag given pins
+    its dimension (--tp 8, --ac full, --no-compile, --mesh-order tp,dp_shard ...)."""
+    from parsim.flags import DEFAULTS, check_int, search_space
     from parsim.hardware import load_profile
+    from parsim.jsonio import check_output_path
     from parsim.spec import load_model
-    from parsim.search import SearchSpace
 
-    spec = load_model(flags["model"])
-    hw = load_profile(flags["profile"])
-    gpus = flags["gpus"] or 8
-    gbs = flags["global_batch_size"] or gpus
-    if execute < 0:
-        raise ParsimError("--execute takes K >= 0")
-    ac = tuple(a.strip() for a in ac_modes.split(",")) if ac_modes else \
-        ((flags["ac"],) if flags["ac"] != "none" else None)
-    kw = dict(global_batch_size=gbs, seq_len=flags["seq_len"], max_tp=max_tp, max_pp=max_pp,
-              device_orders=not fixed_order, headroom=headroom, **_pins(flags, no_pp, no_cp))
-    if ac:
-        kw["ac"] = ac
-    if flags["compile"]:
-        kw["compile"] = (True,)
-    elif search_compile is False:
-        kw["compile"] = (False,)
-    if flags["float8"]:
-        kw["float8"] = (True,)
-    if flags["local_batch_size"] != 1:
-        kw["local_batch_size"] = (flags["local_batch_size"],)
-    if flags["micro_batch_size"]:
-        kw["micro_batch_size"] = (flags["micro_batch_size"],)
-    space = SearchSpace(**kw)
+    check_int("--top", top, 1, 10_000)
+    check_int("--execute", execute, 0, top)
+    if explain is not None:
+        check_int("--explain", explain, 1, top)
+    gpus, space = search_space(flags, no_pp=no_pp, no_cp=no_cp, max_tp=max_tp, max_pp=max_pp, ac_modes=ac_modes,
+                               default_mesh_order=fixed_order, headroom=headroom, max_plans=max_plans)
+    for path in (emit_plan, emit_torchtitan, csv, execute_out):  # fail now, not after the search
+        if path is not None:
+            check_output_path(path)
+    spec = load_model(flags["model"] or DEFAULTS["model"])
+    hw = load_profile(flags["profile"] or DEFAULTS["profile"])
     from cli.views import run_search_cli
 
     run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,
                    emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json, execute=execute,
-                   model_arg=flags["model"], execute_out=execute_out)
+                   model_arg=flags["model"] or DEFAULTS["model"], execute_out=execute_out)
 
 
 def _measurement_summary(m, title: str) -> None:
@@ -286,11 +255,29 @@ def run(
 
     from parsim.errors import ParsimError
 
+    from parsim.flags import DEFAULTS, check_int
+    from parsim.jsonio import check_output_path
+
     spec, plan, _ = build_plan(flags)
     if param_dtype:
+        if param_dtype not in ("float32", "bfloat16"):
+            raise ParsimError(f"--param-dtype must be float32 or bfloat16, got {param_dtype!r}")
         plan = dataclasses.replace(plan, param_dtype=param_dtype)
+    if device not in (None, "cpu"):
+        raise ParsimError(f"--device takes only cpu (to force gloo on a GPU machine), got {device!r}")
+    check_int("--nproc-per-node", nproc_per_node, 1, 1024)
+    check_int("--steps", steps, 1, 1_000_000)
+    check_int("--warmup", warmup, 0, 1_000_000)
+    if node_rank is not None:
+        check_int("--node-rank", node_rank, 0, 1_000_000)
+    from parsim.executor.launch import MAX_TIMEOUT_S
+
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+        raise ParsimError(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {timeout}")
+    if out is not None:
+        check_output_path(out)
     world = plan.world_size
-    n_nodes = int(nnodes.split(":")[-1]) if nnodes else 1
+    n_nodes = _nnodes(nnodes) if nnodes else 1
     if nproc_per_node * n_nodes != world:
         raise ParsimError(f"the plan needs {world} ranks, --nproc-per-node x nodes = {nproc_per_node} x {n_nodes}")
     from parsim.executor.launch import run_plan
@@ -302,12 +289,24 @@ def run(
         extra += [f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-backend=c10d"]
     if node_rank is not None:
         extra.append(f"--node-rank={node_rank}")
-    m = run_plan(flags["model"], plan, nproc_per_node, steps=steps, warmup=warmup, timeout_s=timeout, out=out,
+    m = run_plan(flags["model"] or DEFAULTS["model"], plan, nproc_per_node, steps=steps, warmup=warmup, timeout_s=timeout, out=out,
                  torchrun_args=extra, device=device)
     if as_json:
         emit_json(m.to_dict())
     else:
         _measurement_summary(m, f"{spec.name} {plan.describe()}")
+
+
+def _nnodes(text: str) -> int:
+    """torchrun's --nnodes: N or MIN:MAX (the plan needs MAX nodes)."""
+    from parsim.errors import ParsimError
+
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts) or not all(1 <= int(p) <= 1_000_000 for p in parts):
+        raise ParsimError(f"--nnodes takes N or MIN:MAX with positive integers, got {text!r}")
+    if len(parts) == 2 and int(parts[0]) > int(parts[1]):
+        raise ParsimError(f"--nnodes {text}: MIN > MAX")
+    return int(parts[-1])
 
 
 @app.command()
@@ -323,11 +322,13 @@ def trace(
     """Trace one training step of a plan at full scale in one CPU process (fake process group + FakeTensorMode)."""
     from parsim.errors import ParsimError
     from parsim.executor.trace import trace_plan
-    from parsim.jsonio import atomic_write_json
+    from parsim.jsonio import atomic_write_json, check_output_path
 
     spec, plan, hw = build_plan(flags)
     if not 0 <= rank < plan.world_size:
         raise ParsimError(f"--rank {rank} is outside the world of {plan.world_size} ranks")
+    if out is not None:
+        check_output_path(out)
     m = trace_plan(spec, plan, rank=rank)
     if out:
         atomic_write_json(out, m.to_dict())
@@ -353,8 +354,10 @@ def trace(
 @guarded
 def profile(
     nproc_per_node: int = typer.Option(..., "--nproc-per-node", help="ranks (GPUs, or CPU ranks with gloo)"),
-    out: str = typer.Option(..., "--out", help="profile name: writes profiles/NAME.json and NAME.samples.csv"),
+    out: str = typer.Option(..., "--out", help="profile name (writes profiles/NAME.json and NAME.samples.csv) "
+                            "or a path anywhere (DIR/NAME.json)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted profile"),
+    restart: bool = typer.Option(False, "--restart", help="discard an interrupted profile and start over"),
     min_bytes: int = typer.Option(0, "--min-bytes", help="smallest message (default 1 KiB)"),
     max_bytes: int = typer.Option(0, "--max-bytes", help="largest message (default 16 MiB on CPU, 1 GiB on GPU)"),
     factor: int = typer.Option(4, "--factor", help="geometric step of the message sizes"),
@@ -366,13 +369,15 @@ def profile(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Measure collectives and compute on this machine, fit them, and write a hardware profile."""
+    from parsim.errors import ParsimError
+
+    if resume and restart:
+        raise ParsimError("give --resume or --restart, not both")
+    if device not in (None, "cpu"):
+        raise ParsimError(f"--device takes only cpu (to profile gloo on a GPU machine), got {device!r}")
     from parsim.profiler.run import profile as _profile
 
-    if factor < 2:
-        from parsim.errors import ParsimError
-
-        raise ParsimError(f"--factor must be >= 2, got {factor}")
-    hw = _profile(out, nproc_per_node, resume=resume, min_bytes=min_bytes, max_bytes=max_bytes, factor=factor,
+    hw = _profile(out, nproc_per_node, resume=resume, restart=restart, min_bytes=min_bytes, max_bytes=max_bytes, factor=factor,
                   ops=ops, model=model, seq_len=seq_len, out_dir=out_dir, device=device,
                   log=lambda m: typer.echo(m, err=True))
     if as_json:
@@ -383,8 +388,45 @@ def profile(
     print_profile(hw)
 
 
-def main():
-    app()
+def _click_exceptions() -> tuple[tuple, tuple]:
+    """(usage-error classes, abort classes) of click and of the click that newer typer versions vendor."""
+    usage, abort = [], []
+    for mod in ("click.exceptions", "typer._click.exceptions"):
+        try:
+            m = __import__(mod, fromlist=["UsageError"])
+        except ImportError:
+            continue
+        usage.append(m.UsageError)
+        if hasattr(m, "Abort"):
+            abort.append(m.Abort)
+    abort += [getattr(typer, "Abort")] if hasattr(typer, "Abort") else []
+    return tuple(usage), tuple(abort)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``parsim`` entry point. Usage errors (an unknown flag, a value of the wrong type) print one line and
+    exit 2, like ParsimError; Ctrl-C exits 130 after the commands have ended what they started."""
+    usage_errors, aborts = _click_exceptions()
+    try:
+        code = app(args=argv, standalone_mode=False, prog_name="parsim")
+    except usage_errors as e:
+        if not e.format_message().strip():  # no_args_is_help: the help was printed
+            return _exit(0, argv)
+        hint = f" (parsim {e.ctx.info_name} --help)" if e.ctx is not None and e.ctx.info_name != "parsim" else ""
+        typer.echo(f"error: {_one_line(e.format_message())}{hint}", err=True)
+        code = 2
+    except (KeyboardInterrupt, *aborts):
+        typer.echo("interrupted", err=True)
+        code = 130
+    except BrokenPipeError:  # `parsim ... | head`
+        code = 0
+    return _exit(code if isinstance(code, int) else 0, argv)
+
+
+def _exit(code: int, argv) -> int:
+    if argv is None:
+        sys.exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import numpy as np
 
 from parsim.units import GiB, MS
@@ -25,14 +22,14 @@ class CsvSink:
     """Streams every evaluated plan to CSV, written to a temporary file and renamed at the end (atomic)."""
 
     COLS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "mesh_order", "local_batch_size",
-            "micro_batch_size", "pp_schedule", "pp_stages_per_rank", "ac", "compile", "float8", "reshard_flip",
-            "ac_wraps_compile", "step_time_s", "peak_memory_bytes", "fits", "tokens_per_s_per_gpu", "mfu")
+            "micro_batch_size", "pp_schedule", "pp_stages_per_rank", "ac", "compile", "float8",
+            "fsdp_reshard_after_forward", "wrapper_order", "step_time_s", "peak_memory_bytes", "fits", "tokens_per_s_per_gpu", "mfu")
 
     def __init__(self, path: str):
-        self.path = path
-        d = os.path.dirname(os.path.abspath(path))
-        fd, self.tmp = tempfile.mkstemp(prefix=".parsim-search.", dir=d)
-        self.f = os.fdopen(fd, "w")
+        from parsim.jsonio import AtomicFile
+
+        self.out = AtomicFile(path)
+        self.f = self.out.f
         self.f.write(",".join(self.COLS) + "\n")
 
     def __call__(self, base, opts, gid, r, fits):
@@ -47,17 +44,19 @@ class CsvSink:
         ac = np.array([ac_names[int(x)] for x in range(max(AC_MODES.values()) + 1)])[o[:, 0]]
         ac = np.where(ac == "layer", np.char.add("layer:", o[:, 1].astype(str)), ac)
         sched = np.array([k for k, _ in sorted(PP_SCHEDULES.items(), key=lambda kv: kv[1])])[base["sched"][bi]]
+        reshard = np.array(["default", "flip", "always", "never"])[o[:, 4]]
+        reshard = np.where(reshard == "flip", np.where(c[:, 0] == 1, "never", "always"), reshard)
+        worder = np.array(['"' + ",".join(w) + '"' for w in base["orders"]])[o[:, 6]]
         cols = [c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4], c[:, 5], c[:, 6], np.char.add(np.char.add('"', orders), '"'),
-                base["lbs"][bi], base["mbs"][bi], sched, base["v"][bi], ac, o[:, 2], o[:, 3], o[:, 4], o[:, 5],
+                base["lbs"][bi], base["mbs"][bi], sched, base["v"][bi], ac, o[:, 2], o[:, 3], reshard, worder,
                 r["step_time_s"], r["peak_memory_bytes"], fits.astype(int), r["tokens_per_s_per_gpu"], r["mfu"]]
         np.savetxt(self.f, np.column_stack([np.asarray(x).astype(str) for x in cols]), fmt="%s", delimiter=",")
 
     def close(self, ok: bool):
-        self.f.close()
         if ok:
-            os.replace(self.tmp, self.path)
+            self.out.commit()
         else:
-            os.unlink(self.tmp)
+            self.out.discard()
 
 
 def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torchtitan, csv_path, as_json,

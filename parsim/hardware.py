@@ -48,6 +48,31 @@ def buffer_bytes(op: str, input_bytes, n):
     return input_bytes * n if op == "all_gather" else input_bytes
 
 
+def check_number(where: str, v, low: float = 0.0, high: float = math.inf, *, low_open: bool = False,
+                 integer: bool = False) -> None:
+    """One ParsimError line unless ``v`` is a finite number (an int when ``integer``) within [low, high]
+    ((low, high] when ``low_open``). Profiles are read from files that can hold anything."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if integer:
+        ok = ok and isinstance(v, int)
+    ok = ok and (v > low if low_open else v >= low) and v <= high
+    if not ok:
+        kind = "an integer" if integer else "a finite number"
+        lo = f"({low}" if low_open else f"[{low}"
+        raise ParsimError(f"{where} must be {kind} in {lo}, {high}], got {v!r}")
+
+
+def _check_rates(where: str, d, required: tuple = ()) -> None:
+    """A dict of name -> positive finite rate (peak FLOP/s, bandwidths)."""
+    if not isinstance(d, dict):
+        raise ParsimError(f"{where} must be an object of name: value, got {d!r}")
+    for k, v in d.items():
+        check_number(f"{where}.{k}", v, 0.0, low_open=True)
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ParsimError(f"{where} lacks {missing}")
+
+
 @dataclass(frozen=True)
 class EfficiencyCurve:
     """Achieved fraction of peak as a saturating function of work: ``eff(x) = eff_max * x / (x + x_half)``.
@@ -59,8 +84,8 @@ class EfficiencyCurve:
     x_half: float
 
     def __post_init__(self):
-        if not (0 < self.eff_max <= 1.0) or self.x_half < 0:
-            raise ParsimError(f"efficiency curve needs 0 < eff_max <= 1 and x_half >= 0, got {self}")
+        check_number("efficiency curve eff_max", self.eff_max, 0.0, 1.0, low_open=True)
+        check_number("efficiency curve x_half", self.x_half, 0.0)
 
     def __call__(self, x):
         x = np.asarray(x, dtype=float)
@@ -88,8 +113,14 @@ class CollectiveFit:
     def __post_init__(self):
         if self.op not in COLLECTIVE_OPS:
             raise ParsimError(f"collective fit: unknown op {self.op!r}")
-        if self.group_size < 1 or self.ranks_per_node < 1 or self.busbw_bytes_per_s <= 0 or self.latency_s < 0:
-            raise ParsimError(f"collective fit has non-positive values: {self}")
+        w = f"collective fit {self.op}"
+        check_number(f"{w} group_size", self.group_size, 1, 2**20, integer=True)
+        check_number(f"{w} ranks_per_node", self.ranks_per_node, 1, 2**20, integer=True)
+        check_number(f"{w} latency_s", self.latency_s, 0.0, 3600.0)
+        check_number(f"{w} busbw_bytes_per_s", self.busbw_bytes_per_s, 0.0, low_open=True)
+        check_number(f"{w} min_bytes", self.min_bytes, 0.0)
+        check_number(f"{w} rel_residual", self.rel_residual, 0.0)
+        check_number(f"{w} n_samples", self.n_samples, 0, integer=True)
 
 
 @dataclass(frozen=True)
@@ -103,9 +134,11 @@ class Topology:
     latency_per_log2_rank_s: float
 
     def __post_init__(self):
-        missing = set(COLLECTIVE_OPS) - set(self.intra_node_busbw_bytes_per_s)
-        if missing:
-            raise ParsimError(f"topology lacks intra-node bandwidth for {sorted(missing)}")
+        _check_rates("topology.intra_node_busbw_bytes_per_s", self.intra_node_busbw_bytes_per_s, COLLECTIVE_OPS)
+        check_number("topology.inter_node_bytes_per_s_per_gpu", self.inter_node_bytes_per_s_per_gpu, 0.0,
+                     low_open=True)
+        for n in ("intra_latency_s", "inter_latency_s", "latency_per_log2_rank_s"):
+            check_number(f"topology.{n}", getattr(self, n), 0.0, 3600.0)
 
 
 @dataclass(frozen=True)
@@ -136,16 +169,7 @@ class HardwareProfile:
     def __post_init__(self):
         if self.schema_version != SCHEMA_VERSION:
             raise ParsimError(f"profile {self.name}: schema_version {self.schema_version}, expected {SCHEMA_VERSION}")
-        if self.source not in ("spec-sheet", "measured"):
-            raise ParsimError(f"profile {self.name}: source must be spec-sheet or measured, got {self.source!r}")
-        if self.gpus_per_node < 1 or self.n_nodes < 1:
-            raise ParsimError(f"profile {self.name}: gpus_per_node and n_nodes must be >= 1")
-        if self.memory_bytes <= self.memory_reserved_bytes:
-            raise ParsimError(f"profile {self.name}: memory_bytes must exceed memory_reserved_bytes")
-        if "bfloat16" not in self.peak_flops:
-            raise ParsimError(f"profile {self.name}: peak_flops needs a bfloat16 entry")
-        if self.memory_bandwidth_bytes_per_s <= 0:
-            raise ParsimError(f"profile {self.name}: memory bandwidth must be positive")
+        self._check_values()
         object.__setattr__(self, "collectives", tuple(self.collectives))
         object.__setattr__(self, "assumptions", tuple(self.assumptions))
         index = {}
@@ -154,6 +178,43 @@ class HardwareProfile:
         for v in index.values():
             v.sort(key=lambda c: c.min_bytes)
         object.__setattr__(self, "_index", index)
+
+    def _check_values(self) -> None:
+        """Types, finiteness and ranges of every field: a corrupt profile must not turn into silent nonsense
+        (a negative bandwidth that removes communication, a NaN peak, 1.5 GPUs per node)."""
+        for n in ("name", "device_name"):
+            if not isinstance(getattr(self, n), str):
+                raise ParsimError(f"profile {n} must be a string, got {getattr(self, n)!r}")
+        if self.source not in ("spec-sheet", "measured"):
+            raise ParsimError(f"source must be spec-sheet or measured, got {self.source!r}")
+        check_number("gpus_per_node", self.gpus_per_node, 1, 1024, integer=True)
+        check_number("n_nodes", self.n_nodes, 1, 2**20, integer=True)
+        check_number("memory_bytes", self.memory_bytes, 0.0, 2.0**50, low_open=True)
+        check_number("memory_reserved_bytes", self.memory_reserved_bytes, 0.0, 2.0**50)
+        if self.memory_bytes <= self.memory_reserved_bytes:
+            raise ParsimError("memory_bytes must exceed memory_reserved_bytes")
+        _check_rates("peak_flops", self.peak_flops, ("bfloat16",))
+        check_number("memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s, 0.0, low_open=True)
+        check_number("memory_efficiency", self.memory_efficiency, 0.0, 1.0, low_open=True)
+        check_number("compile_memory_bound_factor", self.compile_memory_bound_factor, 0.0, 1.0, low_open=True)
+        if not isinstance(self.comm_overlap, bool):
+            raise ParsimError(f"comm_overlap must be true or false, got {self.comm_overlap!r}")
+        for n, kind in (("gemm_efficiency", EfficiencyCurve), ("attention_efficiency", EfficiencyCurve),
+                        ("topology", Topology)):
+            if not isinstance(getattr(self, n), kind):
+                raise ParsimError(f"{n} must be an object of its fields")
+        if not isinstance(self.corrections, dict):
+            raise ParsimError(f"corrections must be an object, got {self.corrections!r}")
+        for k, v in self.corrections.items():
+            check_number(f"corrections.{k}", v, 0.0, 1e6, low_open=k.endswith("_scale"))
+        for n in ("samples", "provenance"):
+            if not isinstance(getattr(self, n), dict):
+                raise ParsimError(f"{n} must be an object, got {getattr(self, n)!r}")
+        if not isinstance(self.assumptions, (list, tuple)) or not all(isinstance(a, str) for a in self.assumptions):
+            raise ParsimError("assumptions must be a list of strings")
+        if not isinstance(self.collectives, (list, tuple)) or not all(isinstance(c, CollectiveFit)
+                                                                       for c in self.collectives):
+            raise ParsimError("collectives must be a list of collective fits")
 
     # ---- derived ------------------------------------------------------------------------------------------------
     @property
@@ -238,22 +299,34 @@ class HardwareProfile:
         d["assumptions"] = list(self.assumptions)
         return d
 
+    REQUIRED_KEYS = ("name", "device_name", "gpus_per_node", "n_nodes", "memory_bytes", "memory_reserved_bytes",
+                     "peak_flops", "memory_bandwidth_bytes_per_s", "gemm_efficiency", "attention_efficiency",
+                     "memory_efficiency", "topology", "collectives", "source", "schema_version")
+
     @staticmethod
     def from_dict(d: dict, origin: str = "profile") -> "HardwareProfile":
+        """Schema-checked: unknown or missing keys, wrong types, non-finite or out-of-range values give one
+        ParsimError line naming the file, the field and the value."""
         if not isinstance(d, dict):
             raise ParsimError(f"{origin}: a hardware profile must be a JSON object")
         known = {f.name for f in fields(HardwareProfile)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ParsimError(f"{origin}: unknown keys {unknown}")
+        missing = [k for k in HardwareProfile.REQUIRED_KEYS if k not in d]
+        if missing:
+            raise ParsimError(f"{origin}: missing keys {missing}")
         try:
             d = dict(d)
-            d["gemm_efficiency"] = EfficiencyCurve(**d["gemm_efficiency"])
-            d["attention_efficiency"] = EfficiencyCurve(**d["attention_efficiency"])
-            if d.get("float8_gemm_efficiency"):
-                d["float8_gemm_efficiency"] = EfficiencyCurve(**d["float8_gemm_efficiency"])
-            d["topology"] = Topology(**d["topology"])
-            d["collectives"] = tuple(CollectiveFit(**c) for c in d.get("collectives", ()))
+            d["gemm_efficiency"] = _sub(EfficiencyCurve, d["gemm_efficiency"], "gemm_efficiency")
+            d["attention_efficiency"] = _sub(EfficiencyCurve, d["attention_efficiency"], "attention_efficiency")
+            if d.get("float8_gemm_efficiency") is not None:
+                d["float8_gemm_efficiency"] = _sub(EfficiencyCurve, d["float8_gemm_efficiency"],
+                                                   "float8_gemm_efficiency")
+            d["topology"] = _sub(Topology, d["topology"], "topology")
+            if not isinstance(d["collectives"], list):
+                raise ParsimError(f"collectives must be a list, got {d['collectives']!r}")
+            d["collectives"] = tuple(_sub(CollectiveFit, c, "collectives[]") for c in d["collectives"])
             return HardwareProfile(**d)
         except ParsimError as e:
             raise ParsimError(f"{origin}: {e}") from None
@@ -262,6 +335,15 @@ class HardwareProfile:
 
     def save(self, path: str | Path) -> Path:
         return atomic_write_json(path, self.to_dict())
+
+
+def _sub(cls, d, where: str):
+    if not isinstance(d, dict):
+        raise ParsimError(f"{where} must be an object, got {d!r}")
+    try:
+        return cls(**d)
+    except TypeError as e:
+        raise ParsimError(f"{where}: {e}") from None
 
 
 def list_profiles() -> list[str]:

@@ -25,6 +25,11 @@ PP_SCHEDULES = {"GPipe": 0, "1F1B": 1, "Interleaved1F1B": 2}
 AC_MODES = {"none": 0, "full": 1, "selective-op": 2, "layer": 3}
 RAF_MODES = ("default", "always", "never")
 EP_FROM = ("dp_shard", "dp_replicate")
+# absurd sizes, refused before anything is enumerated (and int64 / float arithmetic stays far from overflow)
+MAX_GPUS = 2**20  # 1,048,576: beyond every cluster built so far
+MAX_SEQ_LEN = 2**24  # 16,777,216 tokens
+MAX_BATCH = 2**24  # sequences per optimizer step
+MAX_STAGES_PER_RANK = 64
 
 
 def parse_ac(ac: str) -> tuple[str, int]:
@@ -69,10 +74,7 @@ class Plan:
 
     def __post_init__(self):
         s = object.__setattr__
-        for a in AXES + ("ep", "etp", "seq_len", "local_batch_size", "pp_stages_per_rank"):
-            v = getattr(self, a)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ParsimError(f"{a} must be a positive integer, got {v!r}")
+        self._check_types()
         s(self, "mesh_order", tuple(self.mesh_order))
         s(self, "wrapper_order", tuple(self.wrapper_order))
         if sorted(self.mesh_order) != sorted(AXES):
@@ -87,6 +89,8 @@ class Plan:
             s(self, "global_batch_size", self.local_batch_size * self.dp)
         if self.micro_batch_size == 0:
             s(self, "micro_batch_size", self.local_batch_size)
+        if self.global_batch_size > MAX_BATCH:
+            raise ParsimError(f"global batch {self.global_batch_size} is more than {MAX_BATCH} sequences")
         if self.sequence_parallel is None:
             s(self, "sequence_parallel", self.tp > 1)
         if self.pp_schedule not in PP_SCHEDULES:
@@ -151,6 +155,33 @@ class Plan:
                 raise ParsimError(
                     f"DDP-style EP needs dp_replicate {self.dp_replicate} divisible by ep {self.ep}"
                 )
+
+    def _check_types(self) -> None:
+        """Types and sizes of every field (a plan file can hold anything): one line naming field and value."""
+        limits = {**{a: MAX_GPUS for a in AXES + ("ep", "etp")}, "seq_len": MAX_SEQ_LEN,
+                  "local_batch_size": MAX_BATCH, "global_batch_size": MAX_BATCH, "micro_batch_size": MAX_BATCH,
+                  "pp_stages_per_rank": MAX_STAGES_PER_RANK}
+        for a, high in limits.items():
+            v = getattr(self, a)
+            low = 0 if a in ("global_batch_size", "micro_batch_size") else 1
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+                what = "a positive integer" if low else "an integer >= 0"
+                raise ParsimError(f"{a} must be {what} <= {high}, got {v!r}")
+        world = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+        if world > MAX_GPUS:
+            raise ParsimError(f"the degrees multiply to {world} GPUs, more than the {MAX_GPUS} parsim plans for")
+        for a in ("compile", "float8"):
+            if not isinstance(getattr(self, a), bool):
+                raise ParsimError(f"{a} must be true or false, got {getattr(self, a)!r}")
+        if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
+            raise ParsimError(f"sequence_parallel must be true, false or null, got {self.sequence_parallel!r}")
+        for a in ("ep_from", "pp_schedule", "fsdp_reshard_after_forward", "ac", "param_dtype", "reduce_dtype"):
+            if not isinstance(getattr(self, a), str):
+                raise ParsimError(f"{a} must be a string, got {getattr(self, a)!r}")
+        for a in ("mesh_order", "wrapper_order"):
+            v = getattr(self, a)
+            if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+                raise ParsimError(f"{a} must be a list of names, got {v!r}")
 
     # ---- derived ------------------------------------------------------------------------------------------------
     @property

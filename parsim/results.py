@@ -31,6 +31,15 @@ class Prediction:
     interval_s: tuple | None = None
 
     def __post_init__(self):
+        numbers = {"peak_memory_bytes": self.peak_memory_bytes, "step_time_s": self.step_time_s,
+                   "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                   **{f"memory_breakdown_bytes.{k}": v for k, v in self.memory_breakdown_bytes.items()},
+                   **{f"time_breakdown_s.{k}": v for k, v in self.time_breakdown_s.items()},
+                   **{f"comm_bytes.{k}": v for k, v in self.comm_bytes.items()}}
+        bad = {k: v for k, v in numbers.items() if not math.isfinite(v)}
+        if bad:  # only reachable through sizes or profiles that slipped past their checks: say so, never emit NaN
+            raise ParsimError(f"the prediction is not finite ({', '.join(f'{k}={v}' for k, v in bad.items())}): "
+                              "check the model, plan and profile sizes")
         for name, total, parts in (("memory", self.peak_memory_bytes, self.memory_breakdown_bytes),
                                    ("time", self.step_time_s, self.time_breakdown_s)):
             s = sum(parts.values())
@@ -46,6 +55,10 @@ class Prediction:
         if d["interval_s"] is None:
             d.pop("interval_s")
         return d
+
+
+def _finite_or_none(x):
+    return x if x is None or math.isfinite(x) else None
 
 
 @dataclass(frozen=True)
@@ -72,9 +85,12 @@ class Measurement:
         object.__setattr__(self, "losses", tuple(self.losses))
 
     def to_dict(self) -> dict:
+        """JSON-ready; a non-finite loss or time (a diverged run) becomes null: JSON has no NaN."""
         d = asdict(self)
-        d["step_times_s"] = list(self.step_times_s)
-        d["losses"] = list(self.losses)
+        d["step_times_s"] = [_finite_or_none(x) for x in self.step_times_s]
+        d["losses"] = [_finite_or_none(x) for x in self.losses]
+        for k in ("median_step_time_s", "peak_memory_bytes", "tokens_per_s_per_gpu"):
+            d[k] = _finite_or_none(d[k])
         return d
 
     @staticmethod

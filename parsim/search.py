@@ -14,6 +14,8 @@ the Pareto front and the counters are kept.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 from itertools import permutations
 
@@ -23,16 +25,27 @@ from .costmodel.batch import PlanBatch, group_rpn
 from .costmodel.step import evaluate
 from .errors import ParsimError
 from .hardware import HardwareProfile
-from .ordering import searched_orders
-from .plan import AC_MODES, AXES, DEFAULT_ORDER, PP_SCHEDULES, Plan
+from .ordering import is_legal, searched_orders, violations
+from .plan import AC_MODES, AXES, MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, PP_SCHEDULES, Plan
 from .spec import ModelSpec
 
 AC_CHOICES = ("none", "selective-op", "full", "layer:2")
 SCHED_NAMES = {v: k for k, v in PP_SCHEDULES.items()}
 
 
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(sorted(set(small + [n // d for d in small])))
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of n in ascending order (O(sqrt n))."""
+    return list(_divisors(n))
+
+
+RESHARD_CHOICES = ("default", "flip", "always", "never")  # flip: the non-default reshard_after_forward
+MAX_PLANS = 50_000_000  # larger spaces are refused with the count (~2 min at the measured ~400k plans/s): pin, or --max-plans
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,7 @@ class SearchSpace:
     cp: tuple | None = None
     tp: tuple | None = None
     ep: tuple | None = None
+    etp: tuple | None = None
     max_tp: int | None = None
     max_pp: int | None = None
     max_cp: int | None = None
@@ -54,26 +68,62 @@ class SearchSpace:
     micro_batch_size: tuple | None = None
     max_local_batch_size: int = 64
     pp_schedules: tuple = ("GPipe", "1F1B", "Interleaved1F1B")
-    stages_per_rank: tuple = (2, 4)
+    stages_per_rank: tuple = (2, 4)  # of Interleaved1F1B
     ac: tuple = AC_CHOICES
     compile: tuple = (False, True)
     float8: tuple | None = None  # None: (False, True) when the GPU has float8, else (False,)
-    reshard: tuple = ("default", "flip")  # flip: the non-default reshard_after_forward
+    reshard: tuple = ("default", "flip")  # of RESHARD_CHOICES
+    sequence_parallel: bool | None = None  # None: on when tp > 1
     device_orders: bool = True  # False: only the default order (pp, dp_replicate, dp_shard, cp, tp)
+    mesh_order: tuple | None = None  # one device order, pinned
+    wrapper_orders: tuple | None = None  # wrapper orders, pinned (default: the legal ones searched_orders gives)
     headroom: float = 0.0  # fraction of usable memory kept free
+    max_plans: int = MAX_PLANS  # 0: no limit
 
     def __post_init__(self):
-        if self.global_batch_size < 1 or self.seq_len < 1:
-            raise ParsimError("global batch and seq len must be >= 1")
-        if not 0.0 <= self.headroom < 1.0:
+        from .plan import parse_ac
+
+        _int_in("global batch", self.global_batch_size, 1, MAX_BATCH)
+        _int_in("seq_len", self.seq_len, 1, MAX_SEQ_LEN)
+        for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "local_batch_size",
+                     "micro_batch_size"):
+            pins = getattr(self, name)
+            if pins is not None:
+                for v in pins:
+                    _int_in(f"pinned {name}", v, 1, MAX_GPUS if name not in ("local_batch_size",
+                                                                             "micro_batch_size") else MAX_BATCH)
+        for name in ("max_tp", "max_pp", "max_cp"):
+            if getattr(self, name) is not None:
+                _int_in("--" + name.replace("_", "-"), getattr(self, name), 1, MAX_GPUS)
+        _int_in("max local batch", self.max_local_batch_size, 1, MAX_BATCH)
+        _int_in("max plans", self.max_plans, 0, 2**62)
+        if not (isinstance(self.headroom, (int, float)) and math.isfinite(self.headroom)
+                and 0.0 <= self.headroom < 1.0):
             raise ParsimError(f"headroom must be in [0, 1), got {self.headroom}")
         for a in self.ac:
-            from .plan import parse_ac
-
             parse_ac(a)
         for s in self.pp_schedules:
             if s not in PP_SCHEDULES:
                 raise ParsimError(f"unknown PP schedule {s!r}")
+        for v in self.stages_per_rank:
+            _int_in("stages per rank", v, 1, 64)
+        for r in self.reshard:
+            if r not in RESHARD_CHOICES:
+                raise ParsimError(f"unknown reshard choice {r!r} (known: {', '.join(RESHARD_CHOICES)})")
+        if self.mesh_order is not None and sorted(self.mesh_order) != sorted(AXES):
+            raise ParsimError(f"mesh order {self.mesh_order} must be a permutation of {','.join(AXES)}")
+        for order in self.wrapper_orders or ():
+            if not is_legal(order):
+                v = [r for r in violations(order) if r.kind == "fundamental"][0]
+                raise ParsimError(f"wrapper order {','.join(order)} puts {v.then} before {v.first}, which cannot "
+                                  f"run: {v.reason}")
+        if not (self.ac and self.compile and self.pp_schedules and self.reshard):
+            raise ParsimError("a search dimension was pinned to nothing")
+
+
+def _int_in(what: str, v, low: int, high: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not low <= v <= high:
+        raise ParsimError(f"{what} must be an integer in [{low}, {high}], got {v!r}")
 
 
 @dataclass
@@ -126,7 +176,7 @@ def _degree_combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace, pruned: dict) 
                     if cp > 1 and sp.seq_len % (2 * cp):
                         _count(pruned, "seq_len not divisible by 2 x cp")
                         continue
-                    if tp > 1 and (sp.seq_len // cp) % tp:
+                    if tp > 1 and sp.sequence_parallel is not False and (sp.seq_len // cp) % tp:
                         _count(pruned, "seq_len / cp not divisible by tp (sequence parallel)")
                         continue
                     if sp.global_batch_size % (dpr * dps):
@@ -139,13 +189,15 @@ def _degree_combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace, pruned: dict) 
 
 def _ep_options(spec, dps, cp, tp, sp):
     if spec.moe is None:
-        return [(1, 1)]
+        return [(1, 1)] if (sp.ep is None or 1 in sp.ep) and (sp.etp is None or 1 in sp.etp) else []
     base = dps * cp * tp
     opts = []
     for ep in _allowed(divisors(base), sp.ep, None):
         if spec.moe.n_experts % ep:
             continue
         for etp in sorted({1, tp}) if ep > 1 else [1]:
+            if sp.etp is not None and etp not in sp.etp:
+                continue
             if base % (ep * etp) == 0 and spec.moe.d_ff_expert % etp == 0:
                 opts.append((ep, etp))
     return opts
@@ -159,7 +211,10 @@ def _base_rows(spec, combos, sp: SearchSpace, gpn: int, pruned: dict) -> dict:
     deg = {a: c[:, i] for i, a in enumerate(AXES)}
     ep, etp = c[:, 5], c[:, 6]
     # distinct device orders per combination: signature = ranks per node of every group
-    perms = list(permutations(AXES)) if sp.device_orders else [AXES]
+    if sp.mesh_order is not None:
+        perms = [tuple(sp.mesh_order)]
+    else:
+        perms = list(permutations(AXES)) if sp.device_orders else [AXES]
     shell = _shell_batch(deg, ep, etp)
     sigs = []
     for order in perms:
@@ -168,6 +223,9 @@ def _base_rows(spec, combos, sp: SearchSpace, gpn: int, pruned: dict) -> dict:
     sig = np.stack(sigs, axis=1)  # (combos, perms, groups)
     rows = {k: [] for k in ("combo", "perm", "lbs", "mbs", "sched", "v")}
     L = spec.n_layers
+    # plans without PP carry the pinned schedule's name when one is pinned; they cannot honour a pinned v >= 2
+    sched_pp1 = PP_SCHEDULES[sp.pp_schedules[0]] if len(sp.pp_schedules) == 1 else PP_SCHEDULES["1F1B"]
+    pp1_ok = not (sp.pp_schedules == ("Interleaved1F1B",) and 1 not in sp.stages_per_rank)
     for i in range(len(c)):
         _, first = np.unique(sig[i], axis=0, return_index=True)
         perm_ids = sorted(first.tolist())
@@ -178,9 +236,9 @@ def _base_rows(spec, combos, sp: SearchSpace, gpn: int, pruned: dict) -> dict:
             if lbs > sp.max_local_batch_size or (sp.local_batch_size and lbs not in sp.local_batch_size):
                 continue
             if pp == 1:
-                if sp.micro_batch_size and lbs not in sp.micro_batch_size:
+                if (sp.micro_batch_size and lbs not in sp.micro_batch_size) or not pp1_ok:
                     continue
-                batch.append((lbs, lbs, PP_SCHEDULES["1F1B"], 1))
+                batch.append((lbs, lbs, sched_pp1, 1))
                 continue
             for mbs in divisors(lbs):
                 if sp.micro_batch_size and mbs not in sp.micro_batch_size:
@@ -220,23 +278,39 @@ def _shell_batch(deg, ep, etp) -> PlanBatch:
                      float8=f, ac_wraps_compile=f, param_bytes=z, reduce_bytes=z, rpn={})
 
 
-def _options(sp: SearchSpace, hw: HardwareProfile) -> np.ndarray:
-    """Option table rows: (ac code, ac_every, compile, float8, reshard flip, ac wraps compile)."""
+def _options(sp: SearchSpace, hw: HardwareProfile) -> tuple[np.ndarray, list]:
+    """Option table rows: (ac code, ac_every, compile, float8, reshard choice index, ac wraps compile, wrapper
+    order index), and the wrapper orders the last column indexes."""
     from .plan import parse_ac
 
     f8 = sp.float8 if sp.float8 is not None else ((False, True) if "float8" in hw.peak_flops else (False,))
     if any(f8) and "float8" not in hw.peak_flops:
         raise ParsimError(f"float8 needs a GPU with float8 tensor cores; profile {hw.name} has none")
-    rows = []
+    rows, orders = [], []
     for ac in sp.ac:
         mode, every = parse_ac(ac)
         for comp in sp.compile:
             for fp8 in f8:
                 for flip in sp.reshard:
-                    for order in searched_orders(mode != "none", comp):
+                    for order in sp.wrapper_orders or searched_orders(mode != "none", comp):
+                        if order not in orders:
+                            orders.append(order)
                         wraps = order.index("ac") > order.index("compile")
-                        rows.append((AC_MODES[mode], every, comp, fp8, flip == "flip", wraps))
-    return np.array(rows, dtype=np.int64)
+                        rows.append((AC_MODES[mode], every, comp, fp8, RESHARD_CHOICES.index(flip), wraps,
+                                     orders.index(order)))
+    return np.array(rows, dtype=np.int64), orders
+
+
+def _reshard(choice: np.ndarray, pp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(reshard_after_forward, reshard the output layer too) of RESHARD_CHOICES indices; default = no PP."""
+    dflt = pp == 1
+    raf = np.select([choice == 0, choice == 1, choice == 2], [dflt, ~dflt, np.ones_like(dflt)], np.zeros_like(dflt))
+    return raf, (choice == 2) | ((choice == 1) & ~dflt)
+
+
+def _reshard_name(choice: int, pp: int) -> str:
+    name = RESHARD_CHOICES[choice]
+    return ("never" if pp == 1 else "always") if name == "flip" else name
 
 
 def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace, gpn: int) -> tuple:
@@ -247,15 +321,14 @@ def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace
     o = opts[oi]
     pp = c[:, 0]
     lbs = base["lbs"][bi]
-    flip = o[:, 4].astype(bool)
-    raf_default = pp == 1
-    raf = np.where(flip, ~raf_default, raf_default)
+    raf, raf_always = _reshard(o[:, 4], pp)
     n = len(idx)
+    seq_par = (c[:, 4] > 1) & (sp.sequence_parallel is not False)
     b = PlanBatch(
         pp=pp, dp_replicate=c[:, 1], dp_shard=c[:, 2], cp=c[:, 3], tp=c[:, 4], ep=c[:, 5], etp=c[:, 6],
         ep_ddp=np.zeros(n, bool), seq_len=np.full(n, sp.seq_len), local_batch_size=lbs,
         micro_batch_size=base["mbs"][bi], global_batch_size=np.full(n, sp.global_batch_size),
-        sched=base["sched"][bi], v=base["v"][bi], sp=c[:, 4] > 1, raf=raf, raf_always=flip & ~raf_default,
+        sched=base["sched"][bi], v=base["v"][bi], sp=seq_par, raf=raf, raf_always=raf_always,
         ac=o[:, 0], ac_every=o[:, 1], compile=o[:, 2].astype(bool), float8=o[:, 3].astype(bool),
         ac_wraps_compile=o[:, 5].astype(bool), param_bytes=np.full(n, 2), reduce_bytes=np.full(n, 4), rpn={},
     )
@@ -283,15 +356,13 @@ def plan_of(base: dict, opts: np.ndarray, gi: int, sp: SearchSpace) -> Plan:
     ac_code, every = int(o[0]), int(o[1])
     ac = {v: k for k, v in AC_MODES.items()}[ac_code]
     ac = f"layer:{every}" if ac == "layer" else ac
-    flip = bool(o[4])
-    raf = "default" if not flip else ("never" if pp == 1 else "always")
-    order = ("pp", "tp", "compile", "ac", "fsdp") if o[5] else DEFAULT_ORDER
     return Plan(pp=pp, dp_replicate=int(c[1]), dp_shard=int(c[2]), cp=int(c[3]), tp=int(c[4]), ep=int(c[5]),
                 etp=int(c[6]), mesh_order=tuple(base["perms"][base["perm"][bi]]), seq_len=sp.seq_len,
                 local_batch_size=int(base["lbs"][bi]), global_batch_size=sp.global_batch_size,
                 micro_batch_size=int(base["mbs"][bi]), pp_schedule=SCHED_NAMES[int(base["sched"][bi])],
-                pp_stages_per_rank=int(base["v"][bi]), fsdp_reshard_after_forward=raf, ac=ac,
-                compile=bool(o[2]), float8=bool(o[3]), wrapper_order=order)
+                pp_stages_per_rank=int(base["v"][bi]), fsdp_reshard_after_forward=_reshard_name(int(o[4]), pp), ac=ac,
+                compile=bool(o[2]), float8=bool(o[3]), wrapper_order=base["orders"][int(o[6])],
+                sequence_parallel=sp.sequence_parallel)
 
 
 def _pareto(times: np.ndarray, mems: np.ndarray, ids: np.ndarray):
@@ -310,16 +381,22 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     import time
 
     t0 = time.perf_counter()
-    if n_gpus < 1:
-        raise ParsimError(f"--gpus must be >= 1, got {n_gpus}")
+    _int_in("--gpus", n_gpus, 1, MAX_GPUS)
     hw = hw.with_nodes(n_gpus)
     gpn = hw.gpus_per_node
     res = SearchResult(usable_memory_bytes=hw.usable_memory_bytes * (1.0 - sp.headroom))
     combos = _degree_combos(spec, n_gpus, sp, res.pruned_structural)
     base = _base_rows(spec, combos, sp, gpn, res.pruned_structural)
-    opts = _options(sp, hw)
+    opts, base["orders"] = _options(sp, hw)
     total = len(base.get("combo", ())) * len(opts)
     res.considered = total
+    if total == 0:
+        why = "; ".join(f"{k}: {v}" for k, v in sorted(res.pruned_structural.items()))
+        raise ParsimError(f"no plan of {spec.name} on {n_gpus} GPUs satisfies the pins and the model's structure"
+                          + (f" ({why})" if why else ""))
+    if sp.max_plans and total > sp.max_plans:
+        raise ParsimError(f"the space holds {total:,} plans, more than --max-plans {sp.max_plans:,}: pin degrees, "
+                          "AC or batch sizes, or raise --max-plans (0 = no limit)")
     cand_t, cand_m, cand_i, cand_tps, cand_mfu, cand_dom = [], [], [], [], [], []
     par_t, par_m, par_i = [], [], []
     closest = (np.inf, -1)

@@ -28,11 +28,25 @@ from .errors import ParsimError
 from .jsonio import read_json
 
 
-def _positive(obj, *names):
+# sizes beyond any model trained so far, refused (a 10**6-layer config would take minutes to search)
+MAX_LAYERS = 2**14
+MAX_WIDTH = 2**20  # d_model, d_ff, head widths, LoRA ranks
+MAX_VOCAB = 2**24
+MAX_HEADS = 2**14  # heads and experts
+
+
+def _positive(obj, *names, high: int = MAX_WIDTH):
     for n in names:
         v = getattr(obj, n)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ParsimError(f"{type(obj).__name__}.{n} must be a positive integer, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= high:
+            raise ParsimError(f"{type(obj).__name__}.{n} must be a positive integer <= {high}, got {v!r}")
+
+
+def _typed(obj, kind: type, *names):
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, kind):
+            raise ParsimError(f"{type(obj).__name__}.{n} must be a {kind.__name__}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -50,13 +64,20 @@ class MoESpec:
     dense_layers: tuple[int, ...] = ()  # HF mlp_only_layers
 
     def __post_init__(self):
-        _positive(self, "n_experts", "top_k", "d_ff_expert", "moe_every")
+        _positive(self, "n_experts", "top_k", high=MAX_HEADS)
+        _positive(self, "d_ff_expert", "moe_every")
+        for n in ("n_shared_experts", "first_k_dense"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LAYERS:
+                raise ParsimError(f"MoESpec.{n} must be an integer in [0, {MAX_LAYERS}], got {v!r}")
+        cf = self.capacity_factor
+        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 1.0 <= cf <= 64.0:
+            raise ParsimError(f"MoESpec.capacity_factor must be a number in [1, 64], got {cf!r}")
+        if not isinstance(self.dense_layers, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_LAYERS for i in self.dense_layers):
+            raise ParsimError(f"MoESpec.dense_layers must be a list of layer indices, got {self.dense_layers!r}")
         if self.top_k > self.n_experts:
             raise ParsimError(f"moe top_k={self.top_k} > n_experts={self.n_experts}")
-        if self.n_shared_experts < 0 or self.first_k_dense < 0:
-            raise ParsimError("moe n_shared_experts and first_k_dense must be >= 0")
-        if self.capacity_factor < 1.0:
-            raise ParsimError(f"moe capacity_factor must be >= 1.0, got {self.capacity_factor}")
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
 
 
@@ -72,7 +93,8 @@ class MLASpec:
 
     def __post_init__(self):
         _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        if self.q_lora_rank < 0:
+        if not isinstance(self.q_lora_rank, int) or isinstance(self.q_lora_rank, bool) or \
+                not 0 <= self.q_lora_rank <= MAX_WIDTH:
             raise ParsimError("mla q_lora_rank must be >= 0 (0 = no query compression)")
 
 
@@ -96,7 +118,19 @@ class ModelSpec:
     mla: MLASpec | None = None
 
     def __post_init__(self):
-        _positive(self, "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
+        _positive(self, "n_layers", high=MAX_LAYERS)
+        _positive(self, "n_heads", "n_kv_heads", high=MAX_HEADS)
+        _positive(self, "d_model", "d_ff")
+        _positive(self, "vocab_size", high=MAX_VOCAB)
+        _typed(self, str, "name", "mlp", "norm")
+        _typed(self, bool, "tie_embeddings", "bias", "qk_norm")
+        for n, high in (("head_dim", MAX_WIDTH), ("max_position_embeddings", MAX_VOCAB)):
+            v = getattr(self, n)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= high:
+                raise ParsimError(f"ModelSpec.{n} must be an integer in [0, {high}], got {v!r}")
+        if self.moe is not None and not isinstance(self.moe, MoESpec) or \
+                self.mla is not None and not isinstance(self.mla, MLASpec):
+            raise ParsimError("ModelSpec.moe / mla must be objects of their fields")
         if self.mlp not in ("swiglu", "gelu"):
             raise ParsimError(f"mlp must be swiglu or gelu, got {self.mlp!r}")
         if self.norm not in ("rmsnorm", "layernorm"):
@@ -268,16 +302,21 @@ class ModelSpec:
 
     @staticmethod
     def from_dict(d: dict) -> "ModelSpec":
+        if not isinstance(d, dict):
+            raise ParsimError("a model spec must be a JSON object")
         d = dict(d)
         known = {f.name for f in fields(ModelSpec)}
         unknown = set(d) - known
         if unknown:
             raise ParsimError(f"unknown ModelSpec keys: {sorted(unknown)}")
-        if d.get("moe") is not None:
-            d["moe"] = MoESpec(**d["moe"])
-        if d.get("mla") is not None:
-            d["mla"] = MLASpec(**d["mla"])
-        return ModelSpec(**d)
+        try:
+            if d.get("moe") is not None:
+                d["moe"] = MoESpec(**d["moe"])
+            if d.get("mla") is not None:
+                d["mla"] = MLASpec(**d["mla"])
+            return ModelSpec(**d)
+        except TypeError as e:
+            raise ParsimError(f"bad model spec: {e}") from None
 
 
 # ---- presets (Hugging Face config.json values, see shared/HARDWARE_FACTS.md) ----------------------------------------
@@ -389,6 +428,8 @@ def load_model(name_or_path: str) -> ModelSpec:
         if "model_type" in cfg:
             return from_hf_config(cfg, name=p.parent.name if p.name == "config.json" else p.stem)
         return ModelSpec.from_dict(cfg)
-    except TypeError as e:
+    except ParsimError:
+        raise
+    except (TypeError, ValueError, AttributeError) as e:
         raise ParsimError(f"bad model config {p}: {e}") from None
 

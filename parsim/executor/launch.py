@@ -1,30 +1,36 @@
 """`parsim run`: launch the worker under torchrun, enforce a timeout, and turn what it wrote into a Measurement.
 
-A hung run is killed at ``timeout_s`` (the whole process group) and recorded as ``timeout``; a crash is recorded
-as ``error`` with the tail of its output; nothing is lost: the Measurement JSON is written atomically.
+A hung run is ended at ``timeout_s`` — torchrun and every worker it started, found by the tag ``procs.ProcessTree``
+gives them — and recorded as ``timeout``; Ctrl-C or SIGTERM ends the tree the same way before the interrupt goes
+on; a crash is recorded as ``error`` with the tail of its output. The Measurement JSON is written atomically.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 
 from ..jsonio import atomic_write_json
+from ..errors import ParsimError
 from ..plan import Plan
+from ..procs import ProcessTree, TermAsInterrupt
 from ..results import Measurement
+
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week; larger values overflow the OS wait primitives
 
 
 def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, warmup: int = 2,
              timeout_s: float = 600.0, out: str | None = None, torchrun_args: list[str] | None = None,
              device: str | None = None, optimizer: str = "adamw") -> Measurement:
     """Run ``plan`` for real. ``torchrun_args`` pass through (``--nnodes``, ``--rdzv-endpoint`` ...)."""
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ParsimError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {timeout_s!r}")
     torchrun_args = list(torchrun_args or [])
     with tempfile.TemporaryDirectory(prefix="parsim-run-") as tmp:
         plan_f, res_f = os.path.join(tmp, "plan.json"), os.path.join(tmp, "result.json")
@@ -40,15 +46,13 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
         if device == "cpu":
             env["PARSIM_DEVICE"] = "cpu"
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
-        try:
-            log, _ = proc.communicate(timeout=timeout_s)
-            status = None
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            status = "timeout"
+        with TermAsInterrupt(), ProcessTree(cmd, env=env) as tree:
+            try:
+                code = tree.wait(timeout_s)
+            finally:  # timeout, Ctrl-C, SIGTERM or any error: nothing of the run survives this block
+                tree.end()
+            log = tree.output()
+        status = "timeout" if code is None else None
         wall = time.perf_counter() - t0
         prov = {"command": " ".join(cmd), "nproc_per_node": nproc_per_node, "wall_s": wall,
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": model,
@@ -58,7 +62,7 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
                             error=f"killed after {timeout_s:.0f} s; last output: {_tail(log)}", provenance=prov)
         elif not os.path.exists(res_f):
             m = Measurement(plan_id=plan.plan_id, kind="run", status="error",
-                            error=f"torchrun exited {proc.returncode} without a result: {_tail(log)}",
+                            error=f"torchrun exited {code} without a result: {_tail(log)}",
                             provenance=prov)
         else:
             with open(res_f) as f:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..procs import die_with_parent
 from ..plan import Plan
 from ..spec import load_model
 
@@ -104,6 +105,7 @@ def clip_and_step(params, opt, pp_group=None, ep_group=None, expert_ids=frozense
 
 
 def main(argv=None) -> int:
+    die_with_parent()  # torchrun gone (killed, crashed): this rank goes too
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--plan", required=True)

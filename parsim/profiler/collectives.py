@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..procs import die_with_parent
 from ..hardware import COLLECTIVE_OPS as OPS, busbw_factor
 
 
@@ -99,6 +100,7 @@ def _run_op(op: str, buf_bytes: int, n: int, me: int, group, ranks, device, dtyp
 
 
 def main(argv=None) -> int:
+    die_with_parent()  # torchrun gone (killed, crashed): this rank goes too
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", action="store_true")

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from ..errors import ParsimError
 from ..hardware import COLLECTIVE_OPS, PROFILES_DIR, EfficiencyCurve, HardwareProfile, Topology
-from ..jsonio import atomic_write_json, atomic_write_text, read_json
+from ..jsonio import atomic_write_json, atomic_write_text, check_output_path, read_json
+from ..procs import ProcessTree, TermAsInterrupt
 from .fit import fit_collective, fit_throughput
 
 
@@ -39,19 +41,31 @@ def _cpu_name() -> str:
 def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: int = 0, max_bytes: int = 0,
             factor: int = 4, ops: str = ",".join(COLLECTIVE_OPS), model: str | None = "tiny", seq_len: int = 512,
             out_dir: Path | None = None, timeout_s: float = 1800.0, device: str | None = None, quick=False,
-            log=print) -> HardwareProfile:
-    import torch
-
+            restart: bool = False, log=print) -> HardwareProfile:
     from ..spec import load_model
-    from .compute import run_compute
 
-    out_dir = Path(out_dir or PROFILES_DIR)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = load_model(model) if model else None  # refuse a bad model before measuring anything (or importing torch)
+    check_profile_args(nproc_per_node, factor=factor, ops=ops, seq_len=seq_len, timeout_s=timeout_s,
+                       min_bytes=min_bytes, max_bytes=max_bytes)
+    out_path = resolve_profile_out(name, out_dir)
+    name, out_dir = out_path.stem, out_path.parent
+    check_output_path(out_path)
+    check_output_path(out_dir / f"{name}.samples.csv")
+    if not out_dir.is_dir():
+        raise ParsimError(f"output folder {out_dir} does not exist")
     partial = out_dir / f".{name}.partial"
+    if restart and partial.exists():
+        shutil.rmtree(partial)
     if partial.exists() and not resume:
         raise ParsimError(f"an interrupted profile {name!r} exists in {partial}: pass --resume to continue it, "
-                          "or delete that folder to start over")
-    partial.mkdir(exist_ok=True)
+                          "or --restart to discard it and start over")
+    args = {"nproc_per_node": nproc_per_node, "min_bytes": min_bytes, "max_bytes": max_bytes, "factor": factor,
+            "ops": ops, "model": model, "seq_len": seq_len, "device": device}
+    _check_resume_args(partial / "args.json", args, resume)
+    import torch
+
+    from .compute import run_compute
+
     t0 = time.perf_counter()
     # 1. collectives under torchrun
     coll_f = partial / "collectives.json"
@@ -67,10 +81,11 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
     if device == "cpu":
         env["PARSIM_DEVICE"] = "cpu"
     t_coll = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, timeout=timeout_s, stdout=None, stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("W1"))[-1500:]
-        raise ParsimError(f"collective benchmark failed (exit {proc.returncode}); --resume continues: {tail}")
+    code, output = _run_tree(cmd, env, timeout_s)
+    if code != 0:
+        tail = "\n".join(ln for ln in output.splitlines() if not ln.startswith("W1"))[-1500:]
+        why = f"timed out after {timeout_s:.0f} s" if code is None else f"exit {code}"
+        raise ParsimError(f"collective benchmark failed ({why}); --resume continues: {tail}")
     coll = read_json(coll_f, "bad collective samples")
     t_coll = time.perf_counter() - t_coll
     # 2. compute in this process
@@ -80,19 +95,78 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
         comp = read_json(comp_f, "bad compute samples")
     else:
         log("measuring compute (GEMM, attention, elementwise, AdamW, one block) ...")
-        spec = load_model(model) if model else None
         comp = {"samples": run_compute(dev, spec, seq_len, threads=1 if dev.type == "cpu" else None, quick=quick),
                 "threads": torch.get_num_threads()}
         atomic_write_json(comp_f, comp)
     # 3. fit and write
     hw, fit_rows = build_profile(name, coll, comp, dev, nproc_per_node, cmdline=" ".join(sys.argv),
                                  wall_s=time.perf_counter() - t0, coll_wall_s=t_coll)
-    hw.save(out_dir / f"{name}.json")
+    hw.save(out_path)
     atomic_write_text(out_dir / f"{name}.samples.csv", samples_csv(coll["samples"], comp["samples"]))
-    for f in partial.iterdir():
-        f.unlink()
-    partial.rmdir()
+    shutil.rmtree(partial)
     return hw
+
+
+def _check_resume_args(path: Path, args: dict, resume: bool) -> None:
+    """A resumed profile must be measured with the arguments it was started with; record them on a fresh start."""
+    if resume and path.exists():
+        old = read_json(path, "corrupt partial profile")
+        diff = {k: (old.get(k), v) for k, v in args.items() if old.get(k) != v}
+        if diff:
+            raise ParsimError("--resume with other arguments than the interrupted profile: "
+                              + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in diff.items())
+                              + " (use --restart to start over)")
+        return
+    path.parent.mkdir(exist_ok=True)
+    atomic_write_json(path, args)
+
+
+def _run_tree(cmd: list[str], env: dict, timeout_s: float) -> tuple[int | None, str]:
+    """Run torchrun with its output streamed to stderr as it comes; end the whole tree on timeout or interrupt."""
+    with TermAsInterrupt(), ProcessTree(cmd, env=env) as tree:
+        try:
+            code, shown, deadline = None, 0, time.monotonic() + timeout_s
+            while code is None and time.monotonic() < deadline:
+                code = tree.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+                text = tree.output()
+                sys.stderr.write(text[shown:])
+                shown = len(text)
+        finally:
+            tree.end()
+        return code, tree.output()
+
+
+def check_profile_args(nproc_per_node: int, *, factor: int, ops: str, seq_len: int, timeout_s: float,
+                       min_bytes: int = 0, max_bytes: int = 0) -> None:
+    """Refuse bad arguments before anything is measured."""
+    if not 1 <= nproc_per_node <= 1024:
+        raise ParsimError(f"--nproc-per-node must be in [1, 1024], got {nproc_per_node}")
+    if not 2 <= factor <= 1024:
+        raise ParsimError(f"--factor must be in [2, 1024], got {factor}")
+    unknown = sorted(set(o.strip() for o in ops.split(",")) - set(COLLECTIVE_OPS))
+    if unknown or not ops.strip():
+        raise ParsimError(f"--ops: unknown collectives {unknown} (known: {', '.join(COLLECTIVE_OPS)})")
+    if not (0 <= min_bytes <= 2**36 and 0 <= max_bytes <= 2**36) or (min_bytes and max_bytes and min_bytes > max_bytes):
+        raise ParsimError(f"--min-bytes/--max-bytes must be in [0, 2**36] with min <= max, got {min_bytes}, {max_bytes}")
+    if not 1 <= seq_len <= 2**20:
+        raise ParsimError(f"--seq-len must be in [1, 2**20], got {seq_len}")
+    if not 0 < timeout_s <= 7 * 24 * 3600:
+        raise ParsimError(f"timeout must be in (0, 1 week], got {timeout_s}")
+
+
+def resolve_profile_out(out: str, out_dir: str | Path | None) -> Path:
+    """``--out NAME`` -> profiles/NAME.json (or OUT_DIR/NAME.json); a path (with a / or ending in .json) is used
+    as it is, anywhere."""
+    p = Path(out)
+    if "/" in out or out.endswith(".json"):
+        if out_dir is not None:
+            raise ParsimError("--out is a path: leave out --out-dir")
+        p = p if p.suffix == ".json" else p.with_name(p.name + ".json")
+    else:
+        p = Path(out_dir or PROFILES_DIR) / f"{out}.json"
+    if not p.stem or p.stem.startswith("."):
+        raise ParsimError(f"bad profile name {p.stem!r}")
+    return p
 
 
 def samples_csv(coll: list[dict], comp: list[dict]) -> str:
