@@ -35,7 +35,7 @@ def main():
         if args.only and args.only != name:
             continue
         t0 = time.perf_counter()
-        res = search(PRESETS[name], hw, gpus, SearchSpace(global_batch_size=gbs, seq_len=seq))
+        res = search(PRESETS[name], hw, gpus, SearchSpace(global_batch_size=gbs, seq_len=seq, max_plans=0))
         wall = time.perf_counter() - t0
         best = res.top[0] if res.top else None
         desc = (f"{best[0].describe()} AC {best[0].ac} {best[3]:,.0f} tok/s/GPU MFU {best[4] * 100:.1f}%"

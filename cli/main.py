@@ -24,7 +24,7 @@ def _root():
     """parsim: how to parallelize a PyTorch training job, what it will cost, and how sure we are."""
 
 
-# ---- shared plan flags (CLI contract of shared/DESIGN.md; names follow torchtitan) -------------------------------------
+# ---- shared plan flags (CLI contract of shared/DESIGN.md; names follow torchtitan) ---------------------------------
 # Every flag defaults to None ("not given"): predict/run/trace fill in parsim.flags.DEFAULTS, search pins what is given.
 PLAN_FLAGS = [
     ("model", Optional[str], typer.Option(None, "--model", help="preset name or a config.json path [llama3-8b]")),
@@ -85,10 +85,10 @@ def guarded(fn):
             return fn(*args, **kwargs)
         except ParsimError as e:
             typer.echo(f"error: {_one_line(str(e))}", err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
         except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
             typer.echo(f"error: {_one_line(str(e))}", err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
 
     return wrapper
 
@@ -206,7 +206,7 @@ def _measurement_summary(m, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from parsim.units import GiB, MS
+    from parsim.units import MS, GiB
 
     con = Console()
     color = "green" if m.status == "ok" else "red"
@@ -254,7 +254,6 @@ def run(
     import dataclasses
 
     from parsim.errors import ParsimError
-
     from parsim.flags import DEFAULTS, check_int
     from parsim.jsonio import check_output_path
 
@@ -289,7 +288,8 @@ def run(
         extra += [f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-backend=c10d"]
     if node_rank is not None:
         extra.append(f"--node-rank={node_rank}")
-    m = run_plan(flags["model"] or DEFAULTS["model"], plan, nproc_per_node, steps=steps, warmup=warmup, timeout_s=timeout, out=out,
+    m = run_plan(flags["model"] or DEFAULTS["model"], plan, nproc_per_node, steps=steps, warmup=warmup,
+                 timeout_s=timeout, out=out,
                  torchrun_args=extra, device=device)
     if as_json:
         emit_json(m.to_dict())
@@ -302,7 +302,7 @@ def _nnodes(text: str) -> int:
     from parsim.errors import ParsimError
 
     parts = text.split(":")
-    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts) or not all(1 <= int(p) <= 1_000_000 for p in parts):
+    if len(parts) > 2 or not all(p.strip().isdigit() and 1 <= int(p) <= 1_000_000 for p in parts):
         raise ParsimError(f"--nnodes takes N or MIN:MAX with positive integers, got {text!r}")
     if len(parts) == 2 and int(parts[0]) > int(parts[1]):
         raise ParsimError(f"--nnodes {text}: MIN > MAX")
@@ -377,7 +377,8 @@ def profile(
         raise ParsimError(f"--device takes only cpu (to profile gloo on a GPU machine), got {device!r}")
     from parsim.profiler.run import profile as _profile
 
-    hw = _profile(out, nproc_per_node, resume=resume, restart=restart, min_bytes=min_bytes, max_bytes=max_bytes, factor=factor,
+    hw = _profile(out, nproc_per_node, resume=resume, restart=restart, min_bytes=min_bytes, max_bytes=max_bytes,
+                  factor=factor,
                   ops=ops, model=model, seq_len=seq_len, out_dir=out_dir, device=device,
                   log=lambda m: typer.echo(m, err=True))
     if as_json:
@@ -399,7 +400,7 @@ def _click_exceptions() -> tuple[tuple, tuple]:
         usage.append(m.UsageError)
         if hasattr(m, "Abort"):
             abort.append(m.Abort)
-    abort += [getattr(typer, "Abort")] if hasattr(typer, "Abort") else []
+    abort += [typer.Abort] if hasattr(typer, "Abort") else []
     return tuple(usage), tuple(abort)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from parsim.units import GiB, MS
+from parsim.units import MS, GiB
 
 
 def _order_str(plan) -> str:

@@ -9,8 +9,20 @@ one ParsimError line. Torch-free.
 from __future__ import annotations
 
 from .errors import ParsimError
-from .plan import (AXES, DEFAULT_ORDER, MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, MAX_STAGES_PER_RANK, PP_SCHEDULES,
-                   RAF_MODES, WRAPPERS, Plan, parse_ac, plan_from_flags)
+from .plan import (
+    AXES,
+    DEFAULT_ORDER,
+    MAX_BATCH,
+    MAX_GPUS,
+    MAX_SEQ_LEN,
+    MAX_STAGES_PER_RANK,
+    PP_SCHEDULES,
+    RAF_MODES,
+    WRAPPERS,
+    Plan,
+    parse_ac,
+    plan_from_flags,
+)
 
 DEFAULTS = {
     "model": "llama3-8b", "gpus": None, "dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1, "cp": 1, "ep": 1,

@@ -45,7 +45,8 @@ def divisors(n: int) -> list[int]:
 
 
 RESHARD_CHOICES = ("default", "flip", "always", "never")  # flip: the non-default reshard_after_forward
-MAX_PLANS = 50_000_000  # larger spaces are refused with the count (~2 min at the measured ~400k plans/s): pin, or --max-plans
+# larger spaces are refused with their count (~2 min at the ~400k plans/s measured here): pin, or raise --max-plans
+MAX_PLANS = 50_000_000
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from pathlib import Path
 from .errors import ParsimError
 from .jsonio import read_json
 
-
 # sizes beyond any model trained so far, refused (a 10**6-layer config would take minutes to search)
 MAX_LAYERS = 2**14
 MAX_WIDTH = 2**20  # d_model, d_ff, head widths, LoRA ranks

@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import math
+import os
 from itertools import permutations
 
 import pytest
@@ -26,6 +27,11 @@ from parsim.plan import AXES, WRAPPERS, Plan
 from parsim.spec import PRESETS, ModelSpec
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+SCALE = int(os.environ.get("PARSIM_FUZZ_SCALE", "1"))  # bench/fuzz_cli.py runs more cases
+
+
+def n_cases(n: int) -> int:
+    return n * SCALE
 
 
 def call(argv: list[str]) -> tuple[int, str, str]:
@@ -105,7 +111,8 @@ VALID = {"--dp-replicate": ["1", "2"], "--dp-shard": ["-1", "1", "2", "4"], "--t
          "--local-batch-size": ["1", "2", "4", "8"], "--micro-batch-size": ["1", "2"],
          "--global-batch-size": ["8", "16", "32"], "--seq-len": ["256", "1024", "4096"],
          "--pp-schedule": ["GPipe", "1F1B", "Interleaved1F1B"], "--pp-stages-per-rank": ["1", "2"],
-         "--ac": ["none", "full", "selective-op", "layer:2"], "--fsdp-reshard-after-forward": ["default", "always", "never"]}
+         "--ac": ["none", "full", "selective-op", "layer:2"],
+         "--fsdp-reshard-after-forward": ["default", "always", "never"]}
 
 
 @st.composite
@@ -168,7 +175,7 @@ def check_plan_honours(plan: dict, flags: dict) -> None:
             assert plan[key] == _as_int(v), (f, v, plan[key])
 
 
-@settings(max_examples=4000, **SETTINGS)
+@settings(max_examples=n_cases(4000), **SETTINGS)
 @given(plan_args())
 def test_cli_predict_fuzz(case):
     argv, flags = case
@@ -185,7 +192,7 @@ SEARCH_EXTRA = st.one_of(st.just([]), st.sampled_from([
     ["--headroom", "0.5"], ["--headroom", "nan"], ["--explain", "2"], ["--max-plans", "10"]]))
 
 
-@settings(max_examples=800, **SETTINGS)
+@settings(max_examples=n_cases(800), **SETTINGS)
 @given(plan_args(gpus=SEARCH_GPUS, max_flags=5), SEARCH_EXTRA)
 def test_cli_search_fuzz(case, extra):
     argv, flags = case
@@ -208,7 +215,7 @@ def test_cli_search_fuzz(case, extra):
         assert p["pp"] * p["dp_replicate"] * p["dp_shard"] * p["cp"] * p["tp"] == doc["n_gpus"]
 
 
-@settings(max_examples=1200, **SETTINGS)
+@settings(max_examples=n_cases(1200), **SETTINGS)
 @given(st.sampled_from(["run", "trace"]), plan_args(),
        st.sampled_from([[], ["--nnodes", "abc"], ["--nnodes", "1:x"], ["--nnodes", "2:1"], ["--timeout", "nan"],
                         ["--timeout", "-1"], ["--timeout", "1e300"], ["--steps", "0"], ["--rank", "-1"],
@@ -244,16 +251,16 @@ def test_cli_run_and_trace_arguments_fuzz(monkeypatch, command, case, extra):
     check_plan_honours(launched[0].to_dict(), flags)
 
 
-# ---- files: model specs, plans and profiles with anything in them ------------------------------------------------------
+# ---- files: model specs, plans and profiles with anything in them --------------------------------------------------
 ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
-                st.text(max_size=6), st.lists(st.integers(-3, 3), max_size=3), st.dictionaries(st.text(max_size=3),
-                                                                                               st.integers(), max_size=2))
+                st.text(max_size=6), st.lists(st.integers(-3, 3), max_size=3),
+                st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 SMALL_PLAN = Plan(dp_shard=2, tp=2, seq_len=256, local_batch_size=2)
 
 
 def _mutated(base: dict, keys: list[str], values: list) -> dict:
     d = json.loads(json.dumps(base))
-    for k, v in zip(keys, values):
+    for k, v in zip(keys, values, strict=False):
         cur, parts = d, k.split(".")
         for p in parts[:-1]:
             cur = cur[p]
@@ -290,7 +297,7 @@ MODEL_BASE = PRESETS["tiny-moe"].to_dict()
 MODEL_KEYS = _leaf_keys(MODEL_BASE)
 
 
-@settings(max_examples=1500, **SETTINGS)
+@settings(max_examples=n_cases(1500), **SETTINGS)
 @given(st.lists(st.sampled_from(MODEL_KEYS), min_size=1, max_size=3, unique=True),
        st.lists(st.one_of(ANY, st.sampled_from([0, 1, 2, 3, 7, 16, 2**20, 2**30, "<delete>"])), min_size=3, max_size=3))
 def test_model_spec_files_fuzz(keys, values):
@@ -301,7 +308,7 @@ def test_model_spec_files_fuzz(keys, values):
 PLAN_BASE = SMALL_PLAN.to_dict()
 
 
-@settings(max_examples=1500, **SETTINGS)
+@settings(max_examples=n_cases(1500), **SETTINGS)
 @given(st.lists(st.sampled_from(sorted(PLAN_BASE)), min_size=1, max_size=3, unique=True),
        st.lists(st.one_of(ANY, st.sampled_from([0, 1, 2, 4, 8, 2**21, "GPipe", "full", "never", "<delete>",
                                                 list(reversed(AXES)), ["tp"]])), min_size=3, max_size=3))
@@ -318,7 +325,7 @@ PROFILE_BASE = load_profile("cpu-gloo-4").to_dict()
 PROFILE_KEYS = _leaf_keys(PROFILE_BASE)
 
 
-@settings(max_examples=1500, **SETTINGS)
+@settings(max_examples=n_cases(1500), **SETTINGS)
 @given(st.lists(st.sampled_from(PROFILE_KEYS), min_size=1, max_size=3, unique=True),
        st.lists(st.one_of(ANY, st.sampled_from([0, -1, 1.5, 1e-300, 1e300, 3, "<delete>"])), min_size=3, max_size=3))
 def test_profile_files_fuzz(keys, values):

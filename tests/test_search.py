@@ -122,3 +122,49 @@ def test_cli_search_execute_runs_the_top_plan(tmp_path):
     assert e["prediction"]["plan_id"] == d["top"][0]["plan_id"] == e["measurement"]["plan_id"]
     assert e["measurement"]["status"] == "ok" and e["measurement"]["median_step_time_s"] > 0
     assert json.loads(out.read_text())[0]["measurement"]["status"] == "ok"
+
+
+def _cli_search(*args):
+    r = runner.invoke(app, ["search", *args, "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    return [row["plan"] for row in d["top"] + d["pareto"]], d
+
+
+def test_every_search_flag_pins_its_dimension():
+    """Flags search used to ignore: each one restricts the space (and the pinned plans predict the same)."""
+    plans, _ = _cli_search("--model", "tiny", "--gpus", "8", "--mesh-order", "tp,dp_shard", "--pp-schedule", "GPipe")
+    assert all(p["mesh_order"] == ["pp", "dp_replicate", "cp", "tp", "dp_shard"] for p in plans)
+    assert all(p["pp"] == p["cp"] == p["dp_replicate"] == 1 and p["pp_schedule"] == "GPipe" for p in plans)
+    plans, _ = _cli_search("--model", "tiny", "--gpus", "8", "--tp", "2", "--no-sequence-parallel", "--ac", "full",
+                           "--compile", "--order", "pp,tp,compile,ac,fsdp", "--fsdp-reshard-after-forward", "never")
+    assert all(p["tp"] == 2 and p["sequence_parallel"] is False and p["ac"] == "full" and p["compile"] for p in plans)
+    assert all(p["wrapper_order"] == ["pp", "tp", "compile", "ac", "fsdp"] for p in plans)
+    assert all(p["fsdp_reshard_after_forward"] == "never" for p in plans)
+    plans, _ = _cli_search("--model", "tiny-moe", "--gpus", "8", "--tp", "2", "--ep", "2", "--etp", "2")
+    assert plans and all(p["ep"] == 2 and p["etp"] == 2 for p in plans)
+    plans, _ = _cli_search("--model", "tiny", "--gpus", "8", "--pp", "2", "--pp-stages-per-rank", "2",
+                           "--local-batch-size", "4", "--no-float8", "--profile", "h100-sxm-spec")
+    assert all(p["pp_schedule"] == "Interleaved1F1B" and p["pp_stages_per_rank"] == 2 and not p["float8"]
+               for p in plans)
+    from parsim.plan import Plan
+
+    for p in plans[:3]:  # the search's number is predict's number for the same plan
+        plan = Plan.from_dict(p)
+        assert predict(PRESETS["tiny"], plan, H100).step_time_s > 0
+
+
+def test_search_gpus_default_to_the_product_of_the_degrees():
+    plans, d = _cli_search("--model", "tiny", "--tp", "2", "--pp", "2", "--dp-shard", "4", "--top", "1")
+    assert d["n_gpus"] == 16 and plans[0]["tp"] == 2 and plans[0]["pp"] == 2 and plans[0]["dp_shard"] == 4
+
+
+def test_contradictory_pins_and_huge_spaces_are_refused():
+    for args, fragment in ((["--gpus", "8", "--tp", "3"], "no plan of tiny on 8 GPUs satisfies the pins"),
+                           (["--gpus", "8", "--ac", "full", "--ac-modes", "none"], "not both"),
+                           (["--gpus", "8", "--no-pp", "--pp", "2"], "--no-pp contradicts"),
+                           (["--gpus", "8", "--order", "pp,fsdp,tp,ac,compile"], "cannot run"),
+                           (["--gpus", "8", "--max-plans", "100"], "more than --max-plans 100"),
+                           (["--tp", "2"], "give --gpus")):
+        r = runner.invoke(app, ["search", "--model", "tiny", *args])
+        assert r.exit_code == 2 and fragment in r.stderr, (args, r.output)

@@ -16,8 +16,8 @@ import tempfile
 import time
 from datetime import datetime, timezone
 
-from ..jsonio import atomic_write_json
 from ..errors import ParsimError
+from ..jsonio import atomic_write_json
 from ..plan import Plan
 from ..procs import ProcessTree, TermAsInterrupt
 from ..results import Measurement
@@ -49,9 +49,9 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
         with TermAsInterrupt(), ProcessTree(cmd, env=env) as tree:
             try:
                 code = tree.wait(timeout_s)
+                log = tree.output()  # before ending it: what the run printed, not torchrun's reaction to SIGTERM
             finally:  # timeout, Ctrl-C, SIGTERM or any error: nothing of the run survives this block
                 tree.end()
-            log = tree.output()
         status = "timeout" if code is None else None
         wall = time.perf_counter() - t0
         prov = {"command": " ".join(cmd), "nproc_per_node": nproc_per_node, "wall_s": wall,
@@ -59,7 +59,8 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
                 "plan": plan.to_dict()}
         if status == "timeout":
             m = Measurement(plan_id=plan.plan_id, kind="run", status="timeout",
-                            error=f"killed after {timeout_s:.0f} s; last output: {_tail(log)}", provenance=prov)
+                            error=f"killed after {timeout_s:g} s; last output: {_tail(log) or '(none)'}",
+                            provenance=prov)
         elif not os.path.exists(res_f):
             m = Measurement(plan_id=plan.plan_id, kind="run", status="error",
                             error=f"torchrun exited {code} without a result: {_tail(log)}",

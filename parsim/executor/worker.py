@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..procs import die_with_parent
 from ..plan import Plan
+from ..procs import die_with_parent
 from ..spec import load_model
 
 SEED_DATA = 1000
@@ -242,8 +242,7 @@ def _run(args, device, rank, world) -> dict:
 
 def _schedule(plan, parts, stage_ids, meshes, device, n_global):
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
-                                                        ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     n_stages = plan.pp * plan.pp_stages_per_rank
     g = meshes.pp.get_group()

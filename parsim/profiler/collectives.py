@@ -23,8 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..hardware import COLLECTIVE_OPS as OPS
+from ..hardware import busbw_factor
 from ..procs import die_with_parent
-from ..hardware import COLLECTIVE_OPS as OPS, busbw_factor
 
 
 def group_shapes(world: int, local_world: int) -> list[tuple[int, str, list[list[int]]]]:

@@ -15,7 +15,6 @@ import os
 import platform
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -59,8 +58,8 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
     if partial.exists() and not resume:
         raise ParsimError(f"an interrupted profile {name!r} exists in {partial}: pass --resume to continue it, "
                           "or --restart to discard it and start over")
-    args = {"nproc_per_node": nproc_per_node, "min_bytes": min_bytes, "max_bytes": max_bytes, "factor": factor,
-            "ops": ops, "model": model, "seq_len": seq_len, "device": device}
+    # what earlier samples depend on (more ops or sizes on --resume only add samples; these would mix machines/shapes)
+    args = {"nproc_per_node": nproc_per_node, "model": model, "seq_len": seq_len, "device": device}
     _check_resume_args(partial / "args.json", args, resume)
     import torch
 
@@ -108,7 +107,8 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
 
 
 def _check_resume_args(path: Path, args: dict, resume: bool) -> None:
-    """A resumed profile must be measured with the arguments it was started with; record them on a fresh start."""
+    """A resumed profile keeps the ranks, device, model and sequence its samples were measured with (other
+    arguments may change: more ops or sizes add samples); record them on a fresh start."""
     if resume and path.exists():
         old = read_json(path, "corrupt partial profile")
         diff = {k: (old.get(k), v) for k, v in args.items() if old.get(k) != v}
@@ -147,7 +147,8 @@ def check_profile_args(nproc_per_node: int, *, factor: int, ops: str, seq_len: i
     if unknown or not ops.strip():
         raise ParsimError(f"--ops: unknown collectives {unknown} (known: {', '.join(COLLECTIVE_OPS)})")
     if not (0 <= min_bytes <= 2**36 and 0 <= max_bytes <= 2**36) or (min_bytes and max_bytes and min_bytes > max_bytes):
-        raise ParsimError(f"--min-bytes/--max-bytes must be in [0, 2**36] with min <= max, got {min_bytes}, {max_bytes}")
+        raise ParsimError(f"--min-bytes/--max-bytes must be in [0, 2**36] with min <= max, got {min_bytes}, "
+                          f"{max_bytes}")
     if not 1 <= seq_len <= 2**20:
         raise ParsimError(f"--seq-len must be in [1, 2**20], got {seq_len}")
     if not 0 < timeout_s <= 7 * 24 * 3600:

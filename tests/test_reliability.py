@@ -1,0 +1,173 @@
+"""Reliability: child process trees always end, outputs never clobber, bad paths are refused before work starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cli.main import main
+from parsim.errors import ParsimError
+from parsim.jsonio import atomic_write_json, atomic_write_text, check_output_path
+from parsim.procs import ProcessTree, tagged_pids
+
+# a command that leaves a grandchild in a session of its own, as torch elastic does with its workers
+WORKER = "import time; print('worker up', flush=True); time.sleep(600)"
+DETACHED = ("import subprocess, sys, time; "
+            f"subprocess.Popen([sys.executable, '-c', {WORKER!r}], start_new_session=True); time.sleep(600)")
+
+
+def _wait_until(cond, limit_s: float = 30.0) -> bool:
+    """Poll ``cond`` (liveness, not speed: the limit only keeps a broken build from hanging the suite)."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_process_tree_ends_a_detached_grandchild():
+    with ProcessTree([sys.executable, "-c", DETACHED]) as tree:
+        assert _wait_until(lambda: "worker up" in tree.output())
+        assert len(tree.alive()) == 2
+        assert tree.wait(0.2) is None  # still running: a timeout
+        tree.end(grace_s=1.0)
+        assert tree.alive() == set()
+        assert tree.proc.returncode is not None  # reaped, no zombie
+    assert tagged_pids(tree.tag) == set()
+    assert not os.path.exists(tree.log_path)
+
+
+def test_process_tree_ends_everything_on_keyboard_interrupt():
+    with pytest.raises(KeyboardInterrupt):
+        with ProcessTree([sys.executable, "-c", DETACHED]) as tree:
+            assert _wait_until(lambda: "worker up" in tree.output())
+            raise KeyboardInterrupt
+    assert tagged_pids(tree.tag) == set()
+
+
+def test_children_die_with_a_killed_parent():
+    """parsim itself SIGKILLed (no cleanup can run): PR_SET_PDEATHSIG takes torchrun and its workers with it."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux-only")
+    child = ("from parsim.procs import die_with_parent; die_with_parent(); import time; "
+             "print('child up', flush=True); time.sleep(600)")
+    parent = ("import subprocess, sys, time; from parsim.procs import ProcessTree; "
+              f"t = ProcessTree([sys.executable, '-c', {child!r}]); print(t.tag, flush=True); time.sleep(600)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, env=env)
+    tag = p.stdout.readline().strip()
+    assert _wait_until(lambda: len(tagged_pids(tag)) == 1)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert _wait_until(lambda: tagged_pids(tag) == set())
+
+
+# ---- outputs -------------------------------------------------------------------------------------------------
+def test_special_files_and_folders_are_refused_and_untouched(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target in (fifo, tmp_path, "/dev/null"):
+        with pytest.raises(ParsimError, match="not a regular file"):
+            atomic_write_text(target, "x")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["fifo"]  # no temporary file left behind
+
+
+def test_missing_parent_refused_unless_asked(tmp_path):
+    with pytest.raises(ParsimError, match="does not exist"):
+        atomic_write_text(tmp_path / "a" / "b" / "f.json", "x")
+    assert not (tmp_path / "a").exists()
+    atomic_write_text(tmp_path / "a" / "b" / "f.json", "x", make_parents=True)
+    assert (tmp_path / "a" / "b" / "f.json").read_text() == "x"
+
+
+def test_written_files_follow_the_umask_or_keep_their_mode(tmp_path):
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "new.txt", "x")
+        assert stat.S_IMODE(os.stat(tmp_path / "new.txt").st_mode) == 0o644
+        os.umask(0o077)
+        atomic_write_text(tmp_path / "private.txt", "x")
+        assert stat.S_IMODE(os.stat(tmp_path / "private.txt").st_mode) == 0o600
+        os.chmod(tmp_path / "new.txt", 0o640)
+        atomic_write_json(tmp_path / "new.txt", {"a": 1})
+        assert stat.S_IMODE(os.stat(tmp_path / "new.txt").st_mode) == 0o640
+    finally:
+        os.umask(old)
+
+
+def test_a_symlink_target_is_replaced_not_the_link(tmp_path):
+    real = tmp_path / "real.json"
+    real.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    atomic_write_json(link, {"a": 1})
+    assert link.is_symlink() and json.loads(real.read_text()) == {"a": 1}
+    assert check_output_path(link) == real.resolve()
+
+
+def test_json_never_holds_nan(tmp_path):
+    with pytest.raises(ValueError):
+        atomic_write_json(tmp_path / "x.json", {"a": float("nan")})
+    assert not (tmp_path / "x.json").exists()
+
+
+def _cli(argv, capsys):
+    rc = main(argv)
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_search_refuses_bad_outputs_before_searching(tmp_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for flag in ("--csv", "--emit-plan", "--emit-torchtitan"):
+        rc, out, err = _cli(["search", "--model", "tiny", "--gpus", "4", flag, str(fifo)], capsys)
+        assert rc == 2 and "not a regular file" in err and out == ""
+        rc, out, err = _cli(["search", "--model", "tiny", "--gpus", "4", flag, str(tmp_path / "no" / "f")], capsys)
+        assert rc == 2 and "does not exist" in err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and sorted(os.listdir(tmp_path)) == ["fifo"]
+
+
+def test_search_csv_is_written_with_user_names(tmp_path, capsys):
+    rc, _, err = _cli(["search", "--model", "tiny", "--gpus", "4", "--csv", str(tmp_path / "s.csv"), "--json"],
+                      capsys)
+    assert rc == 0, err
+    header = (tmp_path / "s.csv").read_text().splitlines()[0].split(",")
+    assert "fsdp_reshard_after_forward" in header and "wrapper_order" in header
+
+
+def test_profile_rejects_bad_input_before_measuring(tmp_path, capsys):
+    rc, _, err = _cli(["profile", "--nproc-per-node", "2", "--out", "fz", "--out-dir", str(tmp_path), "--model",
+                       "nope"], capsys)
+    assert rc == 2 and "unknown model" in err
+    rc, _, err = _cli(["profile", "--nproc-per-node", "2", "--out", str(tmp_path / "x" / "fz"), "--ops", "bogus"],
+                      capsys)
+    assert rc == 2 and "--ops" in err
+    assert os.listdir(tmp_path) == []  # no .partial left behind
+
+
+def test_profile_resume_refuses_other_ranks(tmp_path, capsys):
+    partial = tmp_path / ".fz.partial"
+    partial.mkdir()
+    (partial / "args.json").write_text(json.dumps({"nproc_per_node": 4, "model": "tiny", "seq_len": 512,
+                                                   "device": None}))
+    rc, _, err = _cli(["profile", "--nproc-per-node", "2", "--out", "fz", "--out-dir", str(tmp_path)], capsys)
+    assert rc == 2 and "--resume to continue" in err and "--restart" in err
+    rc, _, err = _cli(["profile", "--nproc-per-node", "2", "--out", "fz", "--out-dir", str(tmp_path), "--resume"],
+                      capsys)
+    assert rc == 2 and "nproc_per_node was 4, now 2" in err
+
+
+def test_usage_errors_are_one_line(capsys):
+    for argv in (["predict", "--gpus", "abc"], ["predict", "--bogus"], ["search", "--top", "x"]):
+        rc, out, err = _cli(argv, capsys)
+        assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and err.startswith("error: ")
