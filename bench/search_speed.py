@@ -30,7 +30,8 @@ def main():
     ap.add_argument("--only", default=None)
     args = ap.parse_args()
     hw = load_profile("h100-sxm-spec")
-    print(f"{'model':<12} {'GPUs':>6} {'considered':>12} {'evaluated':>12} {'fit':>11} {'wall s':>8} {'plans/s':>10}  best")
+    print(f"{'model':<12} {'GPUs':>6} {'considered':>12} {'evaluated':>12} {'fit':>11} {'wall s':>8} "
+          f"{'plans/s':>10}  best")
     for name, gpus, gbs, seq in CASES:
         if args.only and args.only != name:
             continue

@@ -5,7 +5,8 @@ put the prediction from this machine's measured profile beside the measurement.
 
 Plans (tiny, global batch 8, seq 256): 4 ranks: FSDP4, FSDP2xTP2, PP2xFSDP2, PP2xTP2, TP4, AC full, AC selective,
 compile, tiny-moe EP2; 2 ranks (one rank per core on this machine): FSDP2, TP2, PP2 (2 and 4 microbatches),
-DDP-style HSDP2, AC full, AC selective, compile, tiny-moe EP2. Runs are interleaved, each the median of --steps steps after 2 warm-up steps. Reports
+DDP-style HSDP2, AC full, AC selective, compile, tiny-moe EP2. Runs are interleaved, each the median of --steps
+steps after 2 warm-up steps. Reports
 step-time and peak-memory errors, the rank correlation of step times, and the regret of the model's top pick.
 """
 
@@ -85,7 +86,7 @@ def main():
     if len(rows) >= 3:
         ms = [r["measured_step_s"] for r in rows]
         ps = [r["predicted_step_s"] for r in rows]
-        errs = [abs(p - m) / m for p, m in zip(ps, ms)]
+        errs = [abs(p - m) / m for p, m in zip(ps, ms, strict=True)]
         rho = spearmanr(ms, ps).statistic
         pick = min(range(len(rows)), key=lambda i: ps[i])
         regret = ms[pick] / min(ms) - 1

@@ -137,18 +137,24 @@ def emit_json(obj) -> None:
 @app.command()
 @guarded
 @plan_options
-def predict(flags: dict, as_json: bool = typer.Option(False, "--json", help="print one JSON document")):
+def predict(flags: dict, as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
+            explain: bool = typer.Option(False, "--explain", help="show the collective ledger, one layer's compute "
+                                         "and the tensors it saves per AC mode")):
     """Predict per-rank memory, step time and communication of one plan."""
     from parsim.costmodel import predict as _predict
+    from parsim.costmodel.explain import explain as _explain
 
     spec, plan, hw = build_plan(flags)
     pred = _predict(spec, plan, hw)
+    why = _explain(spec, plan, hw) if explain else None
     if as_json:
-        emit_json(pred.to_dict())
+        emit_json(dict(pred.to_dict(), **({"explain": why} if why else {})))
         return
-    from parsim.report import print_prediction
+    from parsim.report import print_explain, print_prediction
 
     print_prediction(pred, spec, plan)
+    if why:
+        print_explain(why)
 
 
 @app.command()

@@ -23,7 +23,8 @@ class CsvSink:
 
     COLS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "mesh_order", "local_batch_size",
             "micro_batch_size", "pp_schedule", "pp_stages_per_rank", "ac", "compile", "float8",
-            "fsdp_reshard_after_forward", "wrapper_order", "step_time_s", "peak_memory_bytes", "fits", "tokens_per_s_per_gpu", "mfu")
+            "fsdp_reshard_after_forward", "wrapper_order", "step_time_s", "peak_memory_bytes", "fits",
+            "tokens_per_s_per_gpu", "mfu")
 
     def __init__(self, path: str):
         from parsim.jsonio import AtomicFile
@@ -47,7 +48,8 @@ class CsvSink:
         reshard = np.array(["default", "flip", "always", "never"])[o[:, 4]]
         reshard = np.where(reshard == "flip", np.where(c[:, 0] == 1, "never", "always"), reshard)
         worder = np.array(['"' + ",".join(w) + '"' for w in base["orders"]])[o[:, 6]]
-        cols = [c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4], c[:, 5], c[:, 6], np.char.add(np.char.add('"', orders), '"'),
+        cols = [c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4], c[:, 5], c[:, 6],
+                np.char.add(np.char.add('"', orders), '"'),
                 base["lbs"][bi], base["mbs"][bi], sched, base["v"][bi], ac, o[:, 2], o[:, 3], reshard, worder,
                 r["step_time_s"], r["peak_memory_bytes"], fits.astype(int), r["tokens_per_s_per_gpu"], r["mfu"]]
         np.savetxt(self.f, np.column_stack([np.asarray(x).astype(str) for x in cols]), fmt="%s", delimiter=",")

@@ -63,11 +63,11 @@ def check_number(where: str, v, low: float = 0.0, high: float = math.inf, *, low
 
 
 def _check_rates(where: str, d, required: tuple = ()) -> None:
-    """A dict of name -> positive finite rate (peak FLOP/s, bandwidths)."""
+    """A dict of name -> finite rate of at least 1 per second (peak FLOP/s, bandwidths)."""
     if not isinstance(d, dict):
         raise ParsimError(f"{where} must be an object of name: value, got {d!r}")
     for k, v in d.items():
-        check_number(f"{where}.{k}", v, 0.0, low_open=True)
+        check_number(f"{where}.{k}", v, 1.0)
     missing = [k for k in required if k not in d]
     if missing:
         raise ParsimError(f"{where} lacks {missing}")
@@ -117,7 +117,7 @@ class CollectiveFit:
         check_number(f"{w} group_size", self.group_size, 1, 2**20, integer=True)
         check_number(f"{w} ranks_per_node", self.ranks_per_node, 1, 2**20, integer=True)
         check_number(f"{w} latency_s", self.latency_s, 0.0, 3600.0)
-        check_number(f"{w} busbw_bytes_per_s", self.busbw_bytes_per_s, 0.0, low_open=True)
+        check_number(f"{w} busbw_bytes_per_s", self.busbw_bytes_per_s, 1.0)
         check_number(f"{w} min_bytes", self.min_bytes, 0.0)
         check_number(f"{w} rel_residual", self.rel_residual, 0.0)
         check_number(f"{w} n_samples", self.n_samples, 0, integer=True)
@@ -135,8 +135,7 @@ class Topology:
 
     def __post_init__(self):
         _check_rates("topology.intra_node_busbw_bytes_per_s", self.intra_node_busbw_bytes_per_s, COLLECTIVE_OPS)
-        check_number("topology.inter_node_bytes_per_s_per_gpu", self.inter_node_bytes_per_s_per_gpu, 0.0,
-                     low_open=True)
+        check_number("topology.inter_node_bytes_per_s_per_gpu", self.inter_node_bytes_per_s_per_gpu, 1.0)
         for n in ("intra_latency_s", "inter_latency_s", "latency_per_log2_rank_s"):
             check_number(f"topology.{n}", getattr(self, n), 0.0, 3600.0)
 
@@ -194,7 +193,7 @@ class HardwareProfile:
         if self.memory_bytes <= self.memory_reserved_bytes:
             raise ParsimError("memory_bytes must exceed memory_reserved_bytes")
         _check_rates("peak_flops", self.peak_flops, ("bfloat16",))
-        check_number("memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s, 0.0, low_open=True)
+        check_number("memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s, 1.0)
         check_number("memory_efficiency", self.memory_efficiency, 0.0, 1.0, low_open=True)
         check_number("compile_memory_bound_factor", self.compile_memory_bound_factor, 0.0, 1.0, low_open=True)
         if not isinstance(self.comm_overlap, bool):

@@ -102,18 +102,18 @@ class Plan:
             if getattr(self, name) not in DTYPE_BYTES or getattr(self, name) == "float8":
                 raise ParsimError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
         # batch arithmetic
-        g, l, dp = self.global_batch_size, self.local_batch_size, self.dp
-        if g % (l * dp):
+        g, lb, dp = self.global_batch_size, self.local_batch_size, self.dp
+        if g % (lb * dp):
             raise ParsimError(
-                f"global batch {g} is not a multiple of local batch x dp = {l} x {dp} = {l * dp} "
-                f"({g} % {l * dp} = {g % (l * dp)})"
+                f"global batch {g} is not a multiple of local batch x dp = {lb} x {dp} = {lb * dp} "
+                f"({g} % {lb * dp} = {g % (lb * dp)})"
             )
-        if self.micro_batch_size < 1 or l % self.micro_batch_size:
+        if self.micro_batch_size < 1 or lb % self.micro_batch_size:
             raise ParsimError(
-                f"local batch {l} is not a multiple of micro batch {self.micro_batch_size}"
+                f"local batch {lb} is not a multiple of micro batch {self.micro_batch_size}"
             )
-        if self.pp == 1 and self.micro_batch_size != l:
-            raise ParsimError(f"micro batch {self.micro_batch_size} != local batch {l} without PP; "
+        if self.pp == 1 and self.micro_batch_size != lb:
+            raise ParsimError(f"micro batch {self.micro_batch_size} != local batch {lb} without PP; "
                               "use global batch for gradient accumulation")
         # pipeline arithmetic
         v = self.pp_stages_per_rank
@@ -127,7 +127,7 @@ class Plan:
         if self.pp > 1 and self.pp_schedule != "GPipe" and self.n_microbatches < self.pp:
             raise ParsimError(
                 f"{self.pp_schedule} needs at least pp={self.pp} microbatches, got local batch / micro batch = "
-                f"{l} / {self.micro_batch_size} = {self.n_microbatches}"
+                f"{lb} / {self.micro_batch_size} = {self.n_microbatches}"
             )
         # sequence arithmetic
         if self.cp > 1 and self.seq_len % (2 * self.cp):

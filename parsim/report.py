@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .results import Measurement, Prediction
-from .units import GiB, MS
+from .units import MS, GiB
 
 
 def _console():
@@ -38,7 +38,8 @@ def print_prediction(pred: Prediction, spec, plan) -> None:
         com.add_row(k, f"{v / GiB:.3f}")
     con.print(mem, tim, com)
     fit = "[green]fits[/green]" if pred.fits else "[red]does NOT fit[/red]"
-    con.print(f"{fit}: peak {pred.peak_memory_bytes / GiB:.2f} GiB of {pred.memory_capacity_bytes / GiB:.2f} GiB usable; "
+    con.print(f"{fit}: peak {pred.peak_memory_bytes / GiB:.2f} GiB of {pred.memory_capacity_bytes / GiB:.2f} GiB "
+              "usable; "
               f"step {pred.step_time_s / MS:.1f} ms, {pred.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
               f"MFU {pred.mfu * 100:.1f}%, dominant cost {pred.dominant_cost}")
 
@@ -83,3 +84,35 @@ def print_profile(hw) -> None:
               f"{res.get('gemm', 0) * 100:.1f}%), attention x_half {hw.attention_efficiency.x_half:.3g} (residual "
               f"{res.get('attention', 0) * 100:.1f}%), memory {hw.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s "
               f"(residual {res.get('elementwise', 0) * 100:.1f}%); took {hw.provenance.get('wall_s', 0):.0f} s")
+
+
+def print_explain(d: dict) -> None:
+    """``parsim predict --explain``: the ledger, one layer's compute and its saved tensors per AC mode."""
+    from rich.table import Table
+
+    con = _console()
+    t = Table(title=f"collective ledger ({d['rank']}; per step; raw = the calls' time, exposed = what the step waits)")
+    for c in ("collective", "op/axis", "calls", "bytes/call", "group", "per node", "raw ms", "exposed ms"):
+        t.add_column(c, justify="left" if c in ("collective", "op/axis") else "right")
+    for r in d["ledger"]:
+        t.add_row(r["what"], r["key"], f"{r['calls']:,.0f}", f"{r['bytes_per_call']:,.0f}", str(r["group_size"]),
+                  str(r["ranks_per_node"]), f"{r['raw_s'] / MS:.3f}", f"{r['exposed_s'] / MS:.3f}")
+    con.print(t)
+    for kind, lay in d["layers"].items():
+        c = Table(title=f"forward compute of one {kind} layer per microbatch ({lay['tokens_per_microbatch']:,.0f} "
+                        f"tokens; x compute_scale {lay['compute_scale']:g})")
+        for col in ("item", "kind", "FLOPs or bytes", "efficiency", "ms", "SAC recomputes"):
+            c.add_column(col, justify="left" if col in ("item", "kind") else "right")
+        for it in lay["compute_forward"]:
+            c.add_row(it["name"], it["kind"], f"{it['work']:.3g}", f"{it['efficiency']:.3f}",
+                      f"{it['seconds'] / MS:.4f}", "y" if it["recomputed_by_selective_ac"] else "")
+        s = Table(title=f"tensors one {kind} layer saves per microbatch, and which each AC mode keeps")
+        for col in ("tensor", "kind", "MiB", "none", "selective-op", "full"):
+            s.add_column(col, justify="left" if col in ("tensor", "kind") else "right")
+        for it in lay["saved_tensors"]:
+            s.add_row(it["name"], it["kind"], f"{it['bytes'] / 2**20:.2f}", *("y" if it[f"kept_{m}"] else ""
+                                                                              for m in ("none", "sac", "full")))
+        totals = {m: sum(it["bytes"] for it in lay["saved_tensors"] if it[f"kept_{m}"]) / 2**20
+                  for m in ("none", "sac", "full")}
+        s.add_row("[bold]kept[/bold]", "", "", *(f"{totals[m]:.1f}" for m in ("none", "sac", "full")))
+        con.print(c, s)

@@ -29,13 +29,20 @@ class Prediction:
     mfu: float
     plan: dict = field(default_factory=dict)
     interval_s: tuple | None = None
+    # seconds per "<op>/<axis>" on the rank whose step time is reported (the keys of comm_bytes): raw (the calls'
+    # time, as if nothing overlapped) and exposed (what the step waits for: the comm_<axis> entries of
+    # time_breakdown_s are their sums per axis)
+    comm_time_s: dict = field(default_factory=dict)
+    exposed_comm_time_s: dict = field(default_factory=dict)
 
     def __post_init__(self):
         numbers = {"peak_memory_bytes": self.peak_memory_bytes, "step_time_s": self.step_time_s,
                    "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
                    **{f"memory_breakdown_bytes.{k}": v for k, v in self.memory_breakdown_bytes.items()},
                    **{f"time_breakdown_s.{k}": v for k, v in self.time_breakdown_s.items()},
-                   **{f"comm_bytes.{k}": v for k, v in self.comm_bytes.items()}}
+                   **{f"comm_bytes.{k}": v for k, v in self.comm_bytes.items()},
+                   **{f"comm_time_s.{k}": v for k, v in self.comm_time_s.items()},
+                   **{f"exposed_comm_time_s.{k}": v for k, v in self.exposed_comm_time_s.items()}}
         bad = {k: v for k, v in numbers.items() if not math.isfinite(v)}
         if bad:  # only reachable through sizes or profiles that slipped past their checks: say so, never emit NaN
             raise ParsimError(f"the prediction is not finite ({', '.join(f'{k}={v}' for k, v in bad.items())}): "

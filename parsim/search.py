@@ -421,11 +421,12 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
             f = np.nonzero(fits)[0]
             k = min(top_k, len(f))
             sel = f[np.lexsort((gid[f], step[f]))[:k]]
-            cand_t.append(step[sel]); cand_m.append(mem[sel]); cand_i.append(gid[sel])
-            cand_tps.append(r["tokens_per_s_per_gpu"][sel]); cand_mfu.append(r["mfu"][sel])
-            cand_dom.append(r["dominant"][sel])
+            for acc, arr in ((cand_t, step), (cand_m, mem), (cand_i, gid), (cand_tps, r["tokens_per_s_per_gpu"]),
+                             (cand_mfu, r["mfu"]), (cand_dom, r["dominant"])):
+                acc.append(arr[sel])
             pf = f[_pareto(step[f], mem[f], gid[f])]
-            par_t.append(step[pf]); par_m.append(mem[pf]); par_i.append(gid[pf])
+            for acc, arr in ((par_t, step), (par_m, mem), (par_i, gid)):
+                acc.append(arr[pf])
         if progress:
             progress(hi, total)
     res.pruned_memory = res.evaluated - res.fitting

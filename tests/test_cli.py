@@ -49,7 +49,8 @@ def _one_line_exit_2(r, fragment):
 def test_bad_inputs_one_line_exit_2(tmp_path):
     _one_line_exit_2(_run("predict", "--model", "gpt-17", "--gpus", "8"), "unknown model")
     _one_line_exit_2(_run("predict", "--gpus", "16", "--dp-shard", "4", "--tp", "2"), "not the 16 GPUs")
-    _one_line_exit_2(_run("predict", "--gpus", "24", "--tp", "3", "--seq-len", "3072"), "n_heads 32 is not divisible by tp 3")
+    _one_line_exit_2(_run("predict", "--gpus", "24", "--tp", "3", "--seq-len", "3072"),
+                     "n_heads 32 is not divisible by tp 3")
     _one_line_exit_2(_run("predict", "--gpus", "8", "--ac", "often"), "bad AC mode")
     bad = tmp_path / "bad.json"
     bad.write_text("{")

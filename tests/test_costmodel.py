@@ -115,3 +115,73 @@ def test_ep_all_to_all_and_expert_sharding():
     assert "all_gather/efsdp" not in with_ep.comm_bytes  # efsdp = 8 / 8 = 1: experts are not FSDP-sharded
     no_ep = _p(mix, dp_shard=8)
     assert "all_to_all/ep" not in no_ep.comm_bytes
+
+
+LEDGER_PLANS = PLANS + [
+    (L8, dict(dp_replicate=2, dp_shard=8, seq_len=4096)),
+    (PRESETS["mixtral-8x7b"], dict(dp_replicate=4, dp_shard=2, ep=4, ep_from="dp_replicate")),
+    (L70, dict(pp=4, tp=8, local_batch_size=8, micro_batch_size=1, fsdp_reshard_after_forward="always")),
+]
+
+
+@pytest.mark.parametrize("spec,kw", LEDGER_PLANS, ids=[f"{s.name}-{i}" for i, (s, _) in enumerate(LEDGER_PLANS)])
+def test_ledger_is_the_source_of_bytes_and_exposed_times(spec, kw):
+    """comm_bytes is a group-by of the ledger; every comm_bytes key has a raw and an exposed time; exposed never
+    exceeds raw; the comm_<axis> entries of the time breakdown are the exposed times summed per axis."""
+    from parsim.costmodel.explain import explain
+
+    kw.setdefault("seq_len", 4096)
+    plan = Plan(**kw)
+    p = predict(spec, plan, H100)
+    assert set(p.comm_bytes) <= set(p.comm_time_s) == set(p.exposed_comm_time_s)
+    for k, raw in p.comm_time_s.items():
+        assert 0.0 <= p.exposed_comm_time_s[k] <= raw * (1 + 1e-9) + 1e-15
+    per_axis: dict = {}
+    for k, e in p.exposed_comm_time_s.items():
+        per_axis["comm_" + k.split("/", 1)[1]] = per_axis.get("comm_" + k.split("/", 1)[1], 0.0) + e
+    for axis, e in per_axis.items():
+        assert p.time_breakdown_s.get(axis, 0.0) == pytest.approx(e, rel=1e-9, abs=1e-12)
+    d = explain(spec, plan, H100)
+    if d["rank"] == "pp stage 0":  # comm_bytes are rank 0's
+        grouped: dict = {}
+        for r in d["ledger"]:
+            grouped[r["key"]] = grouped.get(r["key"], 0.0) + r["bytes_per_call"] * r["calls"]
+        assert {k: v for k, v in grouped.items() if v > 0} == pytest.approx(p.comm_bytes, rel=1e-12)
+
+
+def test_fsdp_is_costed_per_unit():
+    """One call per FSDP unit: latency paid per unit. tiny (4 blocks) FSDP4 on the measured 4-rank profile:
+    forward + backward gather of 4 blocks, the embedding and the root unit, one gather of the output unit."""
+    from parsim.costmodel.explain import explain
+
+    cpu = load_profile("cpu-gloo-4")
+    plan = Plan(dp_shard=4, seq_len=256, local_batch_size=2)
+    rows = [r for r in explain(PRESETS["tiny"], plan, cpu)["ledger"] if r["key"] == "all_gather/dp_shard"]
+    assert sum(r["calls"] for r in rows) == 2 * 4 + 2 + 2 + 1
+    block = next(r for r in rows if r["what"].endswith("dense block"))
+    assert block["raw_s"] == pytest.approx(8 * cpu.collective_time_s("all_gather", block["bytes_per_call"], 4, 4))
+    lumped = cpu.collective_time_s("all_gather", sum(r["bytes_per_call"] * r["calls"] for r in rows) / 2, 4, 4) * 2
+    assert sum(r["raw_s"] for r in rows) > lumped  # the old model: one call per round carrying every unit
+
+
+def test_predict_explain_cli_shows_ledger_compute_and_saved_tensors():
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    r = CliRunner().invoke(app, ["predict", "--model", "llama3-8b", "--gpus", "16", "--tp", "2", "--explain",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    d = json.loads(r.stdout)["explain"]
+    assert any(x["what"].startswith("FSDP all-gather") for x in d["ledger"])
+    assert any(x["what"].startswith("TP all-gather") for x in d["ledger"])
+    items = d["layers"]["dense"]["compute_forward"]
+    assert [x["name"] for x in items if x["kind"] == "gemm"] == ["wq", "wk", "wv", "wo", "w1", "w3", "w2"]
+    assert all(0 < x["efficiency"] <= 1 for x in items)
+    saved = d["layers"]["dense"]["saved_tensors"]
+    assert sum(x["bytes"] for x in saved if x["kept_full"]) < sum(x["bytes"] for x in saved if x["kept_sac"]) \
+        < sum(x["bytes"] for x in saved if x["kept_none"])
+    r = CliRunner().invoke(app, ["predict", "--model", "tiny", "--gpus", "4", "--explain"])
+    assert r.exit_code == 0 and "collective ledger" in r.stdout and "saves per microbatch" in r.stdout

@@ -33,7 +33,8 @@ def references():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,kw", PARITY, ids=[f"{m}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for m, kw in PARITY])
+@pytest.mark.parametrize("model,kw", PARITY,
+                         ids=[f"{m}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for m, kw in PARITY])
 def test_loss_parity_with_single_process(model, kw, references):
     """Same model, init, data, loss, clipping and SGD as one process on the whole batch. fp32 throughout; the
     only differences are summation orders (sharded reductions, TP partial sums), ~1e-7 relative per step. SGD

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from parsim.errors import ParsimError
-from parsim.hardware import (CollectiveFit, HardwareProfile, atomic_write_json, busbw_factor, list_profiles,
-                             load_profile)
+from parsim.hardware import CollectiveFit, HardwareProfile, atomic_write_json, busbw_factor, list_profiles, load_profile
 
 
 def test_spec_profiles_load_and_say_so():

@@ -9,8 +9,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ..plan import AC_MODES, AXES, PP_SCHEDULES, Plan, parse_ac
-from ..plan import ranks_per_node
+from ..plan import AC_MODES, AXES, PP_SCHEDULES, Plan, parse_ac, ranks_per_node
 from ..units import DTYPE_BYTES
 
 
@@ -51,7 +50,8 @@ class PlanBatch:
 
     @staticmethod
     def concat(batches: list["PlanBatch"]) -> "PlanBatch":
-        kw = {f.name: np.concatenate([getattr(b, f.name) for b in batches]) for f in fields(PlanBatch) if f.name != "rpn"}
+        kw = {f.name: np.concatenate([getattr(b, f.name) for b in batches])
+              for f in fields(PlanBatch) if f.name != "rpn"}
         rpn = {k: np.concatenate([b.rpn[k] for b in batches]) for k in batches[0].rpn}
         return PlanBatch(rpn=rpn, **kw)
 
@@ -105,7 +105,8 @@ class PlanBatch:
             ac=arr(lambda p: AC_MODES[parse_ac(p.ac)[0]]), ac_every=arr(lambda p: parse_ac(p.ac)[1]),
             compile=arr(lambda p: p.compile, bool), float8=arr(lambda p: p.float8, bool),
             ac_wraps_compile=arr(lambda p: p.wrapper_order.index("ac") > p.wrapper_order.index("compile"), bool),
-            param_bytes=arr(lambda p: DTYPE_BYTES[p.param_dtype]), reduce_bytes=arr(lambda p: DTYPE_BYTES[p.reduce_dtype]),
+            param_bytes=arr(lambda p: DTYPE_BYTES[p.param_dtype]),
+            reduce_bytes=arr(lambda p: DTYPE_BYTES[p.reduce_dtype]),
             rpn={},
         )
         # device order differs per plan: compute ranks-per-node per distinct order

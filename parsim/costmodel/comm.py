@@ -20,158 +20,233 @@ Bytes follow parsim's convention: the input tensors one rank hands to the collec
   backward.
 * PP: one send of the stage output (T x d / sp) per microbatch forward and one of its gradient backward.
 * gradient clipping: a 4-byte all-reduce of the norm over each axis that shards gradients.
+
+The result is a ledger: one ``Record`` per kind of call (FSDP all-gather of a dense block unit, of the embedding
+unit, TP all-gather of norm outputs before the column-parallel linears, EP dispatch, PP send, ...) with its bytes
+per call, calls per step, group size, ranks of the group per node, phase and overlap class. ``comm_bytes`` is a
+group-by of the ledger over ``"<op>/<axis>"``; a record's raw time is
+``profile.collective_time_s(op, bytes_per_call, group, ranks_per_node) * calls``. FSDP is costed per unit (one
+call per block, embedding, root and output unit, as FSDP2 issues them), so latency is paid once per unit and the
+fitted small/large-message segment is chosen by the unit's size. How much of the raw time is exposed is decided
+by the step model from the overlap class: ``exposed`` (TP, CP, EP: no async TP; the gradient-norm all-reduces),
+``pp`` (send/recv between stages), ``fsdp_gather`` / ``fsdp_reduce`` (prefetched one unit ahead / overlapped with
+the next unit's backward).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from .layers import ac_counts as _ac_counts
 
 TWO = 2.0  # bf16 activations
+FSDP_OVERLAPS = ("fsdp_gather", "fsdp_reduce")
 
 
-def rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local, out_local) -> dict:
-    """Bytes per "<op>/<axis>" for one step on one rank, and the times the step model needs: exposed TP/CP/EP
-    seconds per microbatch, PP send seconds per microbatch, and per-layer FSDP gather / reduce seconds."""
-    n = len(b)
-    T, t, sd = sh.T, sh.t, sh.sp_div
-    d = float(spec.d_model)
+@dataclass
+class Record:
+    """One kind of collective call on one rank; arrays over the plan batch (0 calls where it does not apply)."""
+
+    what: str
+    op: str
+    axis: str
+    bytes_per_call: np.ndarray
+    calls: np.ndarray  # per training step
+    group: np.ndarray
+    ranks_per_node: np.ndarray
+    phase: str  # forward | backward | forward+backward | step
+    overlap: str  # exposed | pp | fsdp_gather | fsdp_reduce
+    time_s: np.ndarray  # raw seconds per step: collective_time_s(bytes_per_call) * calls
+    exposed_s: np.ndarray | None = None  # set by the step model: the part of time_s the step waits for
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}/{self.axis}"
+
+
+class Ledger:
+    """The records of one rank, and group-bys over them."""
+
+    def __init__(self, hw, n: int):
+        self.hw, self.n, self.records = hw, n, []
+
+    def add(self, what, op, axis, bytes_per_call, calls, group, rpn, phase, overlap, mask=True) -> np.ndarray:
+        n = self.n
+        group = np.broadcast_to(np.asarray(group), (n,))
+        on = (group > 1) & np.broadcast_to(mask, (n,)) & (np.broadcast_to(calls, (n,)) > 0)
+        per_call = np.where(on, np.broadcast_to(bytes_per_call, (n,)), 0.0)
+        calls = np.where(on, np.broadcast_to(calls, (n,)), 0.0)
+        t = self.hw.collective_time_s(op, per_call, group, np.broadcast_to(rpn, (n,))) * calls
+        self.records.append(Record(what, op, axis, per_call, calls, group, np.broadcast_to(rpn, (n,)), phase,
+                                   overlap, t))
+        return t
+
+    def bytes_by_key(self) -> dict:
+        out: dict = {}
+        for r in self.records:
+            out[r.key] = out.get(r.key, np.zeros(self.n)) + r.bytes_per_call * r.calls
+        return out
+
+    def time_by_key(self, overlaps=None) -> dict:
+        out: dict = {}
+        for r in self.records:
+            if overlaps is None or r.overlap in overlaps:
+                out[r.key] = out.get(r.key, np.zeros(self.n)) + r.time_s
+        return out
+
+    def total_s(self, overlaps) -> np.ndarray:
+        return sum((r.time_s for r in self.records if r.overlap in overlaps), np.zeros(self.n))
+
+
+@dataclass
+class RankView:
+    """What one rank holds and runs, the inputs of its ledger."""
+
+    n_of: dict  # kind (False dense, True MoE) -> layers of that kind on the rank
+    kinds: list
+    plocal: dict  # kind -> (non-expert, expert) parameters of one layer before FSDP sharding
+    has_emb: np.ndarray
+    has_out: np.ndarray
+    emb_local: np.ndarray
+    out_local: np.ndarray
+
+    @property
+    def n_layers(self):
+        return sum(self.n_of[k] for k in self.kinds)
+
+
+def rank_comm(spec, b, sh, hw, rv: RankView) -> dict:
+    """The ledger of one rank for one step; ``bytes`` (per "<op>/<axis>"), and the totals the step model needs:
+    exposed TP/CP/EP seconds per microbatch, PP send seconds, FSDP gather and reduce seconds."""
+    led = Ledger(hw, len(b))
     M = (b.grad_accum * b.n_micro).astype(float)
-    ga = b.grad_accum.astype(float)
-    m_pass = b.n_micro.astype(float)
-    pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
-    rpn = b.rpn
-    tp_on, cp_on, ep_on = b.tp > 1, b.cp > 1, b.ep > 1
-    full_layers = {}
-    sac_layers = {}
-    for k in kinds:
-        full_layers[k], sac_layers[k], _ = _ac_counts(b, n_of[k])
-    n_layers = sum(n_of[k] for k in kinds)
-    n_full = sum(full_layers[k] for k in kinds)
-    n_sac = sum(sac_layers[k] for k in kinds)
-
-    bytes_ = {}
-    times = {}
-
-    def add(op, axis, per_call_bytes, calls, group, group_rpn, mask=True):
-        """Record ``calls`` collectives of ``per_call_bytes`` each; returns the time of all of them."""
-        on = (group > 1) & mask & (calls > 0)
-        nb = np.where(on, per_call_bytes * calls, 0.0)
-        key = f"{op}/{axis}"
-        bytes_[key] = bytes_.get(key, np.zeros(n)) + nb
-        tt = hw.collective_time_s(op, np.where(on, per_call_bytes, 0.0), group, group_rpn) * np.where(on, calls, 0.0)
-        times[key] = times.get(key, np.zeros(n)) + tt
-        return tt
-
-    # ---- TP / SP (per microbatch) -------------------------------------------------------------------------------
-    per_mb = {"tp": np.zeros(n), "cp": np.zeros(n), "ep": np.zeros(n)}
-    g_tp, r_tp = b.tp, rpn["tp"]
-    sp = b.sp
-    ag_calls = 4.0 * n_layers + 2.0 * (n_full + n_sac)
-    rs_calls = 4.0 * n_layers + 2.0 * n_full
-    ar_calls = 4.0 * n_layers + 2.0 * (n_full + n_sac)
-    ag_calls = ag_calls + np.where(has_emb, 1.0, 0.0) + np.where(has_out, 1.0, 0.0)
-    rs_calls = rs_calls + np.where(has_emb, 1.0, 0.0) + np.where(has_out, 1.0, 0.0)
-    ar_calls = ar_calls + np.where(has_emb, 1.0, 0.0) + np.where(has_out, 1.0, 0.0)
-    # activations are bf16 under FSDP mixed precision. Under autocast (no data parallelism) the residual stream
-    # is fp32: the forward all-gathers of norm outputs (and their recomputes), the embedding's backward all-gather
-    # and the reduce-scatters of their gradients move fp32; the forward reduce-scatters of matmul outputs and the
-    # backward all-gathers of their (bf16) gradients move bf16 (matched byte for byte on CPU runs)
-    res = sh.res_b
-    edge = np.where(has_emb, 1.0, 0.0) + np.where(has_out, 1.0, 0.0)
-    ag_res_calls = 2.0 * n_layers + 2.0 * (n_full + n_sac) + edge
-    rs_res_calls = 2.0 * n_layers + edge
-    ag_b = (ag_res_calls * res + (ag_calls - ag_res_calls) * TWO) / np.maximum(ag_calls, 1)
-    rs_b = (rs_res_calls * res + (rs_calls - rs_res_calls) * TWO) / np.maximum(rs_calls, 1)
-    per_mb["tp"] += add("all_gather", "tp", T * d / t * ag_b, M * ag_calls, g_tp, r_tp, tp_on & sp) / np.maximum(M, 1)
-    per_mb["tp"] += add("reduce_scatter", "tp", T * d * rs_b, M * rs_calls, g_tp, r_tp, tp_on & sp) / np.maximum(M, 1)
-    per_mb["tp"] += add("all_reduce", "tp", T * d * TWO, M * ar_calls, g_tp, r_tp, tp_on & ~sp) / np.maximum(M, 1)
-    # SP: the norm weights are replicated over tp but see only their sequence shard: their gradients (param dtype)
-    # are all-reduced over tp when FSDP syncs gradients, once per pass (traced) — two norms per layer and the
-    # final norm on the last stage
-    norm_calls = 2.0 * n_layers + np.where(has_out, 1.0, 0.0)
-    norm_bytes = d * np.where(b.pp > 1, rb, pb)  # with PP they were accumulated in reduce_dtype first
-    per_mb["tp"] += add("all_reduce", "tp", norm_bytes, ga * norm_calls, g_tp, r_tp, tp_on & sp) / np.maximum(M, 1)
-
-    # ---- CP ------------------------------------------------------------------------------------------------------
-    kv = T * (spec.kv_dim + spec.v_dim) / t * TWO
-    cp_ag = 2.0 * n_layers + n_full + n_sac
-    per_mb["cp"] += add("all_gather", "cp", kv, M * cp_ag, b.cp, rpn["cp"], cp_on) / np.maximum(M, 1)
-    per_mb["cp"] += add("reduce_scatter", "cp", kv * b.cp, M * n_layers, b.cp, rpn["cp"], cp_on) / np.maximum(M, 1)
-
-    # ---- EP ------------------------------------------------------------------------------------------------------
-    if True in kinds:
-        a2a_calls = 4.0 * n_of[True] + 2.0 * full_layers[True]
-        per_mb["ep"] += add("all_to_all", "ep", sh.Tr * d * TWO, M * a2a_calls, b.ep, rpn["ep"], ep_on) \
-            / np.maximum(M, 1)
-
-    # ---- PP ------------------------------------------------------------------------------------------------------
+    _tp_records(led, spec, b, sh, rv, M)
+    _cp_ep_records(led, spec, b, sh, rv, M)
     v = b.v.astype(float)
     sends = np.where(b.pp > 1, (2.0 * v - 1.0), 0.0)  # first: v fwd + (v-1) bwd; last: (v-1) fwd + v bwd
-    pp_rpn = np.minimum(rpn["pp"], 2)
-    t_pp = add("send", "pp", T * d / sd * sh.res_b, M * sends, np.where(b.pp > 1, 2, 1), pp_rpn)  # fp32 under autocast
-    pp_exposed = t_pp / np.maximum(M, 1)
+    led.add("PP send of a stage output / its gradient (fp32 under autocast)", "send", "pp",
+            sh.T * spec.d_model / sh.sp_div * sh.res_b, M * sends, np.where(b.pp > 1, 2, 1),
+            np.minimum(b.rpn["pp"], 2), "forward+backward", "pp")
+    _fsdp_records(led, spec, b, rv)
+    _grad_norm_records(led, b)
+    per_mb = {a: sum((r.time_s for r in led.records if r.overlap == "exposed" and r.axis == a
+                      and r.phase != "step"), np.zeros(len(b))) / np.maximum(M, 1) for a in ("tp", "cp", "ep")}
+    return {"ledger": led, "bytes": led.bytes_by_key(), "per_microbatch_exposed_s": per_mb,
+            "fsdp_ag_total_s": led.total_s(("fsdp_gather",)), "fsdp_red_total_s": led.total_s(("fsdp_reduce",))}
 
-    # ---- FSDP / HSDP (per pass) ----------------------------------------------------------------------------------
-    fsdp, efsdp = b.fsdp, b.efsdp
-    fsdp_axis_cp = b.cp > 1
-    ep_any = b.ep > 1
-    ne_layers = sum(n_of[k] * plocal[k][0] for k in kinds)
-    ex_layers = sum(n_of[k] * plocal[k][1] for k in kinds)
-    fwd_rounds = np.where((b.pp > 1) & b.raf, m_pass, 1.0)
-    # with PP and no reshard-after-forward, torch's schedules still re-gather once for the backward phase
-    # (measured: 2 gathers per unit and pass for 2 and for 4 microbatches)
-    gathers = fwd_rounds * (1.0 + (b.raf | (b.pp > 1)))
-    out_gathers = fwd_rounds * (1.0 + b.raf_always)
-    f = fsdp.astype(float)
-    ef = efsdp.astype(float)
-    # the final norm sits in the root FSDP unit (gathered like a block); the output projection is its own unit
-    norm_local = np.where(has_out, float(spec.d_model * (2 if spec.norm == "layernorm" else 1)), 0.0)
-    ag_ne_bytes = ga * (gathers * (ne_layers + emb_local + norm_local) + out_gathers * (out_local - norm_local)) / f * pb
-    rs_ne_bytes = ga * (ne_layers + emb_local + out_local) * rb
-    lay = np.maximum(n_layers, 1.0)
-    fsdp_times = {}
-    for axis, mask in (("dp_shard", ~fsdp_axis_cp), ("dp_shard+cp", fsdp_axis_cp)):
-        # expert parameters shard with their block when ep == 1, over the expert-FSDP group otherwise
-        ex_here = np.where(ep_any, 0.0, ex_layers)
-        ag_b = ag_ne_bytes + ga * gathers * ex_here / f * pb
-        rs_b = rs_ne_bytes + ga * ex_here * rb
-        ag_t = add("all_gather", axis, ag_b / np.maximum(ga * gathers, 1), ga * gathers, fsdp, rpn["fsdp"], mask)
-        rs_t = add("reduce_scatter", axis, rs_b / np.maximum(ga, 1), ga, fsdp, rpn["fsdp"], mask)
-        fsdp_times[axis] = (ag_t, rs_t)
-    ex_ag = add("all_gather", "efsdp", ex_layers / ef * pb, ga * gathers, efsdp, rpn["efsdp"], ep_any)
-    ex_rs = add("reduce_scatter", "efsdp", ex_layers * rb, ga, efsdp, rpn["efsdp"], ep_any)
-    hsdp = add("all_reduce", "dp_replicate", (ne_layers + emb_local + out_local) / f * rb
-               + np.where(b.ep_ddp, 0.0, ex_layers / ef * rb), ga, b.dp_replicate, rpn["dp_replicate"])
-    edp = b.dp_replicate // np.maximum(b.ep, 1)
-    edp_t = add("all_reduce", "edp", ex_layers / ef * rb, ga, edp, rpn["edp"], b.ep_ddp)
-    # gradient-norm all-reduces (4 bytes, once per step)
-    one = np.ones(n)
-    for axis, g, r, mask in (("dp_shard", fsdp, rpn["fsdp"], ~fsdp_axis_cp), ("dp_shard+cp", fsdp, rpn["fsdp"], fsdp_axis_cp),
-                             ("tp", b.tp, rpn["tp"], True), ("pp", b.pp, rpn["pp"], True),
-                             ("ep", b.ep, rpn["ep"], True)):  # experts' norm summed over EP ranks
-        add("all_reduce", axis, 4.0 * one, one, g, r, mask)
 
-    ag_total = sum(v[0] for v in fsdp_times.values()) + ex_ag
-    red_total = sum(v[1] for v in fsdp_times.values()) + ex_rs + hsdp + edp_t
-    per_gather = ga * gathers
-    ag_layer = ag_total / np.maximum(per_gather, 1) / (lay + 1.0)  # units: layers + embedding/output
-    red_layer = red_total / np.maximum(ga, 1) / (lay + 1.0)
-    total = ag_total + red_total
-    safe = np.where(total > 0, total, 1.0)
-    share = {}
-    for axis in ("dp_shard", "dp_shard+cp"):
-        share[axis] = np.where(total > 0, (fsdp_times[axis][0] + fsdp_times[axis][1]) / safe, 0.0)
-    share["efsdp"] = np.where(total > 0, (ex_ag + ex_rs) / safe, 0.0)
-    share["dp_replicate"] = np.where(total > 0, hsdp / safe, 0.0)
-    share["edp"] = np.where(total > 0, edp_t / safe, 0.0)
-    return {
-        "bytes": bytes_,
-        "per_microbatch_exposed_s": per_mb,
-        "pp_exposed_s": pp_exposed,
-        "fsdp_ag_layer_s": ag_layer,
-        "fsdp_reduce_layer_s": red_layer,
-        "fsdp_share": share,
-        "fsdp_total_s": total,
-    }
+def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M) -> None:
+    """TP + SP per microbatch. Activations are bf16 under FSDP mixed precision; under autocast (no data
+    parallelism) the residual stream is fp32: the forward all-gathers of norm outputs (and their recomputes), the
+    embedding's backward all-gather and the reduce-scatters of their gradients move fp32 (``res_b``); the forward
+    reduce-scatters of matmul outputs and the backward all-gathers of their (bf16) gradients move bf16 (matched
+    byte for byte on CPU runs)."""
+    T, t, d = sh.T, sh.t, float(spec.d_model)
+    n_full = sum(_ac_counts(b, rv.n_of[k])[0] for k in rv.kinds)
+    n_sac = sum(_ac_counts(b, rv.n_of[k])[1] for k in rv.kinds)
+    L = rv.n_layers
+    edge = np.where(rv.has_emb, 1.0, 0.0) + np.where(rv.has_out, 1.0, 0.0)
+    g, r, tp_on, sp = b.tp, b.rpn["tp"], b.tp > 1, b.sp
+    ag_res = 2.0 * L + 2.0 * (n_full + n_sac) + edge  # norm outputs (fwd + recompute), embedding/output edges
+    ag_mm = 2.0 * L  # backward: gradients of the row-parallel outputs
+    rs_res = 2.0 * L + edge  # backward: gradients of the gathered norm outputs; edges
+    rs_mm = 2.0 * L + 2.0 * n_full  # forward (+ full recompute): row-parallel outputs
+    led.add("TP all-gather of norm outputs before the column-parallel linears (incl. recompute)", "all_gather", "tp",
+            T * d / t * sh.res_b, M * ag_res, g, r, "forward+backward", "exposed", tp_on & sp)
+    led.add("TP all-gather of row-parallel output gradients", "all_gather", "tp", T * d / t * TWO, M * ag_mm, g, r,
+            "backward", "exposed", tp_on & sp)
+    led.add("TP reduce-scatter of row-parallel outputs (incl. full-AC recompute)", "reduce_scatter", "tp",
+            T * d * TWO, M * rs_mm, g, r, "forward", "exposed", tp_on & sp)
+    led.add("TP reduce-scatter of norm-output gradients", "reduce_scatter", "tp", T * d * sh.res_b, M * rs_res, g, r,
+            "backward", "exposed", tp_on & sp)
+    ar_calls = 4.0 * L + 2.0 * (n_full + n_sac) + edge
+    led.add("TP all-reduce of partial sums (no sequence parallel)", "all_reduce", "tp", T * d * TWO, M * ar_calls,
+            g, r, "forward+backward", "exposed", tp_on & ~sp)
+    # SP: norm weights are replicated over tp but see only their sequence shard: their gradients (param dtype;
+    # reduce dtype under PP, accumulated first) are all-reduced over tp once per pass — two norms per layer and
+    # the final norm on the last stage
+    norm_calls = 2.0 * L + np.where(rv.has_out, 1.0, 0.0)
+    norm_bytes = d * np.where(b.pp > 1, b.reduce_bytes, b.param_bytes).astype(float)
+    led.add("SP all-reduce of norm-weight gradients", "all_reduce", "tp", norm_bytes,
+            b.grad_accum.astype(float) * norm_calls, g, r, "backward", "exposed", tp_on & sp)
+
+
+def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M) -> None:
+    L = rv.n_layers
+    n_full = sum(_ac_counts(b, rv.n_of[k])[0] for k in rv.kinds)
+    n_sac = sum(_ac_counts(b, rv.n_of[k])[1] for k in rv.kinds)
+    kv = sh.T * (spec.kv_dim + spec.v_dim) / sh.t * TWO
+    cp_on, g, r = b.cp > 1, b.cp, b.rpn["cp"]
+    led.add("CP all-gather of K and V (forward, recompute, backward)", "all_gather", "cp", kv,
+            M * (2.0 * L + n_full + n_sac), g, r, "forward+backward", "exposed", cp_on)
+    led.add("CP reduce-scatter of K and V gradients", "reduce_scatter", "cp", kv * b.cp, M * L, g, r, "backward",
+            "exposed", cp_on)
+    if True in rv.kinds:
+        n_moe = rv.n_of[True]
+        full_moe = _ac_counts(b, n_moe)[0]
+        led.add("EP all-to-all dispatch and combine of routed tokens (fwd, bwd, full-AC recompute)", "all_to_all",
+                "ep", sh.Tr * spec.d_model * TWO, M * (4.0 * n_moe + 2.0 * full_moe), b.ep, b.rpn["ep"],
+                "forward+backward", "exposed", b.ep > 1)
+
+
+def _fsdp_units(spec, b, rv: RankView) -> list[tuple]:
+    """(name, params per call before sharding, units on the rank, all-gathers per unit and pass, FSDP group):
+    a unit per block (non-expert part, and the experts with it when ep == 1), the embedding, the root unit (the
+    final norm), the output projection; routed experts (ep > 1) form their own unit per MoE block over efsdp."""
+    gathers = 1.0 + (b.raf | (b.pp > 1))  # forward + backward re-gather (pipelining always re-gathers)
+    out_gathers = 1.0 + b.raf_always
+    ep1 = b.ep == 1
+    norm_local = np.where(rv.has_out, float(spec.d_model * (2 if spec.norm == "layernorm" else 1)), 0.0)
+    units = []
+    for k in rv.kinds:
+        name = "MoE block" if k else "dense block"
+        units.append((name, rv.plocal[k][0] + np.where(ep1, rv.plocal[k][1], 0.0), rv.n_of[k], gathers, "fsdp"))
+        if k:
+            units.append(("MoE block's routed experts", rv.plocal[k][1], np.where(ep1, 0.0, rv.n_of[k]), gathers,
+                          "efsdp"))
+    units += [("embedding unit", rv.emb_local, 1.0, gathers, "fsdp"), ("root unit (final norm)", norm_local, 1.0,
+                                                                        gathers, "fsdp"),
+              ("output unit", rv.out_local - norm_local, 1.0, out_gathers, "fsdp")]
+    return units
+
+
+def _fsdp_records(led: Ledger, spec, b, rv: RankView) -> None:
+    """FSDP2 / HSDP per unit: all-gather of the param_dtype shard, reduce-scatter of the unsharded gradient in
+    reduce_dtype once per pass, HSDP all-reduce of the sharded gradient over dp_replicate (experts: over edp with
+    DDP-style EP). With PP and reshard-after-forward FSDP gathers per microbatch."""
+    ga = b.grad_accum.astype(float)
+    fwd_rounds = np.where((b.pp > 1) & b.raf, b.n_micro.astype(float), 1.0)
+    pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
+    f, ef = b.fsdp.astype(float), b.efsdp.astype(float)
+    cp_axis = b.cp > 1
+    for name, params, units, gathers, grp in _fsdp_units(spec, b, rv):
+        on = params > 0
+        if grp == "fsdp":
+            axes = (("dp_shard", ~cp_axis), ("dp_shard+cp", cp_axis))
+            size, rpn, div = b.fsdp, b.rpn["fsdp"], f
+        else:
+            axes, size, rpn, div = (("efsdp", np.ones(len(b), bool)),), b.efsdp, b.rpn["efsdp"], ef
+        for axis, mask in axes:
+            led.add(f"FSDP all-gather: {name}", "all_gather", axis, params / div * pb,
+                    ga * fwd_rounds * gathers * units, size, rpn, "forward+backward", "fsdp_gather", mask & on)
+            led.add(f"FSDP reduce-scatter of gradients: {name}", "reduce_scatter", axis, params * rb, ga * units,
+                    size, rpn, "backward", "fsdp_reduce", mask & on)
+        expert = grp == "efsdp"
+        led.add(f"HSDP all-reduce of sharded gradients: {name}", "all_reduce", "dp_replicate", params / div * rb,
+                ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce",
+                on & (~b.ep_ddp if expert else True))
+        if expert:
+            led.add(f"DDP-EP all-reduce of gradients: {name}", "all_reduce", "edp", params / div * rb, ga * units,
+                    b.dp_replicate // np.maximum(b.ep, 1), b.rpn["edp"], "backward", "fsdp_reduce", on & b.ep_ddp)
+
+
+def _grad_norm_records(led: Ledger, b) -> None:
+    """Gradient clipping: a 4-byte all-reduce of the norm over each axis that shards gradients, once per step."""
+    one = np.ones(len(b))
+    cp_axis = b.cp > 1
+    for axis, g, r, mask in (("dp_shard", b.fsdp, b.rpn["fsdp"], ~cp_axis),
+                             ("dp_shard+cp", b.fsdp, b.rpn["fsdp"], cp_axis), ("tp", b.tp, b.rpn["tp"], True),
+                             ("pp", b.pp, b.rpn["pp"], True), ("ep", b.ep, b.rpn["ep"], True)):
+        led.add("gradient-norm all-reduce", "all_reduce", axis, 4.0 * one, one, g, r, "step", "exposed", mask)

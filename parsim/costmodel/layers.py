@@ -154,7 +154,8 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     else:
         mo = spec.moe
         t_router = sh.Tr / (mo.top_k * mo.capacity_factor)
-        out += [("router.logits", t_router * mo.n_experts * b4, "mm"), ("router.probs", t_router * mo.n_experts * b4, "other"),
+        out += [("router.logits", t_router * mo.n_experts * b4, "mm"),
+                ("router.probs", t_router * mo.n_experts * b4, "other"),
                 ("experts.input(permuted)", sh.Tr * d * b2, "other")]
         out += _mlp_saved(spec, sh.Tr, mo.d_ff_expert / sh.etp, "experts", sh.Tr * d * b2, kind="gmm")
         if mo.n_shared_experts:
@@ -173,32 +174,29 @@ def _mlp_saved(spec, T, ff_local, prefix, out_bytes, kind="mm"):
             (f"{prefix}.w2.out", out_bytes, kind)]
 
 
-def activation_bytes(spec: ModelSpec, sh: Shapes, moe: bool) -> dict[str, np.ndarray]:
-    """Bytes kept per layer and microbatch: ``none`` (no AC), ``full`` (block input only), ``sac`` (selective-op).
+def kept_by_ac_mode(items: list[tuple]) -> list[dict[str, bool]]:
+    """For each saved tensor of ``saved_tensors``: is it kept under ``none``, ``full``, ``sac`` (selective-op)?
 
     The saved output of wo / w2 is counted only when it is not immediately consumed by a residual add (it is
     the input of nothing that saves it) — so under no AC it is dropped; selective AC stores it when its mm is
     odd-numbered, as the policy does."""
-    items = saved_tensors(spec, sh, moe)
-    zero = np.zeros_like(sh.T)
-    none = zero.copy()
-    full = zero.copy()
-    sac = zero.copy()
+    out = []
     mm_count = 0
-    for name, nbytes, kind in items:
+    for name, _nbytes, kind in items:
         residual_out = name.endswith("wo.out") or name.endswith("w2.out")
-        if kind == "input":
-            full = full + nbytes
-            sac = sac + nbytes
-        if not residual_out and kind != "rs":
-            none = none + nbytes
         if kind == "mm":
             mm_count += 1
-            if mm_count % 2 == 1:
-                sac = sac + nbytes
-        elif kind in ("gmm", "sdpa", "rs"):
-            sac = sac + nbytes
-    return {"none": none, "full": full, "sac": sac}
+        out.append({"none": not residual_out and kind != "rs", "full": kind == "input",
+                    "sac": kind in ("input", "gmm", "sdpa", "rs") or (kind == "mm" and mm_count % 2 == 1)})
+    return out
+
+
+def activation_bytes(spec: ModelSpec, sh: Shapes, moe: bool) -> dict[str, np.ndarray]:
+    """Bytes kept per layer and microbatch: ``none`` (no AC), ``full`` (block input only), ``sac`` (selective-op)."""
+    items = saved_tensors(spec, sh, moe)
+    keep = kept_by_ac_mode(items)
+    return {mode: sum((nbytes for (_, nbytes, _), k in zip(items, keep, strict=True) if k[mode]),
+                      np.zeros_like(sh.T)) for mode in ("none", "full", "sac")}
 
 
 def layer_params_local(spec: ModelSpec, b, moe: bool) -> tuple[np.ndarray, np.ndarray]:

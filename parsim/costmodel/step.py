@@ -20,8 +20,8 @@ Time model (sums exactly to ``step_time_s``):
   arXiv:2104.04473, sec. 2.2: bubble fraction (p-1)/m for 1F1B/GPipe, divided by v for interleaving).
 * optimizer: AdamW reads param, grad, exp_avg, exp_avg_sq (fp32) and writes three of them: 28 B/param, plus the
   gradient-norm read of 4 B/param, at HBM speed.
-* measured corrections of the profile: ``compute_scale`` (ranks sharing cores) multiplies compute;
-  ``layer_overhead_{fwd,bwd}_s`` (one real block timed by the profiler minus the model's time for it: dispatch,
+* measured corrections of the profile: ``compute_scale`` (ranks sharing cores) multiplies compute; the per-layer
+  overheads of ``block_overheads`` (one real block timed by the profiler minus the model's time for it: dispatch,
   autograd and small-kernel costs) is added per layer and microbatch (selective AC recomputes half of it).
 
 Memory (sums exactly to ``peak_memory_bytes``): the largest of four moments of the step, each itemized:
@@ -39,10 +39,20 @@ from ..hardware import HardwareProfile
 from ..plan import Plan
 from ..results import Prediction
 from ..spec import ModelSpec
-from .batch import PlanBatch
-from .layers import (FIRST, LAST, Shapes, ac_counts, activation_bytes, attention_flops, gemms, layer_params_local,
-                     rank_layers, saved_tensors)
 from . import comm as C
+from .batch import PlanBatch
+from .layers import (
+    FIRST,
+    LAST,
+    Shapes,
+    ac_counts,
+    activation_bytes,
+    attention_flops,
+    gemms,
+    layer_params_local,
+    rank_layers,
+    saved_tensors,
+)
 
 TIME_KEYS = ("compute_forward", "compute_backward", "recompute", "pp_bubble", "optimizer")
 MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "fsdp_unsharded_params", "fsdp_grad_buffers",
@@ -52,40 +62,93 @@ PHASES = ("end of forward", "backward of the last layer", "end of backward", "op
 SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
 
 
-def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, moe: bool) -> dict:
-    """Per layer and microbatch: forward/backward/recompute seconds and activation bytes."""
-    peak = hw.peak("bfloat16")
+def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, moe: bool,
+                        overhead_fwd_s: float = 0.0) -> list[tuple]:
+    """Forward seconds of one layer and microbatch, itemized: (name, kind, work, efficiency, seconds, saved by
+    selective AC). kind gemm (work in FLOPs, efficiency of one kernel of that size; float8 adds the casts),
+    attention (FLOPs), memory (bytes of the memory-bound kernels), overhead (the profile's measured per-layer
+    remainder). ``compute_scale`` (ranks sharing cores) is applied by the caller."""
+    peak = compute_peak(hw, b)
     fp8_peak = hw.peak_flops.get("float8")
     mem_bw = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
-    compute_scale = float(hw.corrections.get("compute_scale", 1.0))
-    gemm_t = np.zeros_like(sh.T)
-    sac_gemm_t = np.zeros_like(sh.T)  # mm's selective AC recomputes (even-numbered)
+    items = []
     mm_count = 0
-    for _name, flops, kernel_flops, io_elems, kind in gemms(spec, sh, moe):
-        t_bf16 = (flops / kernel_flops) * hw.gemm_efficiency.time_s(kernel_flops, peak)
+    for name, flops, kernel_flops, io_elems, kind in gemms(spec, sh, moe):
+        t = (flops / kernel_flops) * hw.gemm_efficiency.time_s(kernel_flops, peak)
+        eff = hw.gemm_efficiency(kernel_flops)
         if fp8_peak and hw.float8_gemm_efficiency is not None:
             t_fp8 = (flops / kernel_flops) * hw.float8_gemm_efficiency.time_s(kernel_flops, fp8_peak)
             t_fp8 = t_fp8 + 3.0 * io_elems / mem_bw  # read bf16 (2 B) and write fp8 (1 B) of input and weight
-            t = np.where(b.float8, t_fp8, t_bf16)
-        else:
-            t = t_bf16
-        gemm_t = gemm_t + t
-        if kind == "mm":
-            mm_count += 1
-            if mm_count % 2 == 0:
-                sac_gemm_t = sac_gemm_t + t
-    attn_t = hw.attention_efficiency.time_s(attention_flops(spec, sh), peak)
+            t = np.where(b.float8, t_fp8, t)
+            eff = np.where(b.float8, hw.float8_gemm_efficiency(kernel_flops), eff)
+        mm_count += kind == "mm"
+        items.append((name, "gemm", flops, eff, t, kind == "mm" and mm_count % 2 == 0))  # SAC recomputes even mm's
+    a_flops = attention_flops(spec, sh)
+    items.append(("attention (causal)", "attention", a_flops, hw.attention_efficiency(a_flops),
+                  hw.attention_efficiency.time_s(a_flops, peak), False))
     act = activation_bytes(spec, sh, moe)
     # memory-bound kernels: every non-GEMM tensor the layer saves is written once and read about twice
-    mem_bytes = 3.0 * (act["none"] - _gemm_output_bytes(spec, sh, moe))
-    mem_t = np.maximum(mem_bytes, 0.0) / mem_bw * np.where(b.compile, hw.compile_memory_bound_factor, 1.0)
-    # fixed per-layer costs the FLOP/byte terms miss, measured by the profiler on one real block (0 if absent)
-    ovf = float(hw.corrections.get("layer_overhead_fwd_s", 0.0))
-    ovb = float(hw.corrections.get("layer_overhead_bwd_s", 0.0))
-    fwd = (gemm_t + attn_t + mem_t + ovf) * compute_scale
-    bwd = (2.0 * gemm_t + 2.5 * attn_t + 2.0 * mem_t + ovb) * compute_scale
-    sac = (sac_gemm_t + mem_t + 0.5 * ovf) * compute_scale
-    return {"fwd": fwd, "bwd": bwd, "rec_full": fwd, "rec_sac": sac, "act": act}
+    mem_bytes = np.maximum(3.0 * (act["none"] - _gemm_output_bytes(spec, sh, moe)), 0.0)
+    items.append(("memory-bound kernels (norms, RoPE, activations, residuals)", "memory", mem_bytes,
+                  np.full_like(sh.T, hw.memory_efficiency),
+                  mem_bytes / mem_bw * np.where(b.compile, hw.compile_memory_bound_factor, 1.0), True))
+    # fixed per-layer costs the FLOP/byte terms miss (block_overheads: measured block - model; 0 without one)
+    items.append(("per-layer overhead (measured block - model)", "overhead", np.zeros_like(sh.T),
+                  np.ones_like(sh.T), np.full_like(sh.T, overhead_fwd_s), False))
+    return items
+
+
+def compute_peak(hw: HardwareProfile, b: PlanBatch) -> np.ndarray:
+    """Peak FLOP/s of each plan's compute dtype: FSDP mixed precision (and autocast) run GEMMs and attention in
+    ``param_dtype`` — bf16 at its tensor-core peak, fp32 plans at the profile's float32 peak (a CPU without bf16
+    instructions: 98.8 GFLOP/s fp32 vs 2.3 GFLOP/s bf16 measured on this machine). MFU stays relative to the
+    bf16 peak, as published figures are."""
+    bf16 = hw.peak("bfloat16")
+    fp32 = float(hw.peak_flops.get("float32", bf16))
+    return np.where(b.param_bytes >= 4, fp32, bf16).astype(float)
+
+
+def block_overheads(hw: HardwareProfile) -> tuple[float, float]:
+    """(forward, backward) seconds per layer and microbatch that the FLOP/byte terms miss (dispatch, autograd,
+    small kernels): the profile's raw block sample — one real block of ``samples.block.model`` timed forward and
+    forward + backward by the profiler, one process, ``compute_scale`` 1 — minus this model's time for the same
+    block, floored at 0. Derived at predict time, so a profile holds only measurements and never goes stale when a
+    formula changes. Profiles that carry ``corrections.layer_overhead_*`` (written before) use those as they are."""
+    c = hw.corrections
+    if "layer_overhead_fwd_s" in c:
+        return float(c["layer_overhead_fwd_s"]), float(c.get("layer_overhead_bwd_s", 0.0))
+    block = hw.samples.get("block") if isinstance(hw.samples, dict) else None
+    if not block:
+        return 0.0, 0.0
+    from ..spec import load_model
+
+    spec = load_model(block["model"])
+    dtype = block["dtype"] if block["dtype"] in ("float32", "bfloat16") else "bfloat16"
+    plan = Plan(seq_len=block["seq_len"], local_batch_size=max(1, block["tokens"] // block["seq_len"]),
+                param_dtype=dtype)
+    b = PlanBatch.from_plans([plan], hw.gpus_per_node)
+    cost = _layer_costs(spec, b, Shapes(spec, b), hw, spec.is_moe_layer(0), overheads=(0.0, 0.0), compute_scale=1.0)
+    fwd = max(0.0, block["time_fwd_s"] - float(cost["fwd"][0]))
+    bwd = max(0.0, (block["time_fwd_bwd_s"] - block["time_fwd_s"]) - float(cost["bwd"][0]))
+    return fwd, bwd
+
+
+def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, moe: bool,
+                 overheads: tuple[float, float] = (0.0, 0.0), compute_scale: float | None = None) -> dict:
+    """Per layer and microbatch: forward/backward/recompute seconds and activation bytes. Backward: GEMMs 2x
+    forward (dgrad + wgrad), attention 2.5x (FlashAttention-2), memory-bound 2x, the measured backward overhead;
+    selective AC recomputes the even mm's, the memory-bound kernels and half the forward overhead."""
+    if compute_scale is None:
+        compute_scale = float(hw.corrections.get("compute_scale", 1.0))
+    items = layer_compute_items(spec, b, sh, hw, moe, overheads[0])
+    by_kind = {k: sum((it[4] for it in items if it[1] == k), np.zeros_like(sh.T))
+               for k in ("gemm", "attention", "memory", "overhead")}
+    sac_t = sum((it[4] for it in items if it[5] and it[1] == "gemm"), np.zeros_like(sh.T))
+    ovb = overheads[1]
+    fwd = sum(by_kind.values()) * compute_scale
+    bwd = (2.0 * by_kind["gemm"] + 2.5 * by_kind["attention"] + 2.0 * by_kind["memory"] + ovb) * compute_scale
+    sac = (sac_t + by_kind["memory"] + 0.5 * by_kind["overhead"]) * compute_scale
+    return {"fwd": fwd, "bwd": bwd, "rec_full": fwd, "rec_sac": sac, "act": activation_bytes(spec, sh, moe)}
 
 
 def _gemm_output_bytes(spec, sh, moe):
@@ -111,162 +174,204 @@ def _inflight(b: PlanBatch, rank: int) -> np.ndarray:
 
 def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = False) -> dict:
     """Evaluate every plan of ``b``. Returns arrays: step_time_s, peak_memory_bytes, fits, tokens_per_s_per_gpu,
-    mfu, peak_rank (0 = first stage, 1 = last), and with ``detail`` the breakdown and comm dicts of arrays."""
+    mfu, peak_rank (0 = first stage, 1 = last), and with ``detail`` the breakdowns, comm bytes and times, and the
+    two ranks' ledgers."""
     sh = Shapes(spec, b)
-    n = len(b)
     layers = rank_layers(spec, b.pp, b.v)
     kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
-    costs = {k: _layer_costs(spec, b, sh, hw, k) for k in kinds}
+    overheads = block_overheads(hw)
+    costs = {k: _layer_costs(spec, b, sh, hw, k, overheads) for k in kinds}
     plocal = {k: layer_params_local(spec, b, k) for k in kinds}
-    ga = b.grad_accum.astype(float)
-    m_pass = b.n_micro.astype(float)
-    M = ga * m_pass  # microbatches per step per rank
-    t = b.tp.astype(float)
-    pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
-    fsdp, efsdp = b.fsdp.astype(float), b.efsdp.astype(float)
-    mem_bw = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
-    peak = hw.peak("bfloat16")
-    V, d = spec.vocab_size, spec.d_model
-
     per_rank = []
     for rank in (FIRST, LAST):
-        has_emb = np.ones(n, bool) if rank == FIRST else b.pp == 1
-        has_out = b.pp == 1 if rank == FIRST else np.ones(n, bool)
-        n_of = {False: layers["dense"][rank].astype(float), True: layers["moe"][rank].astype(float)}
-        n_layers = sum(n_of[k] for k in kinds)
-        # ---- parameters held by the rank (before FSDP sharding) ------------------------------------------------
-        emb_local = np.where(has_emb, V * d / t + spec.max_position_embeddings * d, 0.0)
-        # a tied output projection needs its own copy of the embedding on the last stage when pp > 1
-        own_out = (b.pp > 1) | (not spec.tie_embeddings)
-        out_local = np.where(has_out, np.where(own_out, V * d / t, 0.0) + d, 0.0)
-        ne_local = emb_local + out_local + sum(n_of[k] * plocal[k][0] for k in kinds)
-        ex_local = sum(n_of[k] * plocal[k][1] for k in kinds)
-        p_shard = ne_local / fsdp + ex_local / efsdp
-        # ---- compute per microbatch ---------------------------------------------------------------------------
-        fwd = sum(n_of[k] * costs[k]["fwd"] for k in kinds)
-        bwd = sum(n_of[k] * costs[k]["bwd"] for k in kinds)
-        rec = np.zeros(n)
-        act = np.zeros(n)
-        transient = np.zeros(n)
-        for k in kinds:
-            c = costs[k]
-            n_full, n_sac, n_none = ac_counts(b, n_of[k])
-            rec = rec + n_full * c["rec_full"] + n_sac * c["rec_sac"]
-            act = act + n_full * c["act"]["full"] + n_sac * c["act"]["sac"] + n_none * c["act"]["none"]
-            tr = np.where(n_full > 0, c["act"]["none"] - c["act"]["full"],
-                          np.where(n_sac > 0, c["act"]["none"] - c["act"]["sac"], 0.0))
-            transient = np.maximum(transient, tr)
-        rec = rec * np.where(b.ac_wraps_compile & b.compile, 2.0, 1.0)
-        # output layer and loss on the last stage: GEMM T x d x V/tp, fp32 cross-entropy traffic (16 B/logit)
-        logits = sh.T * V / t
-        out_gemm = hw.gemm_efficiency.time_s(2.0 * logits * d, peak)
-        loss_mem = 16.0 * logits / mem_bw
-        fwd = fwd + np.where(has_out, out_gemm + loss_mem, 0.0)
-        bwd = bwd + np.where(has_out, 2.0 * out_gemm + loss_mem, 0.0)
-        # ---- communication ------------------------------------------------------------------------------------
-        cm = C.rank_comm(spec, b, sh, hw, n_of, kinds, plocal, has_emb, has_out, emb_local, out_local)
-        per_mb_exposed = cm["per_microbatch_exposed_s"]  # TP, CP, EP by axis (fwd + bwd + recompute)
-        t_mb = fwd + bwd + rec + sum(per_mb_exposed.values())
-        # FSDP / HSDP exposure per pass, from per-layer averages on this rank
-        lay = np.maximum(n_layers, 1.0)
-        f_l, b_l = (fwd / lay), (bwd + rec) / lay
-        ag_l, red_l = cm["fsdp_ag_layer_s"], cm["fsdp_reduce_layer_s"]
-        fwd_rounds = np.where((b.pp > 1) & b.raf, m_pass, 1.0)
-        bwd_gather = np.where(b.raf | (b.pp > 1), 1.0, 0.0)
-        exp_fwd = fwd_rounds * (ag_l + n_layers * np.maximum(0.0, ag_l - f_l))
-        exp_bwd = n_layers * np.maximum(0.0, bwd_gather * ag_l + red_l - b_l) + red_l \
-            + (fwd_rounds - 1.0) * bwd_gather * n_layers * np.maximum(0.0, ag_l - b_l)
-        fsdp_exposed = ga * (exp_fwd + exp_bwd)
-        if not hw.comm_overlap:  # gloo on CPU: every collective blocks its rank, nothing hides behind compute
-            fsdp_exposed = cm["fsdp_total_s"]
-        # ---- time breakdown ------------------------------------------------------------------------------------
-        bubble = ga * (b.pp - 1) / b.v * t_mb
-        opt = p_shard * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
-        tb = {"compute_forward": M * fwd, "compute_backward": M * bwd, "recompute": M * rec,
-              "pp_bubble": bubble, "optimizer": opt}
-        for axis, tt in per_mb_exposed.items():
-            tb[f"comm_{axis}"] = tb.get(f"comm_{axis}", 0.0) + M * tt
-        tb["comm_pp"] = cm["pp_exposed_s"] * M
-        share = cm["fsdp_share"]  # axis -> fraction of the FSDP/HSDP comm time
-        for axis, frac in share.items():
-            tb[f"comm_{axis}"] = tb.get(f"comm_{axis}", 0.0) + fsdp_exposed * frac
-        step = sum(tb.values())
-        # ---- memory: the largest of four moments of the step ----------------------------------------------------
-        inflight = _inflight(b, rank)
-        base = {"parameters": p_shard * 4.0, "optimizer_states": p_shard * 8.0}
-        # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
-        # earlier passes; with PP, once the schedule reaches its steady state (more microbatches than in flight,
-        # 1F1B / interleaved) the unsharded grads accumulated in reduce_dtype — the embedding's at full vocabulary
-        # size — sit beside a full set of in-flight activations; before that (or with GPipe) nothing has
-        # accumulated yet
-        accumulated = (ne_local + ex_local - emb_local) * rb + np.where(has_emb, V * d * rb, 0.0)
-        steady = (b.pp > 1) & (b.sched != SCHED_GPIPE) & (m_pass > inflight)
-        grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, np.where(steady, accumulated, 0.0))
-        sharded = (fsdp > 1) | (efsdp > 1)
-        layer_w = (ne_local + ex_local - emb_local - out_local) / lay  # one block's weights on this rank
-        keep_all = (ne_local + ex_local) * pb  # reshard_after_forward off: the whole stage stays unsharded
-        unsh_fwd = np.where(sharded, np.where(b.raf, out_local * pb, keep_all), 0.0)
-        unsh_bwd = np.where(sharded, np.where(b.raf, (out_local + 2.0 * layer_w) * pb, keep_all), 0.0)
-        grad_buf = layer_w * (pb + rb)  # one block's unsharded grads and the reduce-scatter input
-        acts = inflight * act
-        # the loss: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the end of forward under loss
-        # parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the log-softmax output,
-        # the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read off the live
-        # storages at the peak of executor traces). Plus the final norm's input and gathered output.
-        per_logit = np.where(b.tp > 1, 10.0, 12.0)
-        logits_bytes = np.where(has_out, logits * per_logit + sh.T * d * 2.0 + sh.T * d / sh.sp_div * 2.0, 0.0)
-        z = np.zeros(n)
-        phases = {
-            "end of forward": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_fwd, activations=acts,
-                                   logits_and_loss=logits_bytes),
-            "backward of the last layer": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_bwd,
-                                               fsdp_grad_buffers=grad_buf, activations=acts,
-                                               recompute_transient=transient),
-            # the embedding's backward (first stage) materializes a dense gradient of the full vocabulary, also
-            # under TP (seen in traces with torch 2.13's RowwiseParallel embedding); without PP FSDP then
-            # reduce-scatters it (input in reduce_dtype), with PP it accumulates it unsharded in reduce_dtype at full
-            # vocabulary size, beside the other blocks' accumulated grads, while the other in-flight microbatches
-            # keep their activations
-            "end of backward": dict(base,
-                                    gradients=np.where(b.pp > 1, accumulated - np.where(has_emb, V * d * rb, 0.0),
-                                                       np.maximum(grads_prev, p_shard * 4.0)),
-                                    fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),
-                                    fsdp_grad_buffers=np.where(has_emb, V * d * pb + np.where(b.pp > 1, V * d * rb,
-                                                                                              emb_local * rb), z),
-                                    activations=np.maximum(inflight - 1.0, 0.0) * act),
-            "optimizer step": dict(base, gradients=p_shard * 4.0, optimizer_temporaries=p_shard * 4.0),
-        }
-        totals = {k: sum(v.values()) for k, v in phases.items()}
-        names = list(phases)
-        which = np.argmax(np.stack([totals[k] for k in names]), axis=0)
-        mb = {k: np.choose(which, [np.broadcast_to(phases[p].get(k, z), (n,)) for p in names]) for k in MEMORY_KEYS}
-        peak_rank_mem = np.choose(which, [np.broadcast_to(totals[p], (n,)) for p in names])
-        per_rank.append({"step": step, "tb": tb, "mem": peak_rank_mem, "mb": mb, "comm": cm["bytes"],
-                         "phase": which})
+        rv = _rank_view(spec, b, rank, layers, kinds, plocal)
+        per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
+    return _combine(spec, b, hw, per_rank, detail)
 
+
+def _rank_view(spec: ModelSpec, b: PlanBatch, rank: int, layers: dict, kinds: list, plocal: dict) -> C.RankView:
+    """What one rank holds: its layers of each kind, and the embedding / output parameters (before FSDP)."""
+    n = len(b)
+    t = b.tp.astype(float)
+    V, d = spec.vocab_size, spec.d_model
+    has_emb = np.ones(n, bool) if rank == FIRST else b.pp == 1
+    has_out = b.pp == 1 if rank == FIRST else np.ones(n, bool)
+    n_of = {False: layers["dense"][rank].astype(float), True: layers["moe"][rank].astype(float)}
+    emb_local = np.where(has_emb, V * d / t + spec.max_position_embeddings * d, 0.0)
+    # a tied output projection needs its own copy of the embedding on the last stage when pp > 1
+    own_out = (b.pp > 1) | (not spec.tie_embeddings)
+    out_local = np.where(has_out, np.where(own_out, V * d / t, 0.0) + d, 0.0)
+    return C.RankView(n_of, kinds, plocal, has_emb, has_out, emb_local, out_local)
+
+
+def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView,
+                  costs: dict) -> dict:
+    """Per microbatch on one rank: forward, backward, recompute seconds; activation bytes kept per microbatch;
+    the largest recompute transient; the output layer and loss on the last stage (GEMM T x d x V/tp, fp32
+    cross-entropy traffic of 16 B/logit)."""
+    n = len(b)
+    fwd = sum(rv.n_of[k] * costs[k]["fwd"] for k in rv.kinds)
+    bwd = sum(rv.n_of[k] * costs[k]["bwd"] for k in rv.kinds)
+    rec, act, transient = np.zeros(n), np.zeros(n), np.zeros(n)
+    for k in rv.kinds:
+        c = costs[k]
+        n_full, n_sac, n_none = ac_counts(b, rv.n_of[k])
+        rec = rec + n_full * c["rec_full"] + n_sac * c["rec_sac"]
+        act = act + n_full * c["act"]["full"] + n_sac * c["act"]["sac"] + n_none * c["act"]["none"]
+        tr = np.where(n_full > 0, c["act"]["none"] - c["act"]["full"],
+                      np.where(n_sac > 0, c["act"]["none"] - c["act"]["sac"], 0.0))
+        transient = np.maximum(transient, tr)
+    rec = rec * np.where(b.ac_wraps_compile & b.compile, 2.0, 1.0)
+    logits = sh.T * spec.vocab_size / sh.t
+    out_gemm = hw.gemm_efficiency.time_s(2.0 * logits * spec.d_model, compute_peak(hw, b))
+    loss_mem = 16.0 * logits / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
+    fwd = fwd + np.where(rv.has_out, out_gemm + loss_mem, 0.0)
+    bwd = bwd + np.where(rv.has_out, 2.0 * out_gemm + loss_mem, 0.0)
+    return {"fwd": fwd, "bwd": bwd, "rec": rec, "act": act, "transient": transient, "logits": logits}
+
+
+def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rank: int, rv: C.RankView,
+                   costs: dict) -> dict:
+    """Step time (itemized) and peak memory (itemized, the largest of four moments) of one rank."""
+    c = _rank_compute(spec, b, sh, hw, rv, costs)
+    ne_local = rv.emb_local + rv.out_local + sum(rv.n_of[k] * rv.plocal[k][0] for k in rv.kinds)
+    ex_local = sum(rv.n_of[k] * rv.plocal[k][1] for k in rv.kinds)
+    p_shard = ne_local / b.fsdp + ex_local / b.efsdp
+    ga = b.grad_accum.astype(float)
+    M = ga * b.n_micro  # microbatches per step per rank
+    cm = C.rank_comm(spec, b, sh, hw, rv)
+    per_mb_exposed = cm["per_microbatch_exposed_s"]  # TP, CP, EP by axis (fwd + bwd + recompute)
+    t_mb = c["fwd"] + c["bwd"] + c["rec"] + sum(per_mb_exposed.values())
+    fsdp_exposed = _fsdp_exposed(b, hw, cm, c["fwd"], c["bwd"] + c["rec"], rv.n_layers)
+    exposed = _exposed_by_key(cm["ledger"], fsdp_exposed, cm["fsdp_ag_total_s"] + cm["fsdp_red_total_s"])
+    opt = p_shard * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
+    tb = {"compute_forward": M * c["fwd"], "compute_backward": M * c["bwd"], "recompute": M * c["rec"],
+          "pp_bubble": ga * (b.pp - 1) / b.v * t_mb, "optimizer": opt}
+    for key, tt in exposed.items():  # comm_<axis>: the exposed seconds of that axis's collectives
+        axis = "comm_" + key.split("/", 1)[1]
+        tb[axis] = tb.get(axis, 0.0) + tt
+    phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard)
+    n, z = len(b), np.zeros(len(b))
+    totals = {k: sum(v.values()) for k, v in phases.items()}
+    names = list(phases)
+    which = np.argmax(np.stack([totals[k] for k in names]), axis=0)
+    mb = {k: np.choose(which, [np.broadcast_to(phases[p].get(k, z), (n,)) for p in names]) for k in MEMORY_KEYS}
+    return {"step": sum(tb.values()), "tb": tb, "mem": np.choose(which, [np.broadcast_to(totals[p], (n,))
+                                                                         for p in names]),
+            "mb": mb, "comm": cm["bytes"], "phase": which, "comm_time": cm["ledger"].time_by_key(),
+            "exposed": exposed, "ledger": cm["ledger"]}
+
+
+def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, ne_local,
+                   ex_local, p_shard) -> dict:
+    """The four moments of the step, each itemized by MEMORY_KEYS (see the module docstring)."""
+    V, d = spec.vocab_size, spec.d_model
+    pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
+    ga, m_pass = b.grad_accum.astype(float), b.n_micro.astype(float)
+    emb_local, out_local, has_emb = rv.emb_local, rv.out_local, rv.has_emb
+    inflight = _inflight(b, rank)
+    base = {"parameters": p_shard * 4.0, "optimizer_states": p_shard * 8.0}
+    # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
+    # earlier passes; with PP, once the schedule reaches its steady state (more microbatches than in flight,
+    # 1F1B / interleaved) the unsharded grads accumulated in reduce_dtype — the embedding's at full vocabulary
+    # size — sit beside a full set of in-flight activations; before that (or with GPipe) nothing has accumulated
+    accumulated = (ne_local + ex_local - emb_local) * rb + np.where(has_emb, V * d * rb, 0.0)
+    steady = (b.pp > 1) & (b.sched != SCHED_GPIPE) & (m_pass > inflight)
+    grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, np.where(steady, accumulated, 0.0))
+    sharded = (b.fsdp > 1) | (b.efsdp > 1)
+    layer_w = (ne_local + ex_local - emb_local - out_local) / np.maximum(rv.n_layers, 1.0)  # one block's weights
+    keep_all = (ne_local + ex_local) * pb  # reshard_after_forward off: the whole stage stays unsharded
+    unsh_fwd = np.where(sharded, np.where(b.raf, out_local * pb, keep_all), 0.0)
+    unsh_bwd = np.where(sharded, np.where(b.raf, (out_local + 2.0 * layer_w) * pb, keep_all), 0.0)
+    acts = inflight * c["act"]
+    # the loss: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the end of forward under loss
+    # parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the log-softmax output,
+    # the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read off the live
+    # storages at the peak of executor traces). Plus the final norm's input and gathered output.
+    per_logit = np.where(b.tp > 1, 10.0, 12.0)
+    logits_bytes = np.where(rv.has_out, c["logits"] * per_logit + sh.T * d * 2.0 + sh.T * d / sh.sp_div * 2.0, 0.0)
+    # the embedding's backward (first stage) materializes a dense gradient of the full vocabulary, also under TP
+    # (seen in traces with torch 2.13's RowwiseParallel embedding); without PP FSDP then reduce-scatters it (input
+    # in reduce_dtype), with PP it accumulates it unsharded in reduce_dtype at full vocabulary size, beside the
+    # other blocks' accumulated grads, while the other in-flight microbatches keep their activations
+    emb_grad = np.where(has_emb, V * d * pb + np.where(b.pp > 1, V * d * rb, emb_local * rb), 0.0)
+    return {
+        "end of forward": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_fwd, activations=acts,
+                               logits_and_loss=logits_bytes),
+        "backward of the last layer": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_bwd,
+                                           fsdp_grad_buffers=layer_w * (pb + rb), activations=acts,
+                                           recompute_transient=c["transient"]),
+        "end of backward": dict(base, gradients=np.where(b.pp > 1, accumulated - np.where(has_emb, V * d * rb, 0.0),
+                                                         np.maximum(grads_prev, p_shard * 4.0)),
+                                fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),
+                                fsdp_grad_buffers=emb_grad, activations=np.maximum(inflight - 1.0, 0.0) * c["act"]),
+        "optimizer step": dict(base, gradients=p_shard * 4.0, optimizer_temporaries=p_shard * 4.0),
+    }
+
+
+def _combine(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, per_rank: list, detail: bool) -> dict:
+    """The plan's step time is its slowest rank's, its memory the larger peak; comm_bytes are rank 0's."""
+    n = len(b)
     first, last = per_rank
     time_rank = np.where(last["step"] > first["step"], LAST, FIRST)
     mem_rank = np.where(last["mem"] > first["mem"], LAST, FIRST)
     step = np.where(time_rank == LAST, last["step"], first["step"])
     peak_mem = np.where(mem_rank == LAST, last["mem"], first["mem"])
-    tokens = b.global_batch_size * b.seq_len
-    tps = tokens / step / b.world
-    mfu = _model_flops_per_token(spec, b) * tps / peak
+    tps = b.global_batch_size * b.seq_len / step / b.world
+    mfu = _model_flops_per_token(spec, b) * tps / hw.peak("bfloat16")
     out = {"step_time_s": step, "peak_memory_bytes": peak_mem, "fits": peak_mem <= hw.usable_memory_bytes,
            "tokens_per_s_per_gpu": tps, "mfu": mfu, "peak_rank": mem_rank, "time_rank": time_rank}
-    if detail:
-        keys = sorted(set(first["tb"]) | set(last["tb"]))
-        out["time_breakdown_s"] = {k: np.where(time_rank == LAST, _g(last["tb"], k, n), _g(first["tb"], k, n))
-                                   for k in keys}
-        out["memory_breakdown_bytes"] = {k: np.where(mem_rank == LAST, last["mb"][k], first["mb"][k])
-                                         for k in MEMORY_KEYS}
-        out["comm_bytes"] = first["comm"]
-        out["peak_phase"] = np.where(mem_rank == LAST, last["phase"], first["phase"])
-    else:
-        # the dominant cost, cheaply: compare the breakdown entries of the time-critical rank
-        keys = sorted(set(first["tb"]) | set(last["tb"]))
-        stack = np.stack([np.where(time_rank == LAST, _g(last["tb"], k, n), _g(first["tb"], k, n)) for k in keys])
-        out["dominant"] = np.array(keys)[np.argmax(stack, axis=0)]
+
+    def pick(src: str, rank_sel) -> dict:
+        keys = sorted(set(first[src]) | set(last[src]))
+        return {k: np.where(rank_sel == LAST, _g(last[src], k, n), _g(first[src], k, n)) for k in keys}
+
+    if not detail:  # the dominant cost, cheaply: the largest breakdown entry of the time-critical rank
+        tb = pick("tb", time_rank)
+        out["dominant"] = np.array(list(tb))[np.argmax(np.stack(list(tb.values())), axis=0)]
+        return out
+    out["time_breakdown_s"] = pick("tb", time_rank)
+    out["memory_breakdown_bytes"] = {k: np.where(mem_rank == LAST, last["mb"][k], first["mb"][k])
+                                     for k in MEMORY_KEYS}
+    out["comm_bytes"] = first["comm"]
+    out["peak_phase"] = np.where(mem_rank == LAST, last["phase"], first["phase"])
+    out["comm_time_s"] = pick("comm_time", time_rank)
+    out["exposed_comm_time_s"] = pick("exposed", time_rank)
+    out["ledgers"] = (first["ledger"], last["ledger"])
+    return out
+
+
+def _fsdp_exposed(b: PlanBatch, hw: HardwareProfile, cm: dict, fwd, bwd, n_layers) -> np.ndarray:
+    """Exposed FSDP/HSDP seconds per step on one rank. FSDP2 prefetches one unit ahead: a unit's all-gather hides
+    behind the previous unit's forward (and, when resharded, the next unit's backward); reduce-scatters (and HSDP
+    all-reduces) hide behind the next unit's backward; the first gather and the last reduce of a round are exposed.
+    Per-unit times are the ledger's totals spread over the rank's layers + 1 (embedding / output) units; gloo on
+    CPU blocks the rank, so there everything is exposed."""
+    ag_total, red_total = cm["fsdp_ag_total_s"], cm["fsdp_red_total_s"]
+    if not hw.comm_overlap:
+        return ag_total + red_total
+    ga, m_pass = b.grad_accum.astype(float), b.n_micro.astype(float)
+    fwd_rounds = np.where((b.pp > 1) & b.raf, m_pass, 1.0)
+    bwd_gather = np.where(b.raf | (b.pp > 1), 1.0, 0.0)
+    lay = np.maximum(n_layers, 1.0)
+    ag_l = ag_total / np.maximum(ga * fwd_rounds * (1.0 + bwd_gather), 1) / (lay + 1.0)
+    red_l = red_total / np.maximum(ga, 1) / (lay + 1.0)
+    f_l, b_l = fwd / lay, bwd / lay
+    exp_fwd = fwd_rounds * (ag_l + n_layers * np.maximum(0.0, ag_l - f_l))
+    exp_bwd = n_layers * np.maximum(0.0, bwd_gather * ag_l + red_l - b_l) + red_l \
+        + (fwd_rounds - 1.0) * bwd_gather * n_layers * np.maximum(0.0, ag_l - b_l)
+    return ga * (exp_fwd + exp_bwd)
+
+
+def _exposed_by_key(ledger, fsdp_exposed, fsdp_total) -> dict:
+    """Exposed seconds per "<op>/<axis>": TP/CP/EP/PP records are exposed as they are; the FSDP family shares
+    ``fsdp_exposed`` in proportion to its records' raw times."""
+    safe = np.where(fsdp_total > 0, fsdp_total, 1.0)
+    out: dict = {}
+    for r in ledger.records:
+        e = fsdp_exposed * r.time_s / safe if r.overlap in C.FSDP_OVERLAPS else r.time_s
+        r.exposed_s = e
+        out[r.key] = out.get(r.key, 0.0) + e
     return out
 
 
@@ -291,6 +396,9 @@ def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
     tb = {k: float(v[0]) for k, v in r["time_breakdown_s"].items() if k in TIME_KEYS or float(v[0]) > 0}
     mb = {k: float(v[0]) for k, v in r["memory_breakdown_bytes"].items()}
     comm = {k: float(v[0]) for k, v in r["comm_bytes"].items() if float(v[0]) > 0}
+    keys = sorted(set(comm) | {k for k, v in r["comm_time_s"].items() if float(v[0]) > 0})
+    comm_t = {k: float(r["comm_time_s"].get(k, [0.0])[0]) for k in keys}
+    exposed = {k: float(r["exposed_comm_time_s"].get(k, [0.0])[0]) for k in keys}
     pp_last = plan.pp - 1
     return Prediction(
         plan_id=plan.plan_id, model=spec.name, profile=hw.name, n_gpus=plan.world_size,
@@ -300,4 +408,5 @@ def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
         peak_phase=PHASES[int(r["peak_phase"][0])],
         memory_breakdown_bytes=mb, step_time_s=float(r["step_time_s"][0]), time_breakdown_s=tb, comm_bytes=comm,
         tokens_per_s_per_gpu=float(r["tokens_per_s_per_gpu"][0]), mfu=float(r["mfu"][0]), plan=plan.to_dict(),
+        comm_time_s=comm_t, exposed_comm_time_s=exposed,
     )

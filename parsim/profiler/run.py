@@ -244,11 +244,14 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
             "compile_memory_bound_factor and float8 are not measured",
             "gloo on CPU: collectives block the rank (comm_overlap false); ranks beyond the cores share them "
             "(corrections.compute_scale = ranks / cores)",
-            f"{'CPU: compute measured with 1 thread, as each torchrun rank runs (OMP_NUM_THREADS=1); ' if dev.type == 'cpu' else ''}"
-            "memory_bytes is the device memory per rank" + (" (RAM / ranks)" if dev.type == "cpu" else ""),
+            ("CPU: compute measured with 1 thread, as each torchrun rank runs (OMP_NUM_THREADS=1); "
+             if dev.type == "cpu" else "")
+            + "memory_bytes is the device memory per rank" + (" (RAM / ranks)" if dev.type == "cpu" else ""),
         ),
-        samples={"file": f"{name}.samples.csv", "fit_residuals": {
-            "gemm": g_res, "attention": a_res, "elementwise": m_res}},
+        # the raw block sample stays a measurement: the cost model derives the per-layer overhead from it
+        samples={"file": f"{name}.samples.csv", "fit_residuals": {"gemm": g_res, "attention": a_res,
+                                                                   "elementwise": m_res},
+                 **_block_sample(cs)},
         provenance={
             "how": "measured by parsim profile", "command": cmdline, "host": socket.gethostname(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(dev),
@@ -258,31 +261,12 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
             "compute_threads": comp.get("threads"), "wall_s": wall_s, "collectives_wall_s": coll_wall_s,
             "python": platform.python_version()},
     )
-    blocks = [x for x in cs if x["kind"] == "block"]
-    if blocks:
-        hw = HardwareProfile.from_dict(dict(hw.to_dict(), corrections=dict(hw.corrections, **layer_overhead(hw, blocks[0]))))
     return hw, rows
 
 
-def layer_overhead(hw: HardwareProfile, block: dict) -> dict:
-    """Per-layer, per-microbatch time the FLOP/byte model misses (dispatch, autograd, small-kernel costs):
-    the measured forward / backward of one real block minus the model's time for that block, floored at 0.
-    Returned as corrections; ``compute_scale`` still applies on top (ranks sharing cores)."""
-    from ..costmodel.batch import PlanBatch
-    from ..costmodel.layers import Shapes
-    from ..costmodel.step import _layer_costs
-    from ..plan import Plan
-    from ..spec import load_model
-
-    spec = load_model(block["model"])
-    plan = Plan(seq_len=block["seq_len"], local_batch_size=max(1, block["tokens"] // block["seq_len"]),
-                param_dtype=block["dtype"] if block["dtype"] in ("float32", "bfloat16") else "bfloat16")
-    plain = HardwareProfile.from_dict(dict(hw.to_dict(), corrections={}))
-    b = PlanBatch.from_plans([plan], plain.gpus_per_node)
-    c = _layer_costs(spec, b, Shapes(spec, b), plain, spec.is_moe_layer(0))
-    fwd = max(0.0, block["time_fwd_s"] - float(c["fwd"][0]))
-    bwd = max(0.0, (block["time_fwd_bwd_s"] - block["time_fwd_s"]) - float(c["bwd"][0]))
-    return {"layer_overhead_fwd_s": fwd, "layer_overhead_bwd_s": bwd}
+def _block_sample(compute_samples: list[dict]) -> dict:
+    blocks = [{k: v for k, v in x.items() if k != "kind"} for x in compute_samples if x["kind"] == "block"]
+    return {"block": blocks[0]} if blocks else {}
 
 
 def _ram_bytes() -> float:

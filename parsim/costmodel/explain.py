@@ -1,0 +1,45 @@
+"""Where a prediction comes from: the collective ledger of the rank whose step time is reported, the compute of
+one layer (each GEMM with its FLOPs and the efficiency used, attention, memory-bound kernels, overheads) and the
+tensors one layer saves under each AC mode. Used by ``parsim predict --explain`` and ``search --explain``."""
+
+from __future__ import annotations
+
+from ..hardware import HardwareProfile
+from ..plan import Plan
+from ..spec import ModelSpec
+from .batch import PlanBatch
+from .layers import FIRST, LAST, Shapes, kept_by_ac_mode, saved_tensors
+from .step import block_overheads, evaluate, layer_compute_items
+
+
+def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
+    """A JSON-ready account of one plan's prediction (SI units, per rank and step unless a name says otherwise)."""
+    plan.validate_for(spec)
+    hw = hw.with_nodes(plan.world_size)
+    b = PlanBatch.from_plans([plan], hw.gpus_per_node)
+    r = evaluate(spec, b, hw, detail=True)
+    rank = int(r["time_rank"][0])
+    ledger = [{"what": rec.what, "key": rec.key, "calls": float(rec.calls[0]),
+               "bytes_per_call": float(rec.bytes_per_call[0]), "group_size": int(rec.group[0]),
+               "ranks_per_node": int(min(rec.ranks_per_node[0], rec.group[0])), "phase": rec.phase,
+               "overlap": rec.overlap, "raw_s": float(rec.time_s[0]), "exposed_s": float(rec.exposed_s[0])}
+              for rec in r["ledgers"][rank].records if rec.calls[0] > 0]
+    sh = Shapes(spec, b)
+    kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
+    layers = {}
+    for moe in kinds:
+        items = layer_compute_items(spec, b, sh, hw, moe, block_overheads(hw)[0])
+        saved = saved_tensors(spec, sh, moe)
+        keep = kept_by_ac_mode(saved)
+        layers["moe" if moe else "dense"] = {
+            "tokens_per_microbatch": float(sh.T[0]),
+            "compute_forward": [{"name": n, "kind": k, "work": float(w[0]), "efficiency": float(e[0]),
+                                 "seconds": float(t[0]), "recomputed_by_selective_ac": bool(sac)}
+                                for n, k, w, e, t, sac in items],
+            "compute_scale": float(hw.corrections.get("compute_scale", 1.0)),
+            "saved_tensors": [{"name": n, "bytes": float(nb[0]) if hasattr(nb, "__len__") else float(nb),
+                               "kind": k, **{f"kept_{m}": kk[m] for m in ("none", "full", "sac")}}
+                              for (n, nb, k), kk in zip(saved, keep, strict=True)],
+        }
+    return {"rank": f"pp stage {plan.pp - 1 if rank == LAST else 0}" if rank in (FIRST, LAST) else str(rank),
+            "ledger": ledger, "layers": layers}
