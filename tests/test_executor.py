@@ -113,3 +113,12 @@ def test_trace_moe_ep_matches_the_model():
     # a few-million-parameter model: fixed costs the model does not itemize weigh more, hence 8%
     _assert_trace_matches_prediction(PRESETS["tiny-moe"], Plan(dp_shard=8, ep=4, seq_len=256,
                                                                local_batch_size=2), 0.08)
+
+
+def test_trace_interleaved_full_ac_matches_the_model():
+    """Interleaved1F1B (2 stages per rank) with full AC: rank 0 sends gradients back from its second stage, and
+    full AC's recompute stops before the block's last reduce-scatter (non-reentrant checkpoint's early stop)."""
+    _assert_trace_matches_prediction(PRESETS["llama3-8b"], Plan(pp=2, dp_shard=2, tp=4, seq_len=1024,
+                                                                local_batch_size=4, micro_batch_size=1,
+                                                                pp_schedule="Interleaved1F1B", pp_stages_per_rank=2,
+                                                                ac="full"), 0.01)

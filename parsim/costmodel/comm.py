@@ -72,16 +72,26 @@ class Ledger:
     def __init__(self, hw, n: int):
         self.hw, self.n, self.records = hw, n, []
 
-    def add(self, what, op, axis, bytes_per_call, calls, group, rpn, phase, overlap, mask=True) -> np.ndarray:
+    def add(self, what, op, axis, bytes_per_call, calls, group, rpn, phase, overlap, mask=True) -> None:
+        """Record a kind of call. ``axis`` may be a list of (axis, mask) to split one kind of call between axis
+        names by plan (FSDP over dp_shard, or dp_shard+cp when cp > 1): its time is computed once."""
         n = self.n
         group = np.broadcast_to(np.asarray(group), (n,))
+        rpn = np.broadcast_to(rpn, (n,))
         on = (group > 1) & np.broadcast_to(mask, (n,)) & (np.broadcast_to(calls, (n,)) > 0)
+        split = axis if isinstance(axis, list) else [(axis, np.ones(n, bool))]
+        if not on.any():  # nothing to cost in this batch (the common case for many kinds): no collective model call
+            z = np.zeros(n)
+            for name, _ in split:
+                self.records.append(Record(what, op, name, z, z, group, rpn, phase, overlap, z))
+            return
         per_call = np.where(on, np.broadcast_to(bytes_per_call, (n,)), 0.0)
         calls = np.where(on, np.broadcast_to(calls, (n,)), 0.0)
-        t = self.hw.collective_time_s(op, per_call, group, np.broadcast_to(rpn, (n,))) * calls
-        self.records.append(Record(what, op, axis, per_call, calls, group, np.broadcast_to(rpn, (n,)), phase,
-                                   overlap, t))
-        return t
+        t = self.hw.collective_time_s(op, per_call, group, rpn) * calls
+        for name, m in split:
+            self.records.append(Record(what, op, name, np.where(m, per_call, 0.0), np.where(m, calls, 0.0), group,
+                                       rpn, phase, overlap, np.where(m, t, 0.0)) if len(split) > 1 else
+                                Record(what, op, name, per_call, calls, group, rpn, phase, overlap, t))
 
     def bytes_by_key(self) -> dict:
         out: dict = {}
@@ -94,6 +104,20 @@ class Ledger:
         for r in self.records:
             if overlaps is None or r.overlap in overlaps:
                 out[r.key] = out.get(r.key, np.zeros(self.n)) + r.time_s
+        return out
+
+    def exposed_by_key(self) -> dict:
+        out: dict = {}
+        for r in self.records:
+            out[r.key] = out.get(r.key, np.zeros(self.n)) + r.exposed_s
+        return out
+
+    def exposed_by_axis(self) -> dict:
+        """Exposed seconds per axis (set by the step model), skipping kinds with no calls: the search's path."""
+        out: dict = {}
+        for r in self.records:
+            if r.exposed_s is not None and r.calls.any():
+                out[r.axis] = out.get(r.axis, 0.0) + r.exposed_s
         return out
 
     def total_s(self, overlaps) -> np.ndarray:
@@ -122,8 +146,11 @@ def rank_comm(spec, b, sh, hw, rv: RankView) -> dict:
     exposed TP/CP/EP seconds per microbatch, PP send seconds, FSDP gather and reduce seconds."""
     led = Ledger(hw, len(b))
     M = (b.grad_accum * b.n_micro).astype(float)
-    _tp_records(led, spec, b, sh, rv, M)
-    _cp_ep_records(led, spec, b, sh, rv, M)
+    ac = {k: _ac_counts(b, rv.n_of[k]) for k in rv.kinds}
+    n_full = sum(ac[k][0] for k in rv.kinds)
+    n_sac = sum(ac[k][1] for k in rv.kinds)
+    _tp_records(led, spec, b, sh, rv, M, n_full, n_sac)
+    _cp_ep_records(led, spec, b, sh, rv, M, n_full, n_sac, ac)
     v = b.v.astype(float)
     sends = np.where(b.pp > 1, (2.0 * v - 1.0), 0.0)  # first: v fwd + (v-1) bwd; last: (v-1) fwd + v bwd
     led.add("PP send of a stage output / its gradient (fp32 under autocast)", "send", "pp",
@@ -133,26 +160,28 @@ def rank_comm(spec, b, sh, hw, rv: RankView) -> dict:
     _grad_norm_records(led, b)
     per_mb = {a: sum((r.time_s for r in led.records if r.overlap == "exposed" and r.axis == a
                       and r.phase != "step"), np.zeros(len(b))) / np.maximum(M, 1) for a in ("tp", "cp", "ep")}
-    return {"ledger": led, "bytes": led.bytes_by_key(), "per_microbatch_exposed_s": per_mb,
+    return {"ledger": led, "per_microbatch_exposed_s": per_mb,
             "fsdp_ag_total_s": led.total_s(("fsdp_gather",)), "fsdp_red_total_s": led.total_s(("fsdp_reduce",))}
 
 
-def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M) -> None:
+def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> None:
     """TP + SP per microbatch. Activations are bf16 under FSDP mixed precision; under autocast (no data
     parallelism) the residual stream is fp32: the forward all-gathers of norm outputs (and their recomputes), the
     embedding's backward all-gather and the reduce-scatters of their gradients move fp32 (``res_b``); the forward
     reduce-scatters of matmul outputs and the backward all-gathers of their (bf16) gradients move bf16 (matched
     byte for byte on CPU runs)."""
     T, t, d = sh.T, sh.t, float(spec.d_model)
-    n_full = sum(_ac_counts(b, rv.n_of[k])[0] for k in rv.kinds)
-    n_sac = sum(_ac_counts(b, rv.n_of[k])[1] for k in rv.kinds)
     L = rv.n_layers
     edge = np.where(rv.has_emb, 1.0, 0.0) + np.where(rv.has_out, 1.0, 0.0)
     g, r, tp_on, sp = b.tp, b.rpn["tp"], b.tp > 1, b.sp
     ag_res = 2.0 * L + 2.0 * (n_full + n_sac) + edge  # norm outputs (fwd + recompute), embedding/output edges
     ag_mm = 2.0 * L  # backward: gradients of the row-parallel outputs
     rs_res = 2.0 * L + edge  # backward: gradients of the gathered norm outputs; edges
-    rs_mm = 2.0 * L + 2.0 * n_full  # forward (+ full recompute): row-parallel outputs
+    # forward: row-parallel outputs. Full AC recomputes only the first: non-reentrant checkpoint stops once every
+    # tensor the backward needs exists, and the block's last op (w2's reduce-scatter, consumed by the residual add
+    # alone) is never needed (trace: 81 instead of 97 reduce-scatters per microbatch for 16 fully checkpointed
+    # llama3-8b layers at tp 4)
+    rs_mm = 2.0 * L + n_full
     led.add("TP all-gather of norm outputs before the column-parallel linears (incl. recompute)", "all_gather", "tp",
             T * d / t * sh.res_b, M * ag_res, g, r, "forward+backward", "exposed", tp_on & sp)
     led.add("TP all-gather of row-parallel output gradients", "all_gather", "tp", T * d / t * TWO, M * ag_mm, g, r,
@@ -161,7 +190,7 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M) -> None:
             T * d * TWO, M * rs_mm, g, r, "forward", "exposed", tp_on & sp)
     led.add("TP reduce-scatter of norm-output gradients", "reduce_scatter", "tp", T * d * sh.res_b, M * rs_res, g, r,
             "backward", "exposed", tp_on & sp)
-    ar_calls = 4.0 * L + 2.0 * (n_full + n_sac) + edge
+    ar_calls = 4.0 * L + n_full + 2.0 * n_sac + edge  # full AC: early stop skips the MLP's all-reduce, as above
     led.add("TP all-reduce of partial sums (no sequence parallel)", "all_reduce", "tp", T * d * TWO, M * ar_calls,
             g, r, "forward+backward", "exposed", tp_on & ~sp)
     # SP: norm weights are replicated over tp but see only their sequence shard: their gradients (param dtype;
@@ -173,10 +202,8 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M) -> None:
             b.grad_accum.astype(float) * norm_calls, g, r, "backward", "exposed", tp_on & sp)
 
 
-def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M) -> None:
+def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac) -> None:
     L = rv.n_layers
-    n_full = sum(_ac_counts(b, rv.n_of[k])[0] for k in rv.kinds)
-    n_sac = sum(_ac_counts(b, rv.n_of[k])[1] for k in rv.kinds)
     kv = sh.T * (spec.kv_dim + spec.v_dim) / sh.t * TWO
     cp_on, g, r = b.cp > 1, b.cp, b.rpn["cp"]
     led.add("CP all-gather of K and V (forward, recompute, backward)", "all_gather", "cp", kv,
@@ -185,7 +212,7 @@ def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M) -> None:
             "exposed", cp_on)
     if True in rv.kinds:
         n_moe = rv.n_of[True]
-        full_moe = _ac_counts(b, n_moe)[0]
+        full_moe = ac[True][0]
         led.add("EP all-to-all dispatch and combine of routed tokens (fwd, bwd, full-AC recompute)", "all_to_all",
                 "ep", sh.Tr * spec.d_model * TWO, M * (4.0 * n_moe + 2.0 * full_moe), b.ep, b.rpn["ep"],
                 "forward+backward", "exposed", b.ep > 1)
@@ -224,15 +251,14 @@ def _fsdp_records(led: Ledger, spec, b, rv: RankView) -> None:
     for name, params, units, gathers, grp in _fsdp_units(spec, b, rv):
         on = params > 0
         if grp == "fsdp":
-            axes = (("dp_shard", ~cp_axis), ("dp_shard+cp", cp_axis))
+            axis = [("dp_shard", ~cp_axis), ("dp_shard+cp", cp_axis)] if cp_axis.any() else "dp_shard"
             size, rpn, div = b.fsdp, b.rpn["fsdp"], f
         else:
-            axes, size, rpn, div = (("efsdp", np.ones(len(b), bool)),), b.efsdp, b.rpn["efsdp"], ef
-        for axis, mask in axes:
-            led.add(f"FSDP all-gather: {name}", "all_gather", axis, params / div * pb,
-                    ga * fwd_rounds * gathers * units, size, rpn, "forward+backward", "fsdp_gather", mask & on)
-            led.add(f"FSDP reduce-scatter of gradients: {name}", "reduce_scatter", axis, params * rb, ga * units,
-                    size, rpn, "backward", "fsdp_reduce", mask & on)
+            axis, size, rpn, div = "efsdp", b.efsdp, b.rpn["efsdp"], ef
+        led.add(f"FSDP all-gather: {name}", "all_gather", axis, params / div * pb, ga * fwd_rounds * gathers * units,
+                size, rpn, "forward+backward", "fsdp_gather", on)
+        led.add(f"FSDP reduce-scatter of gradients: {name}", "reduce_scatter", axis, params * rb, ga * units, size,
+                rpn, "backward", "fsdp_reduce", on)
         expert = grp == "efsdp"
         led.add(f"HSDP all-reduce of sharded gradients: {name}", "all_reduce", "dp_replicate", params / div * rb,
                 ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce",
@@ -246,7 +272,7 @@ def _grad_norm_records(led: Ledger, b) -> None:
     """Gradient clipping: a 4-byte all-reduce of the norm over each axis that shards gradients, once per step."""
     one = np.ones(len(b))
     cp_axis = b.cp > 1
-    for axis, g, r, mask in (("dp_shard", b.fsdp, b.rpn["fsdp"], ~cp_axis),
-                             ("dp_shard+cp", b.fsdp, b.rpn["fsdp"], cp_axis), ("tp", b.tp, b.rpn["tp"], True),
-                             ("pp", b.pp, b.rpn["pp"], True), ("ep", b.ep, b.rpn["ep"], True)):
-        led.add("gradient-norm all-reduce", "all_reduce", axis, 4.0 * one, one, g, r, "step", "exposed", mask)
+    fsdp_axis = [("dp_shard", ~cp_axis), ("dp_shard+cp", cp_axis)] if cp_axis.any() else "dp_shard"
+    for axis, g, r in ((fsdp_axis, b.fsdp, b.rpn["fsdp"]), ("tp", b.tp, b.rpn["tp"]), ("pp", b.pp, b.rpn["pp"]),
+                       ("ep", b.ep, b.rpn["ep"])):
+        led.add("gradient-norm all-reduce", "all_reduce", axis, 4.0 * one, one, g, r, "step", "exposed")

@@ -243,13 +243,12 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     per_mb_exposed = cm["per_microbatch_exposed_s"]  # TP, CP, EP by axis (fwd + bwd + recompute)
     t_mb = c["fwd"] + c["bwd"] + c["rec"] + sum(per_mb_exposed.values())
     fsdp_exposed = _fsdp_exposed(b, hw, cm, c["fwd"], c["bwd"] + c["rec"], rv.n_layers)
-    exposed = _exposed_by_key(cm["ledger"], fsdp_exposed, cm["fsdp_ag_total_s"] + cm["fsdp_red_total_s"])
+    _set_exposed(cm["ledger"], fsdp_exposed, cm["fsdp_ag_total_s"] + cm["fsdp_red_total_s"])
     opt = p_shard * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
     tb = {"compute_forward": M * c["fwd"], "compute_backward": M * c["bwd"], "recompute": M * c["rec"],
           "pp_bubble": ga * (b.pp - 1) / b.v * t_mb, "optimizer": opt}
-    for key, tt in exposed.items():  # comm_<axis>: the exposed seconds of that axis's collectives
-        axis = "comm_" + key.split("/", 1)[1]
-        tb[axis] = tb.get(axis, 0.0) + tt
+    for axis, tt in cm["ledger"].exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
+        tb["comm_" + axis] = tt
     phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard)
     n, z = len(b), np.zeros(len(b))
     totals = {k: sum(v.values()) for k, v in phases.items()}
@@ -258,8 +257,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     mb = {k: np.choose(which, [np.broadcast_to(phases[p].get(k, z), (n,)) for p in names]) for k in MEMORY_KEYS}
     return {"step": sum(tb.values()), "tb": tb, "mem": np.choose(which, [np.broadcast_to(totals[p], (n,))
                                                                          for p in names]),
-            "mb": mb, "comm": cm["bytes"], "phase": which, "comm_time": cm["ledger"].time_by_key(),
-            "exposed": exposed, "ledger": cm["ledger"]}
+            "mb": mb, "phase": which, "ledger": cm["ledger"]}
 
 
 def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, ne_local,
@@ -333,8 +331,10 @@ def _combine(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, per_rank: list,
     out["time_breakdown_s"] = pick("tb", time_rank)
     out["memory_breakdown_bytes"] = {k: np.where(mem_rank == LAST, last["mb"][k], first["mb"][k])
                                      for k in MEMORY_KEYS}
-    out["comm_bytes"] = first["comm"]
+    out["comm_bytes"] = first["ledger"].bytes_by_key()
     out["peak_phase"] = np.where(mem_rank == LAST, last["phase"], first["phase"])
+    for r in per_rank:
+        r["comm_time"], r["exposed"] = r["ledger"].time_by_key(), r["ledger"].exposed_by_key()
     out["comm_time_s"] = pick("comm_time", time_rank)
     out["exposed_comm_time_s"] = pick("exposed", time_rank)
     out["ledgers"] = (first["ledger"], last["ledger"])
@@ -363,16 +363,12 @@ def _fsdp_exposed(b: PlanBatch, hw: HardwareProfile, cm: dict, fwd, bwd, n_layer
     return ga * (exp_fwd + exp_bwd)
 
 
-def _exposed_by_key(ledger, fsdp_exposed, fsdp_total) -> dict:
-    """Exposed seconds per "<op>/<axis>": TP/CP/EP/PP records are exposed as they are; the FSDP family shares
+def _set_exposed(ledger, fsdp_exposed, fsdp_total) -> None:
+    """Exposed seconds of every record: TP/CP/EP/PP records are exposed as they are; the FSDP family shares
     ``fsdp_exposed`` in proportion to its records' raw times."""
     safe = np.where(fsdp_total > 0, fsdp_total, 1.0)
-    out: dict = {}
     for r in ledger.records:
-        e = fsdp_exposed * r.time_s / safe if r.overlap in C.FSDP_OVERLAPS else r.time_s
-        r.exposed_s = e
-        out[r.key] = out.get(r.key, 0.0) + e
-    return out
+        r.exposed_s = fsdp_exposed * r.time_s / safe if r.overlap in C.FSDP_OVERLAPS else r.time_s
 
 
 def _g(d, k, n):

@@ -183,8 +183,8 @@ class MoE(nn.Module):
         return y
 
     def _ep_forward(self, tokens, counts: list[int]):
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
         import torch.distributed as dist
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         ep, g = self.ep_size, self.ep_group
         n_local = self.n_experts // ep

@@ -83,8 +83,13 @@ def apply_tp(parts: list[nn.Module], plan: Plan, meshes: Meshes):
     if plan.tp == 1:
         return
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     sp = plan.sequence_parallel
     seq = Shard(1) if sp else Replicate()

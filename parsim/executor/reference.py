@@ -11,7 +11,8 @@ from .model import Transformer
 from .worker import CLIP, batch_for_step, make_optimizer
 
 
-def reference_losses(spec: ModelSpec, global_batch: int, seq_len: int, steps: int, optimizer: str = "adamw") -> list[float]:
+def reference_losses(spec: ModelSpec, global_batch: int, seq_len: int, steps: int,
+                     optimizer: str = "adamw") -> list[float]:
     torch.manual_seed(0)
     model = Transformer(spec, seq_len)
     model.init_weights(seed=0)

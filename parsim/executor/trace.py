@@ -79,7 +79,8 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
                 comm["send/pp"] = comm.get("send/pp", 0) + sends["bytes"]
             sends["bytes"] = 0
             _, peak, breakdown, peak_op = track_step(step, parts, opt)
-        prov.update(memory_source=f"parsim PeakTracker under FakeTensorMode (tensor-level, rank {rank})", peak_op=peak_op,
+        prov.update(memory_source=f"parsim PeakTracker under FakeTensorMode (tensor-level, rank {rank})",
+                    peak_op=peak_op,
                     comm_counts=dict(counter.counts), wall_s=time.perf_counter() - t0)
         return Measurement(plan_id=plan.plan_id, kind="trace", status="ok", peak_memory_bytes=peak,
                            memory_breakdown_bytes=breakdown, comm_bytes=comm, provenance=prov)
@@ -111,6 +112,10 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends):
 
         seq_local = seq // plan.cp // (plan.tp if plan.sequence_parallel else 1)
         hidden_shape = (mbs, seq_local, spec.d_model)
+        # a stage receives what the previous one sends: its output in param_dtype under FSDP mixed precision,
+        # the fp32 residual stream under autocast (no data parallelism); its gradient goes back in that dtype
+        autocast = plan.dp_replicate * plan.dp_shard * plan.cp == 1
+        hidden_dtype = torch.float32 if autocast else getattr(torch, plan.param_dtype)
         # forward order of (chunk, microbatch) on this rank and the in-flight bound, from the schedule
         m, v, pp = plan.n_microbatches, plan.pp_stages_per_rank, plan.pp
         rank = parts and stage_ids[0] % pp
@@ -152,7 +157,7 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends):
             if sid == 0:
                 inp = torch.randint(0, spec.vocab_size, (mbs, seq))
             else:
-                inp = torch.randn(hidden_shape, requires_grad=True)
+                inp = torch.randn(hidden_shape, dtype=hidden_dtype, requires_grad=True)
             out = parts[c](inp)
             if sid == n_stages - 1:
                 out = _loss(out, torch.randint(0, spec.vocab_size, (mbs, seq)), n_global)

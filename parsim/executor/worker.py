@@ -7,7 +7,8 @@ parallel rank r takes rows [r * local * accum, (r+1) * local * accum) and pass k
 The loss of a rank is the summed token cross-entropy divided by the *global* token count, so gradients reduced
 with SUM are the global-mean gradients (on gloo the AVG path is wrong, pytorch#162338), and the logged loss is
 the all-reduced sum (divided by tp: TP ranks compute the same logits). Gradients are clipped to norm 1.0 and
-AdamW(lr=1e-3, weight_decay=0.1) steps — (or SGD for parity checks) the same as `reference.py`, the single-process run the losses are
+AdamW(lr=1e-3, weight_decay=0.1) steps — (or SGD for parity checks) the same as `reference.py`, the single-process
+run the losses are
 compared with.
 
 Environment: PARSIM_DEVICE=cpu forces gloo on a GPU machine; debugging aids: PARSIM_NO_COUNT=1 skips the
@@ -167,7 +168,7 @@ def _run(args, device, rank, world) -> dict:
     expert_ids = {id(p) for m in parts for mod in m.modules() if isinstance(mod, GroupedExperts)
                   for p in mod.parameters()}
 
-    coord = dict(zip(plan.mesh_order, meshes.world.get_coordinate()))
+    coord = dict(zip(plan.mesh_order, meshes.world.get_coordinate(), strict=True))
     dp_rank = coord["dp_replicate"] * plan.dp_shard + coord["dp_shard"]
     lbs, ga, seq = plan.local_batch_size, plan.grad_accum_steps, plan.seq_len
     n_global = plan.global_batch_size * seq
@@ -221,7 +222,7 @@ def _run(args, device, rank, world) -> dict:
             losses.append(logged(contrib))
             comm, counts = counter.bytes, counter.counts
         elif i == min(1, total - 1) and device.type == "cpu":  # tensor-level memory of one step (not timed)
-            lo, peak, breakdown, peak_op = track_step(lambda: step(i), parts, opt)
+            lo, peak, breakdown, peak_op = track_step(lambda i=i: step(i), parts, opt)
             mem_note = f"parsim PeakTracker: tensor-level peak of live storages during one step (CPU), at {peak_op}"
             losses.append(logged(lo))
         else:
@@ -246,7 +247,7 @@ def _schedule(plan, parts, stage_ids, meshes, device, n_global):
 
     n_stages = plan.pp * plan.pp_stages_per_rank
     g = meshes.pp.get_group()
-    stages = [PipelineStage(m, s, n_stages, device, group=g) for m, s in zip(parts, stage_ids)]
+    stages = [PipelineStage(m, s, n_stages, device, group=g) for m, s in zip(parts, stage_ids, strict=True)]
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum") / n_global

@@ -203,7 +203,8 @@ def _save(path, samples, world, local_world, device, t_start):
 
     atomic_write_json(path, {"samples": samples, "world_size": world, "local_world_size": local_world,
                              "device": str(device), "backend": dist.get_backend(), "torch": torch.__version__,
-                             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+                             "nccl": ".".join(map(str, torch.cuda.nccl.version()))
+                             if torch.cuda.is_available() else None,
                              "wall_s": time.perf_counter() - t_start})
 
 
