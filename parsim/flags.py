@@ -8,6 +8,8 @@ one ParsimError line. Torch-free.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .errors import ParsimError
 from .plan import (
     AXES,
@@ -114,7 +116,7 @@ def gpus_of(given: dict) -> int | None:
 def plan_from_given(given: dict) -> Plan:
     """One Plan from the flags the user gave (defaults for the rest); ``--plan FILE`` is handled by the caller."""
     check_flags(given)
-    f = {k: (given.get(k) if given.get(k) is not None else d) for k, d in DEFAULTS.items()}
+    f: dict[str, Any] = {k: (given.get(k) if given.get(k) is not None else d) for k, d in DEFAULTS.items()}
     gpus = gpus_of(given)
     if gpus is None:
         raise ParsimError("give --gpus, or every degree with --dp-shard explicitly")

@@ -18,8 +18,9 @@ all_to_all across nodes sends (n - rpn)/n of its buffer over the NIC and (rpn-1)
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -91,7 +92,7 @@ class EfficiencyCurve:
         x = np.asarray(x, dtype=float)
         return self.eff_max * x / (x + self.x_half + 1e-300)
 
-    def time_s(self, x, peak_flops: float):
+    def time_s(self, x, peak_flops):
         """Time of work x at this efficiency: x / (eff(x) * peak) = (x + x_half) / (eff_max * peak)."""
         return (np.asarray(x, dtype=float) + self.x_half) / (self.eff_max * peak_flops) * (np.asarray(x) > 0)
 
@@ -145,7 +146,7 @@ class HardwareProfile:
     name: str
     device_name: str
     gpus_per_node: int
-    n_nodes: int
+    n_nodes: int  # nodes the profile was measured on (its collective fits cover groups within them)
     memory_bytes: float  # capacity per device
     memory_reserved_bytes: float  # not available to tensors: CUDA context, NCCL buffers, workspaces, fragmentation
     peak_flops: dict  # dtype -> dense FLOP/s
@@ -220,11 +221,6 @@ class HardwareProfile:
     def usable_memory_bytes(self) -> float:
         return self.memory_bytes - self.memory_reserved_bytes
 
-    def with_nodes(self, n_gpus: int) -> "HardwareProfile":
-        """The same hardware sized for ``n_gpus`` (whole nodes, the last one possibly partial)."""
-        n_nodes = max(1, math.ceil(n_gpus / self.gpus_per_node))
-        return replace(self, n_nodes=n_nodes)
-
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
             raise ParsimError(f"profile {self.name} has no peak for {dtype}")
@@ -298,6 +294,8 @@ class HardwareProfile:
         d["assumptions"] = list(self.assumptions)
         return d
 
+    # (op, group size, ranks per node) -> fit segments; built per instance in __post_init__ (not a field)
+    _index: ClassVar[dict]
     REQUIRED_KEYS = ("name", "device_name", "gpus_per_node", "n_nodes", "memory_bytes", "memory_reserved_bytes",
                      "peak_flops", "memory_bandwidth_bytes_per_s", "gemm_efficiency", "attention_efficiency",
                      "memory_efficiency", "topology", "collectives", "source", "schema_version")

@@ -56,7 +56,7 @@ def searched_orders(ac_on: bool, compile_on: bool) -> list[tuple[str, ...]]:
     relative order of AC and compile changes the cost, and only when both are on."""
     if not (ac_on and compile_on):
         return [DEFAULT_ORDER]
-    out = [DEFAULT_ORDER]
+    out: list[tuple[str, ...]] = [DEFAULT_ORDER]
     swapped = ("pp", "tp", "compile", "ac", "fsdp")
     assert is_legal(swapped)
     out.append(swapped)

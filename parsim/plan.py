@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import asdict, dataclass, fields
 
 from .errors import ParsimError
@@ -327,6 +326,3 @@ def ranks_per_node(degrees: dict, order: tuple[str, ...], gpus_per_node: int, gr
         out = out * np.minimum(degrees[a], np.maximum(1, gpus_per_node // strides[a]))
     return out
 
-
-def n_nodes_for(world_size: int, gpus_per_node: int) -> int:
-    return math.ceil(world_size / gpus_per_node)

@@ -47,7 +47,7 @@ def die_with_parent() -> None:
 def tagged_pids(tag: str, var: str = TAG_VAR) -> set[int]:
     """Processes whose environment carries ``var=tag`` (Linux /proc; empty elsewhere)."""
     needle = f"{var}={tag}".encode()
-    out = set()
+    out: set[int] = set()
     try:
         entries = os.listdir("/proc")
     except OSError:

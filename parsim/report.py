@@ -99,12 +99,12 @@ def print_explain(d: dict) -> None:
                   str(r["ranks_per_node"]), f"{r['raw_s'] / MS:.3f}", f"{r['exposed_s'] / MS:.3f}")
     con.print(t)
     for kind, lay in d["layers"].items():
-        c = Table(title=f"forward compute of one {kind} layer per microbatch ({lay['tokens_per_microbatch']:,.0f} "
+        ct = Table(title=f"forward compute of one {kind} layer per microbatch ({lay['tokens_per_microbatch']:,.0f} "
                         f"tokens; x compute_scale {lay['compute_scale']:g})")
         for col in ("item", "kind", "FLOPs or bytes", "efficiency", "ms", "SAC recomputes"):
-            c.add_column(col, justify="left" if col in ("item", "kind") else "right")
+            ct.add_column(col, justify="left" if col in ("item", "kind") else "right")
         for it in lay["compute_forward"]:
-            c.add_row(it["name"], it["kind"], f"{it['work']:.3g}", f"{it['efficiency']:.3f}",
+            ct.add_row(it["name"], it["kind"], f"{it['work']:.3g}", f"{it['efficiency']:.3f}",
                       f"{it['seconds'] / MS:.4f}", "y" if it["recomputed_by_selective_ac"] else "")
         s = Table(title=f"tensors one {kind} layer saves per microbatch, and which each AC mode keeps")
         for col in ("tensor", "kind", "MiB", "none", "selective-op", "full"):
@@ -115,4 +115,4 @@ def print_explain(d: dict) -> None:
         totals = {m: sum(it["bytes"] for it in lay["saved_tensors"] if it[f"kept_{m}"]) / 2**20
                   for m in ("none", "sac", "full")}
         s.add_row("[bold]kept[/bold]", "", "", *(f"{totals[m]:.1f}" for m in ("none", "sac", "full")))
-        con.print(c, s)
+        con.print(ct, s)

@@ -55,7 +55,7 @@ class Prediction:
 
     @property
     def dominant_cost(self) -> str:
-        return max(self.time_breakdown_s, key=self.time_breakdown_s.get)
+        return max(self.time_breakdown_s, key=lambda k: self.time_breakdown_s[k])
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -18,6 +18,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 from itertools import permutations
+from typing import Any
 
 import numpy as np
 
@@ -222,7 +223,7 @@ def _base_rows(spec, combos, sp: SearchSpace, gpn: int, pruned: dict) -> dict:
         r = group_rpn(shell, order, gpn)
         sigs.append(np.stack([r[k] for k in sorted(r)], axis=1))
     sig = np.stack(sigs, axis=1)  # (combos, perms, groups)
-    rows = {k: [] for k in ("combo", "perm", "lbs", "mbs", "sched", "v")}
+    rows: dict[str, list] = {k: [] for k in ("combo", "perm", "lbs", "mbs", "sched", "v")}
     L = spec.n_layers
     # plans without PP carry the pinned schedule's name when one is pinned; they cannot honour a pinned v >= 2
     sched_pp1 = PP_SCHEDULES[sp.pp_schedules[0]] if len(sp.pp_schedules) == 1 else PP_SCHEDULES["1F1B"]
@@ -262,7 +263,7 @@ def _base_rows(spec, combos, sp: SearchSpace, gpn: int, pruned: dict) -> dict:
                 rows["mbs"].append(mbs)
                 rows["sched"].append(s)
                 rows["v"].append(v)
-    out = {k: np.array(v, dtype=np.int64) for k, v in rows.items()}
+    out: dict[str, Any] = {k: np.array(v, dtype=np.int64) for k, v in rows.items()}
     out["combos"] = c
     out["perms"] = perms
     return out
@@ -335,7 +336,7 @@ def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace
     )
     # ranks per node: per device order present in the chunk
     perm = base["perm"][bi]
-    rpn = None
+    rpn: dict | None = None
     for p in np.unique(perm):
         m = perm == p
         r = group_rpn(b.take(np.nonzero(m)[0]), base["perms"][p], gpn)
@@ -343,7 +344,7 @@ def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace
             rpn = {k: np.ones(n, dtype=np.int64) for k in r}
         for k, v in r.items():
             rpn[k][m] = v
-    b.rpn = rpn
+    b.rpn = rpn or {}
     return b, bi, oi
 
 
@@ -383,7 +384,6 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
 
     t0 = time.perf_counter()
     _int_in("--gpus", n_gpus, 1, MAX_GPUS)
-    hw = hw.with_nodes(n_gpus)
     gpn = hw.gpus_per_node
     res = SearchResult(usable_memory_bytes=hw.usable_memory_bytes * (1.0 - sp.headroom))
     combos = _degree_combos(spec, n_gpus, sp, res.pruned_structural)
@@ -398,8 +398,15 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     if sp.max_plans and total > sp.max_plans:
         raise ParsimError(f"the space holds {total:,} plans, more than --max-plans {sp.max_plans:,}: pin degrees, "
                           "AC or batch sizes, or raise --max-plans (0 = no limit)")
-    cand_t, cand_m, cand_i, cand_tps, cand_mfu, cand_dom = [], [], [], [], [], []
-    par_t, par_m, par_i = [], [], []
+    cand_t: list[np.ndarray] = []
+    cand_m: list[np.ndarray] = []
+    cand_i: list[np.ndarray] = []
+    cand_tps: list[np.ndarray] = []
+    cand_mfu: list[np.ndarray] = []
+    cand_dom: list[np.ndarray] = []
+    par_t: list[np.ndarray] = []
+    par_m: list[np.ndarray] = []
+    par_i: list[np.ndarray] = []
     closest = (np.inf, -1)
     limit = res.usable_memory_bytes
     for lo in range(0, total, chunk):

@@ -256,6 +256,7 @@ class ModelSpec:
         out = {"attention": self.attention_params(), "norms": 2 * self._norm_params(self.d_model)}
         if self.is_moe_layer(i):
             m = self.moe
+            assert m is not None  # is_moe_layer is False without one
             out["router"] = self.d_model * m.n_experts
             out["shared_experts"] = m.n_shared_experts * self.expert_params()
             out["routed_experts"] = m.n_experts * self.expert_params()

@@ -48,13 +48,6 @@ class PlanBatch:
         kw = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name != "rpn"}
         return PlanBatch(rpn={k: v[idx] for k, v in self.rpn.items()}, **kw)
 
-    @staticmethod
-    def concat(batches: list["PlanBatch"]) -> "PlanBatch":
-        kw = {f.name: np.concatenate([getattr(b, f.name) for b in batches])
-              for f in fields(PlanBatch) if f.name != "rpn"}
-        rpn = {k: np.concatenate([b.rpn[k] for b in batches]) for k in batches[0].rpn}
-        return PlanBatch(rpn=rpn, **kw)
-
     # derived (cheap, recomputed when needed)
     @property
     def dp(self):

@@ -41,7 +41,7 @@ import numpy as np
 
 from .layers import ac_counts as _ac_counts
 
-TWO = 2.0  # bf16 activations
+TWO = 2.0  # [assumed] bytes of an activation element: bf16 (fp32 plans are not modelled: they move twice this)
 FSDP_OVERLAPS = ("fsdp_gather", "fsdp_reduce")
 
 
@@ -70,7 +70,8 @@ class Ledger:
     """The records of one rank, and group-bys over them."""
 
     def __init__(self, hw, n: int):
-        self.hw, self.n, self.records = hw, n, []
+        self.hw, self.n = hw, n
+        self.records: list[Record] = []
 
     def add(self, what, op, axis, bytes_per_call, calls, group, rpn, phase, overlap, mask=True) -> None:
         """Record a kind of call. ``axis`` may be a list of (axis, mask) to split one kind of call between axis
@@ -275,4 +276,5 @@ def _grad_norm_records(led: Ledger, b) -> None:
     fsdp_axis = [("dp_shard", ~cp_axis), ("dp_shard+cp", cp_axis)] if cp_axis.any() else "dp_shard"
     for axis, g, r in ((fsdp_axis, b.fsdp, b.rpn["fsdp"]), ("tp", b.tp, b.rpn["tp"]), ("pp", b.pp, b.rpn["pp"]),
                        ("ep", b.ep, b.rpn["ep"])):
+        # [derived] one fp32 scalar
         led.add("gradient-norm all-reduce", "all_reduce", axis, 4.0 * one, one, g, r, "step", "exposed")

@@ -15,7 +15,6 @@ from .step import block_overheads, evaluate, layer_compute_items
 def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
     """A JSON-ready account of one plan's prediction (SI units, per rank and step unless a name says otherwise)."""
     plan.validate_for(spec)
-    hw = hw.with_nodes(plan.world_size)
     b = PlanBatch.from_plans([plan], hw.gpus_per_node)
     r = evaluate(spec, b, hw, detail=True)
     rank = int(r["time_rank"][0])

@@ -98,6 +98,7 @@ def gemms(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple]:
             add(name, T, k, n, t)
         return out
     m = spec.moe
+    assert m is not None  # moe layers exist only with a MoESpec
     add("router", sh.Tr / (m.top_k * m.capacity_factor), spec.d_model, m.n_experts, 1.0)
     for name, (k, n) in spec.mlp_matrices(m.d_ff_expert).items():
         add(f"experts.{name}", sh.Tr, k, n, sh.etp, "gmm", n_kernels=m.n_experts / sh.ep)
@@ -153,6 +154,7 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
         out += _mlp_saved(spec, T, spec.d_ff / t, "mlp", T * d * b2)
     else:
         mo = spec.moe
+        assert mo is not None
         t_router = sh.Tr / (mo.top_k * mo.capacity_factor)
         out += [("router.logits", t_router * mo.n_experts * b4, "mm"),
                 ("router.probs", t_router * mo.n_experts * b4, "other"),

@@ -57,7 +57,19 @@ from .layers import (
 TIME_KEYS = ("compute_forward", "compute_backward", "recompute", "pp_bubble", "optimizer")
 MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "fsdp_unsharded_params", "fsdp_grad_buffers",
                "activations", "recompute_transient", "logits_and_loss", "optimizer_temporaries")
+# [derived] AdamW reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq (fp32: 7 x 4 B),
+# plus the gradient-norm read (4 B)
 ADAMW_BYTES_PER_PARAM = 28.0 + 4.0
+# [public benchmark] FlashAttention-2 backward runs 5 matmuls to the forward's 2 (Dao 2023, arXiv:2307.08691)
+ATTENTION_BWD_PER_FWD = 2.5
+# [derived] a GEMM's backward is two GEMMs of its size (input gradient and weight gradient)
+GEMM_BWD_PER_FWD = 2.0
+# [assumed] memory-bound kernels: every non-GEMM tensor a layer saves is written once and read about twice; their
+# backward moves about twice as much
+MEMORY_TRAFFIC_PER_SAVED_BYTE = 3.0
+MEMORY_BWD_PER_FWD = 2.0
+# [derived] the loss's fp32 traffic per logit: read bf16 logits, write / read the fp32 copy and log-softmax (16 B)
+LOSS_BYTES_PER_LOGIT = 16.0
 PHASES = ("end of forward", "backward of the last layer", "end of backward", "optimizer step")
 SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
 
@@ -78,7 +90,7 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
         eff = hw.gemm_efficiency(kernel_flops)
         if fp8_peak and hw.float8_gemm_efficiency is not None:
             t_fp8 = (flops / kernel_flops) * hw.float8_gemm_efficiency.time_s(kernel_flops, fp8_peak)
-            t_fp8 = t_fp8 + 3.0 * io_elems / mem_bw  # read bf16 (2 B) and write fp8 (1 B) of input and weight
+            t_fp8 = t_fp8 + 3.0 * io_elems / mem_bw  # [derived] cast: read bf16 (2 B), write fp8 (1 B) per element
             t = np.where(b.float8, t_fp8, t)
             eff = np.where(b.float8, hw.float8_gemm_efficiency(kernel_flops), eff)
         mm_count += kind == "mm"
@@ -88,7 +100,7 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
                   hw.attention_efficiency.time_s(a_flops, peak), False))
     act = activation_bytes(spec, sh, moe)
     # memory-bound kernels: every non-GEMM tensor the layer saves is written once and read about twice
-    mem_bytes = np.maximum(3.0 * (act["none"] - _gemm_output_bytes(spec, sh, moe)), 0.0)
+    mem_bytes = np.maximum(MEMORY_TRAFFIC_PER_SAVED_BYTE * (act["none"] - _gemm_output_bytes(spec, sh, moe)), 0.0)
     items.append(("memory-bound kernels (norms, RoPE, activations, residuals)", "memory", mem_bytes,
                   np.full_like(sh.T, hw.memory_efficiency),
                   mem_bytes / mem_bw * np.where(b.compile, hw.compile_memory_bound_factor, 1.0), True))
@@ -146,7 +158,8 @@ def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
     sac_t = sum((it[4] for it in items if it[5] and it[1] == "gemm"), np.zeros_like(sh.T))
     ovb = overheads[1]
     fwd = sum(by_kind.values()) * compute_scale
-    bwd = (2.0 * by_kind["gemm"] + 2.5 * by_kind["attention"] + 2.0 * by_kind["memory"] + ovb) * compute_scale
+    bwd = (GEMM_BWD_PER_FWD * by_kind["gemm"] + ATTENTION_BWD_PER_FWD * by_kind["attention"]
+           + MEMORY_BWD_PER_FWD * by_kind["memory"] + ovb) * compute_scale
     sac = (sac_t + by_kind["memory"] + 0.5 * by_kind["overhead"]) * compute_scale
     return {"fwd": fwd, "bwd": bwd, "rec_full": fwd, "rec_sac": sac, "act": activation_bytes(spec, sh, moe)}
 
@@ -224,9 +237,9 @@ def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile
     rec = rec * np.where(b.ac_wraps_compile & b.compile, 2.0, 1.0)
     logits = sh.T * spec.vocab_size / sh.t
     out_gemm = hw.gemm_efficiency.time_s(2.0 * logits * spec.d_model, compute_peak(hw, b))
-    loss_mem = 16.0 * logits / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
+    loss_mem = LOSS_BYTES_PER_LOGIT * logits / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
     fwd = fwd + np.where(rv.has_out, out_gemm + loss_mem, 0.0)
-    bwd = bwd + np.where(rv.has_out, 2.0 * out_gemm + loss_mem, 0.0)
+    bwd = bwd + np.where(rv.has_out, GEMM_BWD_PER_FWD * out_gemm + loss_mem, 0.0)
     return {"fwd": fwd, "bwd": bwd, "rec": rec, "act": act, "transient": transient, "logits": logits}
 
 
@@ -286,7 +299,7 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     # parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the log-softmax output,
     # the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read off the live
     # storages at the peak of executor traces). Plus the final norm's input and gathered output.
-    per_logit = np.where(b.tp > 1, 10.0, 12.0)
+    per_logit = np.where(b.tp > 1, 10.0, 12.0)  # [measured] in executor traces (see above)
     logits_bytes = np.where(rv.has_out, c["logits"] * per_logit + sh.T * d * 2.0 + sh.T * d / sh.sp_div * 2.0, 0.0)
     # the embedding's backward (first stage) materializes a dense gradient of the full vocabulary, also under TP
     # (seen in traces with torch 2.13's RowwiseParallel embedding); without PP FSDP then reduce-scatters it (input
@@ -386,7 +399,6 @@ def _model_flops_per_token(spec: ModelSpec, b: PlanBatch) -> np.ndarray:
 def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
     """Predict one plan (the same vectorized code on a batch of one)."""
     plan.validate_for(spec)
-    hw = hw.with_nodes(plan.world_size)
     b = PlanBatch.from_plans([plan], hw.gpus_per_node)
     r = evaluate(spec, b, hw, detail=True)
     tb = {k: float(v[0]) for k, v in r["time_breakdown_s"].items() if k in TIME_KEYS or float(v[0]) > 0}

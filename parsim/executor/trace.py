@@ -116,16 +116,16 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends):
         # the fp32 residual stream under autocast (no data parallelism); its gradient goes back in that dtype
         autocast = plan.dp_replicate * plan.dp_shard * plan.cp == 1
         hidden_dtype = torch.float32 if autocast else getattr(torch, plan.param_dtype)
-        # forward order of (chunk, microbatch) on this rank and the in-flight bound, from the schedule
-        m, v, pp = plan.n_microbatches, plan.pp_stages_per_rank, plan.pp
-        rank = parts and stage_ids[0] % pp
-        if plan.pp_schedule == "GPipe":
-            order, width = [(0, i) for i in range(m)], m
-        elif plan.pp_schedule == "1F1B":
-            order, width = [(0, i) for i in range(m)], min(m, pp - rank)
-        else:
-            order = [(c, g + i) for g in range(0, m, pp) for c in range(v) for i in range(min(pp, m - g))]
-            width = min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank)) + 1
+        # forward order and in-flight bound of this rank come from torch's own schedule (not the cost model's
+        # formula: tests/test_executor.py checks the two agree). Backwards run oldest first: replaying torch's exact
+        # backward order with this trace's explicit FSDP reshard over-counts one block's re-gather (a real 4-rank
+        # interleaved run moved the model's bytes, not that)
+        m, pp = plan.n_microbatches, plan.pp
+        rank = stage_ids[0] % pp
+        chunk_of = {sid: c for c, sid in enumerate(stage_ids)}
+        actions = torch_schedule_order(plan.pp_schedule, pp, plan.pp_stages_per_rank, m, rank)
+        order = [(chunk_of[sid], mb) for kind, sid, mb in actions if kind == "F"]
+        width = max_inflight(actions)
         inflight = []
         n_back = [0] * len(parts)
         first_backward = [True]
@@ -168,6 +168,36 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends):
                 backward_oldest()
         while inflight:
             backward_oldest()
+
+
+def max_inflight(actions: list[tuple[str, int, int]]) -> int:
+    """The most forwards whose backward has not run yet, along a rank's action sequence."""
+    live = peak = 0
+    for kind, _sid, _mb in actions:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def torch_schedule_order(schedule: str, pp: int, v: int, n_micro: int, rank: int) -> list[tuple[str, int, int]]:
+    """(F or B, stage index, microbatch) in the order torch.distributed.pipelining's schedule runs them on ``rank``,
+    read from the schedule class itself (its pipeline-order IR) without building stages or process groups."""
+    from torch.distributed.pipelining import schedules as S
+
+    cls = {"GPipe": S.ScheduleGPipe, "1F1B": S.Schedule1F1B, "Interleaved1F1B": S.ScheduleInterleaved1F1B}[schedule]
+    sched = object.__new__(cls)
+    sched._n_microbatches = n_micro
+    if schedule == "Interleaved1F1B":
+        sched.pp_group_size, sched.n_local_stages = pp, v
+        sched.number_of_rounds = max(1, n_micro // pp)
+        sched.microbatches_per_round = n_micro // sched.number_of_rounds
+        actions = sched._calculate_single_rank_operations(rank)
+    else:
+        sched._num_stages = pp
+        actions = sched._get_pipeline_order()[rank]
+    kinds = {S._ComputationType.FORWARD: "F", S._ComputationType.FULL_BACKWARD: "B"}
+    return [(kinds[a.computation_type], a.stage_index, a.microbatch_index) for a in actions
+            if a is not None and a.computation_type in kinds]
 
 
 def trace_in_subprocess(spec: ModelSpec, plan: Plan, rank: int = 0, timeout_s: float = 1800.0) -> Measurement:
