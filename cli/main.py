@@ -423,10 +423,11 @@ def main(argv: list[str] | None = None) -> int:
         typer.echo(f"error: {_one_line(e.format_message())}{hint}", err=True)
         code = 2
     except (KeyboardInterrupt, *aborts):
-        typer.echo("interrupted", err=True)
         code = 130
     except BrokenPipeError:  # `parsim ... | head`
         code = 0
+    if code == 130:  # Ctrl-C: raised here, or turned into 130 by the click that newer typer versions vendor
+        typer.echo("interrupted: everything the command started has been ended", err=True)
     return _exit(code if isinstance(code, int) else 0, argv)
 
 

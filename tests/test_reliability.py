@@ -171,3 +171,23 @@ def test_usage_errors_are_one_line(capsys):
     for argv in (["predict", "--gpus", "abc"], ["predict", "--bogus"], ["search", "--top", "x"]):
         rc, out, err = _cli(argv, capsys)
         assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupted_cli_run_leaves_no_process(sig):
+    """Ctrl-C (or SIGTERM) on `parsim run` while its workers train: torchrun and every worker end, exit 130."""
+    pytest.importorskip("torch")
+    import uuid
+
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, PARSIM_TEST_MARK=mark, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([sys.executable, "-m", "cli", "run", "--model", "tiny", "--gpus", "2", "--dp-shard", "2",
+                          "--seq-len", "64", "--nproc-per-node", "2", "--steps", "100000", "--timeout", "600"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert _wait_until(lambda: len(tagged_pids(mark, "PARSIM_TEST_MARK")) >= 3, 120)  # parsim, torchrun, workers
+    p.send_signal(sig)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 130, out[-2000:]
+    assert "interrupted" in out and "Traceback" not in out
+    assert _wait_until(lambda: tagged_pids(mark, "PARSIM_TEST_MARK") == set(), 30)
