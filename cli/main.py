@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import math
 import sys
 from typing import Optional
 
@@ -67,7 +66,12 @@ def plan_options(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from parsim.flags import DEFAULTS
+
         flags = {n: kwargs.pop(n) for n, _, _ in PLAN_FLAGS}
+        for name in ("model", "profile"):  # what to load, not a pin: the default applies to every command
+            if flags[name] is None:
+                flags[name] = DEFAULTS[name]
         return fn(*args, flags=flags, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=params + extra)
@@ -101,14 +105,14 @@ def build_plan(flags: dict):
     """(ModelSpec, Plan, HardwareProfile) from the shared flags: every given flag checked (parsim.flags), then
     either the plan file (``--plan``; other plan flags beside it are refused) or the flags with their defaults."""
     from parsim.errors import ParsimError
-    from parsim.flags import DEFAULTS, check_flags, given_plan_flags, plan_from_given
+    from parsim.flags import check_flags, given_plan_flags, plan_from_given
     from parsim.hardware import load_profile
     from parsim.plan import Plan
     from parsim.spec import load_model
 
     check_flags(flags)
-    spec = load_model(flags["model"] or DEFAULTS["model"])
-    hw = load_profile(flags["profile"] or DEFAULTS["profile"])
+    spec = load_model(flags["model"])
+    hw = load_profile(flags["profile"])
     if flags.get("plan_file"):
         from parsim.jsonio import read_json
 
@@ -185,7 +189,7 @@ def search(
 ):
     """Search every plan for a model on N GPUs and rank them by predicted step time. Every plan flag given pins
     its dimension (--tp 8, --ac full, --no-compile, --mesh-order tp,dp_shard ...)."""
-    from parsim.flags import DEFAULTS, check_int, search_space
+    from parsim.flags import check_int, search_space
     from parsim.hardware import load_profile
     from parsim.jsonio import check_output_path
     from parsim.spec import load_model
@@ -199,13 +203,13 @@ def search(
     for path in (emit_plan, emit_torchtitan, csv, execute_out):  # fail now, not after the search
         if path is not None:
             check_output_path(path)
-    spec = load_model(flags["model"] or DEFAULTS["model"])
-    hw = load_profile(flags["profile"] or DEFAULTS["profile"])
+    spec = load_model(flags["model"])
+    hw = load_profile(flags["profile"])
     from cli.views import run_search_cli
 
     run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,
                    emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json, execute=execute,
-                   model_arg=flags["model"] or DEFAULTS["model"], execute_out=execute_out)
+                   model_arg=flags["model"], execute_out=execute_out)
 
 
 def _measurement_summary(m, title: str) -> None:
@@ -260,8 +264,9 @@ def run(
     import dataclasses
 
     from parsim.errors import ParsimError
-    from parsim.flags import DEFAULTS, check_int
+    from parsim.flags import check_int
     from parsim.jsonio import check_output_path
+    from parsim.procs import check_timeout
 
     spec, plan, _ = build_plan(flags)
     if param_dtype:
@@ -275,10 +280,7 @@ def run(
     check_int("--warmup", warmup, 0, 1_000_000)
     if node_rank is not None:
         check_int("--node-rank", node_rank, 0, 1_000_000)
-    from parsim.executor.launch import MAX_TIMEOUT_S
-
-    if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
-        raise ParsimError(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {timeout}")
+    check_timeout(timeout)
     if out is not None:
         check_output_path(out)
     world = plan.world_size
@@ -294,7 +296,7 @@ def run(
         extra += [f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-backend=c10d"]
     if node_rank is not None:
         extra.append(f"--node-rank={node_rank}")
-    m = run_plan(flags["model"] or DEFAULTS["model"], plan, nproc_per_node, steps=steps, warmup=warmup,
+    m = run_plan(flags["model"], plan, nproc_per_node, steps=steps, warmup=warmup,
                  timeout_s=timeout, out=out,
                  torchrun_args=extra, device=device)
     if as_json:

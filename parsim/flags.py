@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import ParsimError
+from .errors import ParsimError, check_number
 from .plan import (
     AXES,
     DEFAULT_ORDER,
@@ -45,8 +45,7 @@ NOT_PLAN = ("model", "profile", "plan_file", "gpus")
 
 def check_int(name: str, value, low: int, high: int) -> int:
     """``value`` as an int in [low, high], or one ParsimError line naming the flag."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ParsimError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    check_number(name, value, low, high, integer=True)
     return value
 
 
@@ -99,12 +98,12 @@ def given_plan_flags(given: dict) -> list[str]:
     return [CLI_NAMES[k] for k, v in given.items() if v is not None and k not in NOT_PLAN]
 
 
-def gpus_of(given: dict) -> int | None:
-    """--gpus, else the product of the degrees when --dp-shard was given explicitly, else None."""
+def gpus_of(given: dict) -> int:
+    """--gpus, else the product of the degrees when --dp-shard was given explicitly, else refused."""
     if given.get("gpus") is not None:
         return given["gpus"]
     if given.get("dp_shard") in (None, -1):
-        return None
+        raise ParsimError("give --gpus (or every degree, --dp-shard included, and parsim multiplies them)")
     n = 1
     for a in AXES:
         n *= given.get(a) or 1
@@ -118,8 +117,6 @@ def plan_from_given(given: dict) -> Plan:
     check_flags(given)
     f: dict[str, Any] = {k: (given.get(k) if given.get(k) is not None else d) for k, d in DEFAULTS.items()}
     gpus = gpus_of(given)
-    if gpus is None:
-        raise ParsimError("give --gpus, or every degree with --dp-shard explicitly")
     sched = f["pp_schedule"]
     spr = f["pp_stages_per_rank"] or (2 if sched == "Interleaved1F1B" and f["pp"] > 1 else 1)
     mesh_order, left_out = parse_mesh_order(f["mesh_order"])
@@ -142,13 +139,6 @@ def check_left_out_axes(degrees: dict, left_out: tuple[str, ...]) -> None:
         raise ParsimError(f"--mesh-order leaves out {', '.join(big)}: list every axis of degree > 1")
 
 
-def search_gpus(given: dict) -> int:
-    gpus = gpus_of(given)
-    if gpus is None:
-        raise ParsimError("give --gpus (or every degree, --dp-shard included, and parsim multiplies them)")
-    return gpus
-
-
 def search_space(given: dict, *, no_pp: bool = False, no_cp: bool = False, max_tp: int | None = None,
                  max_pp: int | None = None, ac_modes: str | None = None, default_mesh_order: bool = False,
                  headroom: float = 0.0, max_plans: int | None = None):
@@ -160,7 +150,7 @@ def search_space(given: dict, *, no_pp: bool = False, no_cp: bool = False, max_t
     check_flags(given)
     if given.get("plan_file"):
         raise ParsimError("--plan is for predict, run and trace; search takes pins (--tp 8, --ac full, ...)")
-    gpus = search_gpus(given)
+    gpus = gpus_of(given)
     kw: dict = {"global_batch_size": given.get("global_batch_size") or gpus,
                 "seq_len": given.get("seq_len") or DEFAULTS["seq_len"], "max_tp": max_tp, "max_pp": max_pp,
                 "device_orders": not default_mesh_order, "headroom": headroom,

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .errors import ParsimError
+from .errors import ParsimError, check_number
 from .jsonio import atomic_write_json, read_json  # noqa: F401 (atomic_write_json re-exported)
 
 SCHEMA_VERSION = 1
@@ -47,20 +47,6 @@ def busbw_factor(op: str, n):
 def buffer_bytes(op: str, input_bytes, n):
     """nccl-tests buffer size S from the per-rank input bytes (parsim's comm_bytes convention)."""
     return input_bytes * n if op == "all_gather" else input_bytes
-
-
-def check_number(where: str, v, low: float = 0.0, high: float = math.inf, *, low_open: bool = False,
-                 integer: bool = False) -> None:
-    """One ParsimError line unless ``v`` is a finite number (an int when ``integer``) within [low, high]
-    ((low, high] when ``low_open``). Profiles are read from files that can hold anything."""
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if integer:
-        ok = ok and isinstance(v, int)
-    ok = ok and (v > low if low_open else v >= low) and v <= high
-    if not ok:
-        kind = "an integer" if integer else "a finite number"
-        lo = f"({low}" if low_open else f"[{low}"
-        raise ParsimError(f"{where} must be {kind} in {lo}, {high}], got {v!r}")
 
 
 def _check_rates(where: str, d, required: tuple = ()) -> None:

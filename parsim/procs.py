@@ -17,6 +17,7 @@ Torch-free; used by the executor and the profiler.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import signal
 import subprocess
@@ -28,6 +29,7 @@ import uuid
 
 TAG_VAR = "PARSIM_TREE"
 _PR_SET_PDEATHSIG = 1
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week; larger values overflow the OS wait primitives
 
 
 def die_with_parent() -> None:
@@ -147,6 +149,34 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def check_timeout(timeout_s) -> None:
+    from .errors import ParsimError
+
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ParsimError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {timeout_s!r}")
+
+
+def run_tree(cmd: list[str], env: dict, timeout_s: float, echo=None) -> tuple[int | None, str]:
+    """Run ``cmd`` and everything it starts to completion or to ``timeout_s``: (exit code, or None on timeout;
+    its output up to then — not its reaction to being ended). Timeout, Ctrl-C, SIGTERM or any error end the whole
+    tree before this returns or raises. ``echo(text)`` receives the output as it comes, if given."""
+    check_timeout(timeout_s)
+    with TermAsInterrupt(), ProcessTree(cmd, env=env) as tree:
+        try:
+            code, shown, deadline = None, 0, time.monotonic() + timeout_s
+            while code is None and time.monotonic() < deadline:
+                code = tree.wait(min(0.5, max(0.0, deadline - time.monotonic())) if echo else
+                                 max(0.0, deadline - time.monotonic()))
+                if echo:
+                    text = tree.output()
+                    echo(text[shown:])
+                    shown = len(text)
+            output = tree.output()
+        finally:
+            tree.end()
+    return code, output
 
 
 class TermAsInterrupt:

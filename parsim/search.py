@@ -24,7 +24,7 @@ import numpy as np
 
 from .costmodel.batch import PlanBatch, group_rpn
 from .costmodel.step import evaluate
-from .errors import ParsimError
+from .errors import ParsimError, check_number
 from .hardware import HardwareProfile
 from .ordering import is_legal, searched_orders, violations
 from .plan import AC_MODES, AXES, MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, PP_SCHEDULES, Plan
@@ -85,20 +85,20 @@ class SearchSpace:
     def __post_init__(self):
         from .plan import parse_ac
 
-        _int_in("global batch", self.global_batch_size, 1, MAX_BATCH)
-        _int_in("seq_len", self.seq_len, 1, MAX_SEQ_LEN)
+        check_number("global batch", self.global_batch_size, 1, MAX_BATCH, integer=True)
+        check_number("seq_len", self.seq_len, 1, MAX_SEQ_LEN, integer=True)
         for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "local_batch_size",
                      "micro_batch_size"):
             pins = getattr(self, name)
             if pins is not None:
+                high = MAX_BATCH if name in ("local_batch_size", "micro_batch_size") else MAX_GPUS
                 for v in pins:
-                    _int_in(f"pinned {name}", v, 1, MAX_GPUS if name not in ("local_batch_size",
-                                                                             "micro_batch_size") else MAX_BATCH)
+                    check_number(f"pinned {name}", v, 1, high, integer=True)
         for name in ("max_tp", "max_pp", "max_cp"):
             if getattr(self, name) is not None:
-                _int_in("--" + name.replace("_", "-"), getattr(self, name), 1, MAX_GPUS)
-        _int_in("max local batch", self.max_local_batch_size, 1, MAX_BATCH)
-        _int_in("max plans", self.max_plans, 0, 2**62)
+                check_number("--" + name.replace("_", "-"), getattr(self, name), 1, MAX_GPUS, integer=True)
+        check_number("max local batch", self.max_local_batch_size, 1, MAX_BATCH, integer=True)
+        check_number("max plans", self.max_plans, 0, 2**62, integer=True)
         if not (isinstance(self.headroom, (int, float)) and math.isfinite(self.headroom)
                 and 0.0 <= self.headroom < 1.0):
             raise ParsimError(f"headroom must be in [0, 1), got {self.headroom}")
@@ -108,7 +108,7 @@ class SearchSpace:
             if s not in PP_SCHEDULES:
                 raise ParsimError(f"unknown PP schedule {s!r}")
         for v in self.stages_per_rank:
-            _int_in("stages per rank", v, 1, 64)
+            check_number("stages per rank", v, 1, 64, integer=True)
         for r in self.reshard:
             if r not in RESHARD_CHOICES:
                 raise ParsimError(f"unknown reshard choice {r!r} (known: {', '.join(RESHARD_CHOICES)})")
@@ -121,11 +121,6 @@ class SearchSpace:
                                   f"run: {v.reason}")
         if not (self.ac and self.compile and self.pp_schedules and self.reshard):
             raise ParsimError("a search dimension was pinned to nothing")
-
-
-def _int_in(what: str, v, low: int, high: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not low <= v <= high:
-        raise ParsimError(f"{what} must be an integer in [{low}, {high}], got {v!r}")
 
 
 @dataclass
@@ -383,7 +378,7 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     import time
 
     t0 = time.perf_counter()
-    _int_in("--gpus", n_gpus, 1, MAX_GPUS)
+    check_number("--gpus", n_gpus, 1, MAX_GPUS, integer=True)
     gpn = hw.gpus_per_node
     res = SearchResult(usable_memory_bytes=hw.usable_memory_bytes * (1.0 - sp.headroom))
     combos = _degree_combos(spec, n_gpus, sp, res.pruned_structural)

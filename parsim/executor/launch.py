@@ -8,7 +8,6 @@ on; a crash is recorded as ``error`` with the tail of its output. The Measuremen
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys
@@ -16,21 +15,17 @@ import tempfile
 import time
 from datetime import datetime, timezone
 
-from ..errors import ParsimError
 from ..jsonio import atomic_write_json
 from ..plan import Plan
-from ..procs import ProcessTree, TermAsInterrupt
+from ..procs import check_timeout, run_tree
 from ..results import Measurement
-
-MAX_TIMEOUT_S = 7 * 24 * 3600  # a week; larger values overflow the OS wait primitives
 
 
 def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, warmup: int = 2,
              timeout_s: float = 600.0, out: str | None = None, torchrun_args: list[str] | None = None,
              device: str | None = None, optimizer: str = "adamw") -> Measurement:
     """Run ``plan`` for real. ``torchrun_args`` pass through (``--nnodes``, ``--rdzv-endpoint`` ...)."""
-    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
-        raise ParsimError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {timeout_s!r}")
+    check_timeout(timeout_s)  # before anything is written or started
     torchrun_args = list(torchrun_args or [])
     with tempfile.TemporaryDirectory(prefix="parsim-run-") as tmp:
         plan_f, res_f = os.path.join(tmp, "plan.json"), os.path.join(tmp, "result.json")
@@ -46,12 +41,7 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
         if device == "cpu":
             env["PARSIM_DEVICE"] = "cpu"
         t0 = time.perf_counter()
-        with TermAsInterrupt(), ProcessTree(cmd, env=env) as tree:
-            try:
-                code = tree.wait(timeout_s)
-                log = tree.output()  # before ending it: what the run printed, not torchrun's reaction to SIGTERM
-            finally:  # timeout, Ctrl-C, SIGTERM or any error: nothing of the run survives this block
-                tree.end()
+        code, log = run_tree(cmd, env, timeout_s)  # nothing of the run survives this call, however it ends
         status = "timeout" if code is None else None
         wall = time.perf_counter() - t0
         prov = {"command": " ".join(cmd), "nproc_per_node": nproc_per_node, "wall_s": wall,

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import ParsimError
 from ..hardware import COLLECTIVE_OPS, PROFILES_DIR, EfficiencyCurve, HardwareProfile, Topology
 from ..jsonio import atomic_write_json, atomic_write_text, check_output_path, read_json
-from ..procs import ProcessTree, TermAsInterrupt
+from ..procs import check_timeout, run_tree
 from .fit import fit_collective, fit_throughput
 
 
@@ -50,8 +50,6 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
     name, out_dir = out_path.stem, out_path.parent
     check_output_path(out_path)
     check_output_path(out_dir / f"{name}.samples.csv")
-    if not out_dir.is_dir():
-        raise ParsimError(f"output folder {out_dir} does not exist")
     partial = out_dir / f".{name}.partial"
     if restart and partial.exists():
         shutil.rmtree(partial)
@@ -80,7 +78,7 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
     if device == "cpu":
         env["PARSIM_DEVICE"] = "cpu"
     t_coll = time.perf_counter()
-    code, output = _run_tree(cmd, env, timeout_s)
+    code, output = run_tree(cmd, env, timeout_s, echo=sys.stderr.write)  # the nccl-tests table as it comes
     if code != 0:
         tail = "\n".join(ln for ln in output.splitlines() if not ln.startswith("W1"))[-1500:]
         why = f"timed out after {timeout_s:.0f} s" if code is None else f"exit {code}"
@@ -121,21 +119,6 @@ def _check_resume_args(path: Path, args: dict, resume: bool) -> None:
     atomic_write_json(path, args)
 
 
-def _run_tree(cmd: list[str], env: dict, timeout_s: float) -> tuple[int | None, str]:
-    """Run torchrun with its output streamed to stderr as it comes; end the whole tree on timeout or interrupt."""
-    with TermAsInterrupt(), ProcessTree(cmd, env=env) as tree:
-        try:
-            code, shown, deadline = None, 0, time.monotonic() + timeout_s
-            while code is None and time.monotonic() < deadline:
-                code = tree.wait(min(0.5, max(0.0, deadline - time.monotonic())))
-                text = tree.output()
-                sys.stderr.write(text[shown:])
-                shown = len(text)
-        finally:
-            tree.end()
-        return code, tree.output()
-
-
 def check_profile_args(nproc_per_node: int, *, factor: int, ops: str, seq_len: int, timeout_s: float,
                        min_bytes: int = 0, max_bytes: int = 0) -> None:
     """Refuse bad arguments before anything is measured."""
@@ -151,8 +134,7 @@ def check_profile_args(nproc_per_node: int, *, factor: int, ops: str, seq_len: i
                           f"{max_bytes}")
     if not 1 <= seq_len <= 2**20:
         raise ParsimError(f"--seq-len must be in [1, 2**20], got {seq_len}")
-    if not 0 < timeout_s <= 7 * 24 * 3600:
-        raise ParsimError(f"timeout must be in (0, 1 week], got {timeout_s}")
+    check_timeout(timeout_s)
 
 
 def resolve_profile_out(out: str, out_dir: str | Path | None) -> Path:
