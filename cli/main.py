@@ -35,6 +35,8 @@ PLAN_FLAGS = [
     ("cp", Optional[int], typer.Option(None, "--cp", help="[1]")),
     ("ep", Optional[int], typer.Option(None, "--ep", help="[1]")),
     ("etp", Optional[int], typer.Option(None, "--etp", help="[1]")),
+    ("ep_from", Optional[str], typer.Option(None, "--ep-from", help="where EP ranks come from: dp_shard (torchtitan "
+                                            "dp2ep) | dp_replicate (Megatron-style DDP + EP) [dp_shard]")),
     ("local_batch_size", Optional[int], typer.Option(None, "--local-batch-size", help="[1]")),
     ("micro_batch_size", Optional[int], typer.Option(None, "--micro-batch-size", help="[local batch]")),
     ("global_batch_size", Optional[int], typer.Option(None, "--global-batch-size", help="[local batch x dp]")),

@@ -21,10 +21,11 @@ def _sched_str(plan) -> str:
 class CsvSink:
     """Streams every evaluated plan to CSV, written to a temporary file and renamed at the end (atomic)."""
 
-    COLS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "mesh_order", "local_batch_size",
-            "micro_batch_size", "pp_schedule", "pp_stages_per_rank", "ac", "compile", "float8",
+    COLS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "ep_from", "mesh_order", "local_batch_size",
+            "micro_batch_size", "global_batch_size", "pp_schedule", "pp_stages_per_rank", "ac", "compile", "float8",
             "fsdp_reshard_after_forward", "wrapper_order", "step_time_s", "peak_memory_bytes", "fits",
             "tokens_per_s_per_gpu", "mfu")
+    FIELD = {"pp_stages_per_rank": "v"}
 
     def __init__(self, path: str):
         from parsim.jsonio import AtomicFile
@@ -33,25 +34,22 @@ class CsvSink:
         self.f = self.out.f
         self.f.write(",".join(self.COLS) + "\n")
 
-    def __call__(self, base, opts, gid, r, fits):
-        from parsim.plan import AC_MODES, PP_SCHEDULES
+    def __call__(self, b, r, fits):
+        from parsim.codec import names
 
-        n_opt = len(opts)
-        bi, oi = gid // n_opt, gid % n_opt
-        c = base["combos"][base["combo"][bi]]
-        o = opts[oi]
-        orders = np.array([",".join(p) for p in base["perms"]])[base["perm"][bi]]
-        ac_names = {v: k for k, v in AC_MODES.items()}
-        ac = np.array([ac_names[int(x)] for x in range(max(AC_MODES.values()) + 1)])[o[:, 0]]
-        ac = np.where(ac == "layer", np.char.add("layer:", o[:, 1].astype(str)), ac)
-        sched = np.array([k for k, _ in sorted(PP_SCHEDULES.items(), key=lambda kv: kv[1])])[base["sched"][bi]]
-        reshard = np.array(["default", "flip", "always", "never"])[o[:, 4]]
-        reshard = np.where(reshard == "flip", np.where(c[:, 0] == 1, "never", "always"), reshard)
-        worder = np.array(['"' + ",".join(w) + '"' for w in base["orders"]])[o[:, 6]]
-        cols = [c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4], c[:, 5], c[:, 6],
-                np.char.add(np.char.add('"', orders), '"'),
-                base["lbs"][bi], base["mbs"][bi], sched, base["v"][bi], ac, o[:, 2], o[:, 3], reshard, worder,
-                r["step_time_s"], r["peak_memory_bytes"], fits.astype(int), r["tokens_per_s_per_gpu"], r["mfu"]]
+        named = names(b)
+        cols = []
+        for c in self.COLS:
+            if c in named:
+                v = named[c]
+                cols.append(np.char.add(np.char.add('"', v), '"') if "," in "".join(v[:1]) else v)
+            elif c in r:
+                cols.append(r[c])
+            elif c == "fits":
+                cols.append(fits.astype(int))
+            else:
+                v = getattr(b, self.FIELD.get(c, c))
+                cols.append(v.astype(int) if v.dtype == bool else v)
         np.savetxt(self.f, np.column_stack([np.asarray(x).astype(str) for x in cols]), fmt="%s", delimiter=",")
 
     def close(self, ok: bool):

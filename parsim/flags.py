@@ -14,6 +14,7 @@ from .errors import ParsimError, check_number
 from .plan import (
     AXES,
     DEFAULT_ORDER,
+    EP_FROM,
     MAX_BATCH,
     MAX_GPUS,
     MAX_SEQ_LEN,
@@ -28,7 +29,8 @@ from .plan import (
 
 DEFAULTS = {
     "model": "llama3-8b", "gpus": None, "dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1, "cp": 1, "ep": 1,
-    "etp": 1, "local_batch_size": 1, "micro_batch_size": None, "global_batch_size": None, "seq_len": 4096,
+    "etp": 1, "ep_from": "dp_shard", "local_batch_size": 1, "micro_batch_size": None, "global_batch_size": None,
+    "seq_len": 4096,
     "pp_schedule": "1F1B", "pp_stages_per_rank": None, "ac": "none", "compile": False, "float8": False,
     "sequence_parallel": None, "fsdp_reshard_after_forward": "default", "mesh_order": ",".join(AXES),
     "order": ",".join(DEFAULT_ORDER), "plan_file": None, "profile": "h100-sxm-spec",
@@ -82,6 +84,8 @@ def check_flags(given: dict) -> None:
     if given.get("fsdp_reshard_after_forward") is not None and given["fsdp_reshard_after_forward"] not in RAF_MODES:
         raise ParsimError(f"--fsdp-reshard-after-forward {given['fsdp_reshard_after_forward']!r}: expected one of "
                           f"{', '.join(RAF_MODES)}")
+    if given.get("ep_from") is not None and given["ep_from"] not in EP_FROM:
+        raise ParsimError(f"--ep-from {given['ep_from']!r}: expected one of {', '.join(EP_FROM)}")
     if given.get("ac") is not None:
         parse_ac(given["ac"])
     if given.get("mesh_order") is not None:
@@ -122,7 +126,7 @@ def plan_from_given(given: dict) -> Plan:
     mesh_order, left_out = parse_mesh_order(f["mesh_order"])
     plan = plan_from_flags(
         gpus, dp_replicate=f["dp_replicate"], dp_shard=f["dp_shard"], tp=f["tp"], pp=f["pp"], cp=f["cp"],
-        ep=f["ep"], etp=f["etp"], local_batch_size=f["local_batch_size"],
+        ep=f["ep"], etp=f["etp"], ep_from=f["ep_from"], local_batch_size=f["local_batch_size"],
         micro_batch_size=f["micro_batch_size"] or 0, global_batch_size=f["global_batch_size"] or 0,
         seq_len=f["seq_len"], pp_schedule=sched, pp_stages_per_rank=spr, ac=f["ac"], compile=f["compile"],
         float8=f["float8"], sequence_parallel=f["sequence_parallel"],
@@ -178,6 +182,8 @@ def search_space(given: dict, *, no_pp: bool = False, no_cp: bool = False, max_t
     for a in ("compile", "float8"):
         if given.get(a) is not None:
             kw[a] = (given[a],)
+    if given.get("ep_from") is not None:
+        kw["ep_from"] = (given["ep_from"],)
     if given.get("sequence_parallel") is not None:
         kw["sequence_parallel"] = given["sequence_parallel"]
     if given.get("fsdp_reshard_after_forward") is not None:

@@ -100,60 +100,11 @@ class Plan:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPE_BYTES or getattr(self, name) == "float8":
                 raise ParsimError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
-        # batch arithmetic
-        g, lb, dp = self.global_batch_size, self.local_batch_size, self.dp
-        if g % (lb * dp):
-            raise ParsimError(
-                f"global batch {g} is not a multiple of local batch x dp = {lb} x {dp} = {lb * dp} "
-                f"({g} % {lb * dp} = {g % (lb * dp)})"
-            )
-        if self.micro_batch_size < 1 or lb % self.micro_batch_size:
-            raise ParsimError(
-                f"local batch {lb} is not a multiple of micro batch {self.micro_batch_size}"
-            )
-        if self.pp == 1 and self.micro_batch_size != lb:
-            raise ParsimError(f"micro batch {self.micro_batch_size} != local batch {lb} without PP; "
-                              "use global batch for gradient accumulation")
-        # pipeline arithmetic
-        v = self.pp_stages_per_rank
-        if self.pp_schedule == "Interleaved1F1B":
-            if self.pp > 1 and v < 2:
-                raise ParsimError("Interleaved1F1B needs pp_stages_per_rank >= 2")
-        elif v != 1:
-            raise ParsimError(f"{self.pp_schedule} runs one stage per rank, got pp_stages_per_rank={v}")
-        if self.pp == 1 and v != 1:
-            raise ParsimError(f"pp_stages_per_rank={v} needs pp > 1")
-        if self.pp > 1 and self.pp_schedule != "GPipe" and self.n_microbatches < self.pp:
-            raise ParsimError(
-                f"{self.pp_schedule} needs at least pp={self.pp} microbatches, got local batch / micro batch = "
-                f"{lb} / {self.micro_batch_size} = {self.n_microbatches}"
-            )
-        # sequence arithmetic
-        if self.cp > 1 and self.seq_len % (2 * self.cp):
-            raise ParsimError(
-                f"seq_len {self.seq_len} is not divisible by 2 x cp = {2 * self.cp} (CP load balancing)"
-            )
-        if self.sequence_parallel and (self.seq_len // self.cp) % self.tp:
-            raise ParsimError(
-                f"sequence parallel needs seq_len / cp = {self.seq_len // self.cp} divisible by tp = {self.tp}"
-            )
         if self.sequence_parallel and self.tp == 1:
             s(self, "sequence_parallel", False)
-        # expert-parallel arithmetic (dp2ep: EP is borrowed from data-parallel ranks, not added)
-        if self.ep > 1 or self.etp > 1:
-            if self.etp not in (1, self.tp):
-                raise ParsimError(f"etp must be 1 or tp={self.tp}, got {self.etp}")
-            if self.ep_from == "dp_shard":
-                base = self.dp_shard * self.cp * self.tp
-                if base % (self.ep * self.etp):
-                    raise ParsimError(
-                        f"dp2ep needs dp_shard x cp x tp = {self.dp_shard} x {self.cp} x {self.tp} = {base} "
-                        f"divisible by ep x etp = {self.ep} x {self.etp} = {self.ep * self.etp}"
-                    )
-            elif self.dp_replicate % self.ep:
-                raise ParsimError(
-                    f"DDP-style EP needs dp_replicate {self.dp_replicate} divisible by ep {self.ep}"
-                )
+        from .codec import check_rules  # the structural rules, shared with search's pruning
+
+        check_rules(self)
 
     def _check_types(self) -> None:
         """Types and sizes of every field (a plan file can hold anything): one line naming field and value."""
@@ -219,34 +170,17 @@ class Plan:
     def describe(self) -> str:
         parts = [f"{a}{getattr(self, a)}" for a in self.mesh_order if getattr(self, a) > 1]
         if self.ep > 1:
-            parts.append(f"ep{self.ep}" + (f"/etp{self.etp}" if self.etp > 1 else ""))
+            parts.append(f"ep{self.ep}" + (f"/etp{self.etp}" if self.etp > 1 else "")
+                         + ("(ddp)" if self.ep_from == "dp_replicate" else ""))
         return "x".join(parts) or "single"
 
     # ---- validation against a model and a GPU count -------------------------------------------------------------
     def validate_for(self, spec: ModelSpec, n_gpus: int | None = None) -> None:
         if n_gpus is not None and self.world_size != n_gpus:
             raise ParsimError(_world_msg(self, n_gpus))
-        t = self.tp
-        for what, n in (("n_heads", spec.n_heads), ("n_kv_heads", spec.n_kv_heads if not spec.mla else spec.n_heads),
-                        ("d_ff", spec.d_ff)):
-            if n % t:
-                raise ParsimError(f"{spec.name}: {what} {n} is not divisible by tp {t} ({n} % {t} = {n % t})")
-        n_stages = self.pp * self.pp_stages_per_rank
-        if spec.n_layers < n_stages:
-            raise ParsimError(
-                f"{spec.name}: {spec.n_layers} layers cannot fill pp x stages per rank = {self.pp} x "
-                f"{self.pp_stages_per_rank} = {n_stages} stages"
-            )
-        if self.ep > 1 or self.etp > 1:
-            if spec.moe is None:
-                raise ParsimError(f"{spec.name} is dense: ep/etp > 1 needs a MoE model")
-            if spec.moe.n_experts % self.ep:
-                raise ParsimError(
-                    f"{spec.name}: {spec.moe.n_experts} experts do not divide over ep {self.ep} "
-                    f"({spec.moe.n_experts} % {self.ep} = {spec.moe.n_experts % self.ep})"
-                )
-            if spec.moe.d_ff_expert % self.etp:
-                raise ParsimError(f"{spec.name}: expert width {spec.moe.d_ff_expert} not divisible by etp {self.etp}")
+        from .codec import check_rules
+
+        check_rules(self, spec)
 
     # ---- identity and serialization -----------------------------------------------------------------------------
     def to_dict(self) -> dict:

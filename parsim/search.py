@@ -22,12 +22,23 @@ from typing import Any
 
 import numpy as np
 
-from .costmodel.batch import PlanBatch, group_rpn
+from .codec import DTYPES, PlanBatch, batch_of, decode, group_rpn, invalid_reasons
 from .costmodel.step import evaluate
 from .errors import ParsimError, check_number
 from .hardware import HardwareProfile
 from .ordering import is_legal, searched_orders, violations
-from .plan import AC_MODES, AXES, MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, PP_SCHEDULES, Plan
+from .plan import (
+    AC_MODES,
+    AXES,
+    DEFAULT_ORDER,
+    EP_FROM,
+    MAX_BATCH,
+    MAX_GPUS,
+    MAX_SEQ_LEN,
+    PP_SCHEDULES,
+    RAF_MODES,
+    Plan,
+)
 from .spec import ModelSpec
 
 AC_CHOICES = ("none", "selective-op", "full", "layer:2")
@@ -75,6 +86,7 @@ class SearchSpace:
     compile: tuple = (False, True)
     float8: tuple | None = None  # None: (False, True) when the GPU has float8, else (False,)
     reshard: tuple = ("default", "flip")  # of RESHARD_CHOICES
+    ep_from: tuple = EP_FROM  # where EP ranks are borrowed from: dp2ep (dp_shard) and/or DDP-style (dp_replicate)
     sequence_parallel: bool | None = None  # None: on when tp > 1
     device_orders: bool = True  # False: only the default order (pp, dp_replicate, dp_shard, cp, tp)
     mesh_order: tuple | None = None  # one device order, pinned
@@ -119,7 +131,9 @@ class SearchSpace:
                 v = [r for r in violations(order) if r.kind == "fundamental"][0]
                 raise ParsimError(f"wrapper order {','.join(order)} puts {v.then} before {v.first}, which cannot "
                                   f"run: {v.reason}")
-        if not (self.ac and self.compile and self.pp_schedules and self.reshard):
+        if any(e not in EP_FROM for e in self.ep_from):
+            raise ParsimError(f"ep_from must be among {', '.join(EP_FROM)}, got {self.ep_from}")
+        if not (self.ac and self.compile and self.pp_schedules and self.reshard and self.ep_from):
             raise ParsimError("a search dimension was pinned to nothing")
 
 
@@ -137,142 +151,120 @@ class SearchResult:
     wall_s: float = 0.0
 
 
-def _count(d: dict, reason: str, n: int = 1):
-    d[reason] = d.get(reason, 0) + n
-
-
 def _allowed(values, pin, cap):
     out = [v for v in values if (pin is None or v in pin) and (cap is None or v <= cap)]
     return out
 
 
-def _degree_combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace, pruned: dict) -> list[tuple]:
-    """(pp, dp_replicate, dp_shard, cp, tp, ep, etp) combinations that pass the structural checks."""
-    divs = divisors(n_gpus)
+def _degree_combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> list[tuple]:
+    """(pp, dp_replicate, dp_shard, cp, tp, ep, etp, ep_ddp) of the space (pins and caps); the rules prune later."""
     out = []
-    heads, kv = spec.n_heads, (spec.n_heads if spec.mla else spec.n_kv_heads)
-    for pp in _allowed(divs, sp.pp, sp.max_pp):
-        for tp in _allowed(divs, sp.tp, sp.max_tp):
-            if (n_gpus // pp) % tp:
-                continue
-            for cp in _allowed(divs, sp.cp, sp.max_cp):
-                rest = n_gpus // pp
-                if rest % (tp * cp):
-                    continue
-                rest //= tp * cp
+    for pp in _allowed(divisors(n_gpus), sp.pp, sp.max_pp):
+        for tp in _allowed(divisors(n_gpus // pp), sp.tp, sp.max_tp):
+            for cp in _allowed(divisors(n_gpus // (pp * tp)), sp.cp, sp.max_cp):
+                rest = n_gpus // (pp * tp * cp)
                 for dpr in _allowed(divisors(rest), sp.dp_replicate, None):
                     dps = rest // dpr
                     if sp.dp_shard is not None and dps not in sp.dp_shard:
                         continue
-                    if heads % tp or kv % tp or spec.d_ff % tp:
-                        _count(pruned, "tp does not divide heads / kv heads / d_ff")
-                        continue
-                    if spec.n_layers < pp:
-                        _count(pruned, "more pipeline stages than layers")
-                        continue
-                    if cp > 1 and sp.seq_len % (2 * cp):
-                        _count(pruned, "seq_len not divisible by 2 x cp")
-                        continue
-                    if tp > 1 and sp.sequence_parallel is not False and (sp.seq_len // cp) % tp:
-                        _count(pruned, "seq_len / cp not divisible by tp (sequence parallel)")
-                        continue
-                    if sp.global_batch_size % (dpr * dps):
-                        _count(pruned, "global batch not divisible by dp")
-                        continue
-                    for ep, etp in _ep_options(spec, dps, cp, tp, sp):
-                        out.append((pp, dpr, dps, cp, tp, ep, etp))
+                    out += [(pp, dpr, dps, cp, tp, *e) for e in _ep_options(spec, dpr, dps, cp, tp, sp)]
     return out
 
 
-def _ep_options(spec, dps, cp, tp, sp):
-    if spec.moe is None:
-        return [(1, 1)] if (sp.ep is None or 1 in sp.ep) and (sp.etp is None or 1 in sp.etp) else []
-    base = dps * cp * tp
-    opts = []
-    for ep in _allowed(divisors(base), sp.ep, None):
-        if spec.moe.n_experts % ep:
+def _ep_options(spec, dpr, dps, cp, tp, sp: SearchSpace) -> list[tuple]:
+    """(ep, etp, ep_ddp): none for a dense model; dp2ep borrows ep x etp from dp_shard x cp x tp (etp 1 or tp),
+    DDP-style EP borrows ep from dp_replicate."""
+    opts = [(1, 1, 0)]
+    if spec.moe is not None and "dp_shard" in sp.ep_from:
+        opts += [(ep, etp, 0) for ep in divisors(dps * cp * tp) if ep > 1 for etp in sorted({1, tp})]
+    if spec.moe is not None and "dp_replicate" in sp.ep_from:
+        opts += [(ep, 1, 1) for ep in divisors(dpr) if ep > 1]
+    return [o for o in opts if (sp.ep is None or o[0] in sp.ep) and (sp.etp is None or o[1] in sp.etp)]
+
+
+def _batch_splits(pp: int, dp: int, sp: SearchSpace) -> list[tuple]:
+    """(local batch, micro batch, schedule code, stages per rank) of one (pp, dp); a global batch dp does not
+    divide gives one row for the rules to refuse."""
+    sched_pp1 = PP_SCHEDULES[sp.pp_schedules[0]] if len(sp.pp_schedules) == 1 else PP_SCHEDULES["1F1B"]
+    if sp.global_batch_size % dp:
+        return [(1, 1, sched_pp1, 1)]
+    out = []
+    for lbs in divisors(sp.global_batch_size // dp):
+        if lbs > sp.max_local_batch_size or (sp.local_batch_size and lbs not in sp.local_batch_size):
             continue
-        for etp in sorted({1, tp}) if ep > 1 else [1]:
-            if sp.etp is not None and etp not in sp.etp:
+        if pp == 1:
+            # plans without PP carry the pinned schedule's name; they cannot honour a pinned v >= 2
+            pp1_ok = not (sp.pp_schedules == ("Interleaved1F1B",) and 1 not in sp.stages_per_rank)
+            if pp1_ok and not (sp.micro_batch_size and lbs not in sp.micro_batch_size):
+                out.append((lbs, lbs, sched_pp1, 1))
+            continue
+        for mbs in divisors(lbs):
+            if sp.micro_batch_size and mbs not in sp.micro_batch_size:
                 continue
-            if base % (ep * etp) == 0 and spec.moe.d_ff_expert % etp == 0:
-                opts.append((ep, etp))
-    return opts
+            for s in sp.pp_schedules:
+                vs = sp.stages_per_rank if s == "Interleaved1F1B" else (1,)
+                out += [(lbs, mbs, PP_SCHEDULES[s], v) for v in vs]
+    return out
 
 
-def _base_rows(spec, combos, sp: SearchSpace, gpn: int, pruned: dict) -> dict:
-    """Degrees x distinct device orders x batch splits, as arrays."""
-    if not combos:
+def candidates(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> tuple[np.ndarray, np.ndarray, PlanBatch]:
+    """Every (degrees, batch split) of the space before pruning: combos array, per-row (combo index, local batch,
+    micro batch, schedule, v) array, and the batch of those rows with default options for the rules."""
+    combos = np.array(_degree_combos(spec, n_gpus, sp), dtype=np.int64).reshape(-1, 8)
+    splits: dict[tuple, list] = {}
+    rows: list[tuple] = []
+    for i, deg in enumerate(combos.tolist()):
+        key = (deg[0] > 1, deg[1] * deg[2])
+        if key not in splits:
+            splits[key] = _batch_splits(deg[0], deg[1] * deg[2], sp)
+        rows += [(i, *s) for s in splits[key]]
+    r = np.array(rows, dtype=np.int64).reshape(-1, 5)
+    c = combos[r[:, 0]]
+    cols = {**{a: c[:, k] for k, a in enumerate(AXES + ("ep", "etp", "ep_ddp"))},
+            "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size, "local_batch_size": r[:, 1],
+            "micro_batch_size": r[:, 2], "sched": r[:, 3], "v": r[:, 4], "sp": sp.sequence_parallel, "raf_mode": 0,
+            "ac": 0, "ac_every": 1, "compile": False, "float8": False, "param_dtype": DTYPES.index("bfloat16"),
+            "reduce_dtype": DTYPES.index("float32"), "mesh_idx": 0, "wrapper_idx": 0}
+    return combos, r, batch_of(cols, (AXES,), (DEFAULT_ORDER,), None)
+
+
+def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict) -> dict:
+    """The legal (degrees, batch split) rows crossed with their distinct device orders, as arrays; what the rules
+    prune is counted by reason in ``pruned``."""
+    combos, rows, b = candidates(spec, n_gpus, sp)
+    reasons = invalid_reasons(b, spec)
+    for k, n in zip(*np.unique(reasons[reasons != ""].astype(str), return_counts=True), strict=True):
+        pruned[str(k)] = int(n)
+    rows = rows[reasons == ""]
+    if not len(rows):
         return {}
-    c = np.array(combos, dtype=np.int64)
-    deg = {a: c[:, i] for i, a in enumerate(AXES)}
-    ep, etp = c[:, 5], c[:, 6]
     # distinct device orders per combination: signature = ranks per node of every group
     if sp.mesh_order is not None:
         perms = [tuple(sp.mesh_order)]
     else:
         perms = list(permutations(AXES)) if sp.device_orders else [AXES]
-    shell = _shell_batch(deg, ep, etp)
-    sigs = []
-    for order in perms:
-        r = group_rpn(shell, order, gpn)
-        sigs.append(np.stack([r[k] for k in sorted(r)], axis=1))
-    sig = np.stack(sigs, axis=1)  # (combos, perms, groups)
-    rows: dict[str, list] = {k: [] for k in ("combo", "perm", "lbs", "mbs", "sched", "v")}
-    L = spec.n_layers
-    # plans without PP carry the pinned schedule's name when one is pinned; they cannot honour a pinned v >= 2
-    sched_pp1 = PP_SCHEDULES[sp.pp_schedules[0]] if len(sp.pp_schedules) == 1 else PP_SCHEDULES["1F1B"]
-    pp1_ok = not (sp.pp_schedules == ("Interleaved1F1B",) and 1 not in sp.stages_per_rank)
-    for i in range(len(c)):
-        _, first = np.unique(sig[i], axis=0, return_index=True)
-        perm_ids = sorted(first.tolist())
-        pp, dp = int(c[i, 0]), int(c[i, 1] * c[i, 2])
-        per_dp = sp.global_batch_size // dp
-        batch = []
-        for lbs in divisors(per_dp):
-            if lbs > sp.max_local_batch_size or (sp.local_batch_size and lbs not in sp.local_batch_size):
-                continue
-            if pp == 1:
-                if (sp.micro_batch_size and lbs not in sp.micro_batch_size) or not pp1_ok:
-                    continue
-                batch.append((lbs, lbs, sched_pp1, 1))
-                continue
-            for mbs in divisors(lbs):
-                if sp.micro_batch_size and mbs not in sp.micro_batch_size:
-                    continue
-                m = lbs // mbs
-                for s in sp.pp_schedules:
-                    if s != "GPipe" and m < pp:
-                        _count(pruned, f"{s}: fewer microbatches than stages")
-                        continue
-                    for v in (sp.stages_per_rank if s == "Interleaved1F1B" else (1,)):
-                        if pp * v > L:
-                            _count(pruned, "more pipeline stages than layers")
-                            continue
-                        batch.append((lbs, mbs, PP_SCHEDULES[s], v))
-        for p in perm_ids:
-            for lbs, mbs, s, v in batch:
-                rows["combo"].append(i)
-                rows["perm"].append(p)
-                rows["lbs"].append(lbs)
-                rows["mbs"].append(mbs)
-                rows["sched"].append(s)
-                rows["v"].append(v)
-    out: dict[str, Any] = {k: np.array(v, dtype=np.int64) for k, v in rows.items()}
-    out["combos"] = c
+    used = np.unique(rows[:, 0])
+    deg = {a: combos[used, k] for k, a in enumerate(AXES)}
+    sig = np.stack([_signature(deg, combos[used, 5], combos[used, 6], combos[used, 7], o, gpn) for o in perms], axis=1)
+    perm_ids = {int(u): sorted(np.unique(sig[j], axis=0, return_index=True)[1].tolist()) for j, u in enumerate(used)}
+    reps = np.array([len(perm_ids[int(ci)]) for ci in rows[:, 0]], dtype=np.int64)
+    out: dict[str, Any] = {"combo": np.repeat(rows[:, 0], reps), "lbs": np.repeat(rows[:, 1], reps),
+                           "mbs": np.repeat(rows[:, 2], reps), "sched": np.repeat(rows[:, 3], reps),
+                           "v": np.repeat(rows[:, 4], reps)}
+    out["perm"] = np.array([p for ci in rows[:, 0] for p in perm_ids[int(ci)]], dtype=np.int64)
+    out["combos"] = combos
     out["perms"] = perms
     return out
 
 
-def _shell_batch(deg, ep, etp) -> PlanBatch:
-    """A PlanBatch with just the degrees set (enough for group_rpn)."""
-    n = len(ep)
-    z = np.zeros(n, dtype=np.int64)
-    f = np.zeros(n, dtype=bool)
-    return PlanBatch(pp=deg["pp"], dp_replicate=deg["dp_replicate"], dp_shard=deg["dp_shard"], cp=deg["cp"],
-                     tp=deg["tp"], ep=ep, etp=etp, ep_ddp=f, seq_len=z, local_batch_size=z, micro_batch_size=z,
-                     global_batch_size=z, sched=z, v=z, sp=f, raf=f, raf_always=f, ac=z, ac_every=z, compile=f,
-                     float8=f, ac_wraps_compile=f, param_bytes=z, reduce_bytes=z, rpn={})
+def _signature(deg: dict, ep, etp, ep_ddp, order: tuple, gpn: int) -> np.ndarray:
+    """Ranks per node of every communication group of these degrees in this device order."""
+    cols = {**deg, "ep": ep, "etp": etp, "ep_ddp": ep_ddp, "seq_len": 1, "global_batch_size": 1,
+            "local_batch_size": 1, "micro_batch_size": 1, "sched": 0, "v": 1, "sp": False, "raf_mode": 0, "ac": 0,
+            "ac_every": 1, "compile": False, "float8": False, "param_dtype": 0, "reduce_dtype": 0, "mesh_idx": 0,
+            "wrapper_idx": 0}
+    r = group_rpn(batch_of(cols, (order,), (DEFAULT_ORDER,), None), order, gpn)
+    return np.stack([r[k] for k in sorted(r)], axis=1)
 
 
 def _options(sp: SearchSpace, hw: HardwareProfile) -> tuple[np.ndarray, list]:
@@ -298,68 +290,31 @@ def _options(sp: SearchSpace, hw: HardwareProfile) -> tuple[np.ndarray, list]:
     return np.array(rows, dtype=np.int64), orders
 
 
-def _reshard(choice: np.ndarray, pp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(reshard_after_forward, reshard the output layer too) of RESHARD_CHOICES indices; default = no PP."""
-    dflt = pp == 1
-    raf = np.select([choice == 0, choice == 1, choice == 2], [dflt, ~dflt, np.ones_like(dflt)], np.zeros_like(dflt))
-    return raf, (choice == 2) | ((choice == 1) & ~dflt)
+def _raf_mode(choice: np.ndarray, pp: np.ndarray) -> np.ndarray:
+    """RESHARD_CHOICES index -> RAF_MODES index; flip is the non-default: never without PP, always with it."""
+    named = np.array([RAF_MODES.index(c) if c in RAF_MODES else 0 for c in RESHARD_CHOICES])[choice]
+    return np.where(choice == RESHARD_CHOICES.index("flip"),
+                    np.where(pp == 1, RAF_MODES.index("never"), RAF_MODES.index("always")), named)
 
 
-def _reshard_name(choice: int, pp: int) -> str:
-    name = RESHARD_CHOICES[choice]
-    return ("never" if pp == 1 else "always") if name == "flip" else name
-
-
-def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace, gpn: int) -> tuple:
+def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace, gpn: int | None) -> PlanBatch:
+    """Plans ``lo..hi`` of the space (base row x option row) as a batch."""
     idx = np.arange(lo, hi, dtype=np.int64)
-    n_opt = len(opts)
-    bi, oi = idx // n_opt, idx % n_opt
+    bi, oi = idx // len(opts), idx % len(opts)
     c = base["combos"][base["combo"][bi]]
     o = opts[oi]
-    pp = c[:, 0]
-    lbs = base["lbs"][bi]
-    raf, raf_always = _reshard(o[:, 4], pp)
-    n = len(idx)
-    seq_par = (c[:, 4] > 1) & (sp.sequence_parallel is not False)
-    b = PlanBatch(
-        pp=pp, dp_replicate=c[:, 1], dp_shard=c[:, 2], cp=c[:, 3], tp=c[:, 4], ep=c[:, 5], etp=c[:, 6],
-        ep_ddp=np.zeros(n, bool), seq_len=np.full(n, sp.seq_len), local_batch_size=lbs,
-        micro_batch_size=base["mbs"][bi], global_batch_size=np.full(n, sp.global_batch_size),
-        sched=base["sched"][bi], v=base["v"][bi], sp=seq_par, raf=raf, raf_always=raf_always,
-        ac=o[:, 0], ac_every=o[:, 1], compile=o[:, 2].astype(bool), float8=o[:, 3].astype(bool),
-        ac_wraps_compile=o[:, 5].astype(bool), param_bytes=np.full(n, 2), reduce_bytes=np.full(n, 4), rpn={},
-    )
-    # ranks per node: per device order present in the chunk
-    perm = base["perm"][bi]
-    rpn: dict | None = None
-    for p in np.unique(perm):
-        m = perm == p
-        r = group_rpn(b.take(np.nonzero(m)[0]), base["perms"][p], gpn)
-        if rpn is None:
-            rpn = {k: np.ones(n, dtype=np.int64) for k in r}
-        for k, v in r.items():
-            rpn[k][m] = v
-    b.rpn = rpn or {}
-    return b, bi, oi
+    cols = {**{a: c[:, k] for k, a in enumerate(AXES + ("ep", "etp", "ep_ddp"))},
+            "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size, "local_batch_size": base["lbs"][bi],
+            "micro_batch_size": base["mbs"][bi], "sched": base["sched"][bi], "v": base["v"][bi],
+            "sp": sp.sequence_parallel, "raf_mode": _raf_mode(o[:, 4], c[:, 0]), "ac": o[:, 0], "ac_every": o[:, 1],
+            "compile": o[:, 2], "float8": o[:, 3], "param_dtype": DTYPES.index("bfloat16"),
+            "reduce_dtype": DTYPES.index("float32"), "mesh_idx": base["perm"][bi], "wrapper_idx": o[:, 6]}
+    return batch_of(cols, tuple(base["perms"]), tuple(base["orders"]), gpn)
 
 
 def plan_of(base: dict, opts: np.ndarray, gi: int, sp: SearchSpace) -> Plan:
-    """Rebuild the Plan of global index ``gi``."""
-    n_opt = len(opts)
-    bi, oi = gi // n_opt, gi % n_opt
-    c = base["combos"][base["combo"][bi]]
-    o = opts[oi]
-    pp = int(c[0])
-    ac_code, every = int(o[0]), int(o[1])
-    ac = {v: k for k, v in AC_MODES.items()}[ac_code]
-    ac = f"layer:{every}" if ac == "layer" else ac
-    return Plan(pp=pp, dp_replicate=int(c[1]), dp_shard=int(c[2]), cp=int(c[3]), tp=int(c[4]), ep=int(c[5]),
-                etp=int(c[6]), mesh_order=tuple(base["perms"][base["perm"][bi]]), seq_len=sp.seq_len,
-                local_batch_size=int(base["lbs"][bi]), global_batch_size=sp.global_batch_size,
-                micro_batch_size=int(base["mbs"][bi]), pp_schedule=SCHED_NAMES[int(base["sched"][bi])],
-                pp_stages_per_rank=int(base["v"][bi]), fsdp_reshard_after_forward=_reshard_name(int(o[4]), pp), ac=ac,
-                compile=bool(o[2]), float8=bool(o[3]), wrapper_order=base["orders"][int(o[6])],
-                sequence_parallel=sp.sequence_parallel)
+    """The Plan of global index ``gi``."""
+    return decode(_chunk_batch(base, opts, gi, gi + 1, sp, None), 0)
 
 
 def _pareto(times: np.ndarray, mems: np.ndarray, ids: np.ndarray):
@@ -381,8 +336,7 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     check_number("--gpus", n_gpus, 1, MAX_GPUS, integer=True)
     gpn = hw.gpus_per_node
     res = SearchResult(usable_memory_bytes=hw.usable_memory_bytes * (1.0 - sp.headroom))
-    combos = _degree_combos(spec, n_gpus, sp, res.pruned_structural)
-    base = _base_rows(spec, combos, sp, gpn, res.pruned_structural)
+    base = _base_rows(spec, n_gpus, sp, gpn, res.pruned_structural)
     opts, base["orders"] = _options(sp, hw)
     total = len(base.get("combo", ())) * len(opts)
     res.considered = total
@@ -406,7 +360,7 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     limit = res.usable_memory_bytes
     for lo in range(0, total, chunk):
         hi = min(total, lo + chunk)
-        b, _, _ = _chunk_batch(base, opts, lo, hi, sp, gpn)
+        b = _chunk_batch(base, opts, lo, hi, sp, gpn)
         r = evaluate(spec, b, hw)
         gid = np.arange(lo, hi, dtype=np.int64)
         mem, step = r["peak_memory_bytes"], r["step_time_s"]
@@ -414,7 +368,7 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
         res.evaluated += hi - lo
         res.fitting += int(fits.sum())
         if csv_writer is not None:
-            csv_writer(base, opts, gid, r, fits)
+            csv_writer(b, r, fits)
         if not fits.all():
             j = int(np.argmin(mem))
             if mem[j] < closest[0]:

@@ -127,7 +127,7 @@ def test_trace_interleaved_full_ac_matches_the_model():
 def test_torch_schedules_keep_as_many_microbatches_in_flight_as_the_model_says():
     """The cost model's in-flight formula against torch.distributed.pipelining's own pipeline order (the trace takes
     its order from torch, so this is what keeps the two independent and in agreement)."""
-    from parsim.costmodel.batch import PlanBatch
+    from parsim.codec import encode
     from parsim.costmodel.layers import FIRST, LAST
     from parsim.costmodel.step import _inflight
     from parsim.executor.trace import max_inflight, torch_schedule_order
@@ -139,7 +139,7 @@ def test_torch_schedules_keep_as_many_microbatches_in_flight_as_the_model_says()
                 for m in (pp, 2 * pp, 4 * pp):
                     plan = Plan(pp=pp, local_batch_size=m, micro_batch_size=1, pp_schedule=sched,
                                 pp_stages_per_rank=v, seq_len=256)
-                    b = PlanBatch.from_plans([plan], 8)
+                    b = encode([plan], 8)
                     for rank, which in ((0, FIRST), (pp - 1, LAST)):
                         torch_peak = max_inflight(torch_schedule_order(sched, pp, v, m, rank)) / v
                         assert float(_inflight(b, which)[0]) == pytest.approx(torch_peak), (sched, pp, v, m, rank)

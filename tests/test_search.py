@@ -168,3 +168,64 @@ def test_contradictory_pins_and_huge_spaces_are_refused():
                            (["--tp", "2"], "give --gpus")):
         r = runner.invoke(app, ["search", "--model", "tiny", *args])
         assert r.exit_code == 2 and fragment in r.stderr, (args, r.output)
+
+
+@pytest.mark.parametrize("model,gpus,gbs,seq", [("tiny", 8, 12, 36), ("tiny-moe", 12, 8, 36)])
+def test_search_prunes_exactly_the_plans_plan_refuses_for_the_same_reason(model, gpus, gbs, seq):
+    """Every (degrees, batch split) of a small space, before pruning: the rule search prunes a row for is the rule
+    ``Plan`` refuses it for (RuleError.rule), and a row search keeps is a Plan that validates."""
+    from collections import Counter
+
+    from parsim.codec import RuleError, invalid_reasons, plan_kwargs
+    from parsim.plan import Plan
+    from parsim.search import candidates
+
+    spec = PRESETS[model]
+    sp = SearchSpace(global_batch_size=gbs, seq_len=seq, stages_per_rank=(1, 2, 3), max_local_batch_size=8)
+    _, _, b = candidates(spec, gpus, sp)
+    reasons = invalid_reasons(b, spec)
+    seen: Counter = Counter()
+    for i in range(len(b)):
+        try:
+            Plan(**plan_kwargs(b, i)).validate_for(spec, gpus)
+            got = ""
+        except RuleError as e:
+            got = e.rule
+        assert got == reasons[i], (plan_kwargs(b, i), got, reasons[i])
+        seen[got] += 1
+    # the space exercises most rules, and keeps some plans
+    assert seen[""] > 0 and len(seen) >= (8 if spec.moe else 7), seen
+    res = search(spec, load_profile("cpu-gloo-4"), gpus, sp)
+    assert res.pruned_structural == {k: n for k, n in seen.items() if k}
+
+
+def test_codec_round_trips_plans():
+    """encode -> decode gives back the same plan (same plan_id) for plans that use every field."""
+    from parsim.codec import decode, encode
+    from parsim.plan import Plan
+
+    plans = [Plan(), Plan(pp=2, dp_shard=2, tp=2, local_batch_size=4, micro_batch_size=1, global_batch_size=16,
+                      pp_schedule="Interleaved1F1B", pp_stages_per_rank=2, ac="layer:2", compile=True,
+                      fsdp_reshard_after_forward="always", param_dtype="float32", wrapper_order=("pp", "tp", "compile",
+                                                                                                 "ac", "fsdp"),
+                      mesh_order=("tp", "cp", "dp_shard", "dp_replicate", "pp")),
+             Plan(dp_replicate=4, dp_shard=2, ep=4, ep_from="dp_replicate", sequence_parallel=False, ac="selective-op",
+                  fsdp_reshard_after_forward="never", float8=True, reduce_dtype="bfloat16"),
+             Plan(dp_shard=4, tp=2, ep=4, etp=2, ac="full", seq_len=512)]
+    b = encode(plans, 8)
+    assert [decode(b, i).plan_id for i in range(len(plans))] == [p.plan_id for p in plans]
+    res = search(PRESETS["tiny-moe"], load_profile("cpu-gloo-4"), 8, SearchSpace(global_batch_size=8, seq_len=256))
+    for plan, *_ in res.top:  # decoded from the search's own columns
+        assert decode(encode([plan], 4), 0) == plan
+
+
+def test_ddp_style_expert_parallel_is_searched():
+    """EP borrowed from dp_replicate (Megatron's DDP + EP) is part of the MoE space, and can be pinned away."""
+    spec = PRESETS["tiny-moe"]
+    hw = load_profile("cpu-gloo-4")
+    res = search(spec, hw, 8, SearchSpace(global_batch_size=8, seq_len=256, dp_replicate=(4,), ep=(4,),
+                                         ep_from=("dp_replicate",)))
+    assert res.top and all(p.ep_from == "dp_replicate" and p.ep == 4 for p, *_ in res.top)
+    only_tt = search(spec, hw, 8, SearchSpace(global_batch_size=8, seq_len=256, ep_from=("dp_shard",)))
+    both = search(spec, hw, 8, SearchSpace(global_batch_size=8, seq_len=256))
+    assert both.considered > only_tt.considered

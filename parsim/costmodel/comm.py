@@ -41,7 +41,6 @@ import numpy as np
 
 from .layers import ac_counts as _ac_counts
 
-TWO = 2.0  # [assumed] bytes of an activation element: bf16 (fp32 plans are not modelled: they move twice this)
 FSDP_OVERLAPS = ("fsdp_gather", "fsdp_reduce")
 
 
@@ -166,11 +165,11 @@ def rank_comm(spec, b, sh, hw, rv: RankView) -> dict:
 
 
 def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> None:
-    """TP + SP per microbatch. Activations are bf16 under FSDP mixed precision; under autocast (no data
-    parallelism) the residual stream is fp32: the forward all-gathers of norm outputs (and their recomputes), the
-    embedding's backward all-gather and the reduce-scatters of their gradients move fp32 (``res_b``); the forward
-    reduce-scatters of matmul outputs and the backward all-gathers of their (bf16) gradients move bf16 (matched
-    byte for byte on CPU runs)."""
+    """TP + SP per microbatch. Activations are in param_dtype (``act_b``) under FSDP mixed precision; under
+    autocast (no data parallelism) the residual stream is fp32: the forward all-gathers of norm outputs (and their
+    recomputes), the embedding's backward all-gather and the reduce-scatters of their gradients move fp32
+    (``res_b``); the forward reduce-scatters of matmul outputs and the backward all-gathers of their gradients move
+    param_dtype (matched byte for byte on CPU runs)."""
     T, t, d = sh.T, sh.t, float(spec.d_model)
     L = rv.n_layers
     edge = np.where(rv.has_emb, 1.0, 0.0) + np.where(rv.has_out, 1.0, 0.0)
@@ -185,15 +184,15 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> Non
     rs_mm = 2.0 * L + n_full
     led.add("TP all-gather of norm outputs before the column-parallel linears (incl. recompute)", "all_gather", "tp",
             T * d / t * sh.res_b, M * ag_res, g, r, "forward+backward", "exposed", tp_on & sp)
-    led.add("TP all-gather of row-parallel output gradients", "all_gather", "tp", T * d / t * TWO, M * ag_mm, g, r,
-            "backward", "exposed", tp_on & sp)
+    led.add("TP all-gather of row-parallel output gradients", "all_gather", "tp", T * d / t * sh.act_b, M * ag_mm,
+            g, r, "backward", "exposed", tp_on & sp)
     led.add("TP reduce-scatter of row-parallel outputs (incl. full-AC recompute)", "reduce_scatter", "tp",
-            T * d * TWO, M * rs_mm, g, r, "forward", "exposed", tp_on & sp)
+            T * d * sh.act_b, M * rs_mm, g, r, "forward", "exposed", tp_on & sp)
     led.add("TP reduce-scatter of norm-output gradients", "reduce_scatter", "tp", T * d * sh.res_b, M * rs_res, g, r,
             "backward", "exposed", tp_on & sp)
     ar_calls = 4.0 * L + n_full + 2.0 * n_sac + edge  # full AC: early stop skips the MLP's all-reduce, as above
-    led.add("TP all-reduce of partial sums (no sequence parallel)", "all_reduce", "tp", T * d * TWO, M * ar_calls,
-            g, r, "forward+backward", "exposed", tp_on & ~sp)
+    led.add("TP all-reduce of partial sums (no sequence parallel)", "all_reduce", "tp", T * d * sh.act_b,
+            M * ar_calls, g, r, "forward+backward", "exposed", tp_on & ~sp)
     # SP: norm weights are replicated over tp but see only their sequence shard: their gradients (param dtype;
     # reduce dtype under PP, accumulated first) are all-reduced over tp once per pass — two norms per layer and
     # the final norm on the last stage
@@ -205,7 +204,7 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> Non
 
 def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac) -> None:
     L = rv.n_layers
-    kv = sh.T * (spec.kv_dim + spec.v_dim) / sh.t * TWO
+    kv = sh.T * (spec.kv_dim + spec.v_dim) / sh.t * sh.act_b
     cp_on, g, r = b.cp > 1, b.cp, b.rpn["cp"]
     led.add("CP all-gather of K and V (forward, recompute, backward)", "all_gather", "cp", kv,
             M * (2.0 * L + n_full + n_sac), g, r, "forward+backward", "exposed", cp_on)
@@ -215,7 +214,7 @@ def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac)
         n_moe = rv.n_of[True]
         full_moe = ac[True][0]
         led.add("EP all-to-all dispatch and combine of routed tokens (fwd, bwd, full-AC recompute)", "all_to_all",
-                "ep", sh.Tr * spec.d_model * TWO, M * (4.0 * n_moe + 2.0 * full_moe), b.ep, b.rpn["ep"],
+                "ep", sh.Tr * spec.d_model * sh.act_b, M * (4.0 * n_moe + 2.0 * full_moe), b.ep, b.rpn["ep"],
                 "forward+backward", "exposed", b.ep > 1)
 
 

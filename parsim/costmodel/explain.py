@@ -4,10 +4,10 @@ tensors one layer saves under each AC mode. Used by ``parsim predict --explain``
 
 from __future__ import annotations
 
+from ..codec import encode
 from ..hardware import HardwareProfile
 from ..plan import Plan
 from ..spec import ModelSpec
-from .batch import PlanBatch
 from .layers import FIRST, LAST, Shapes, kept_by_ac_mode, saved_tensors
 from .step import block_overheads, evaluate, layer_compute_items
 
@@ -15,7 +15,7 @@ from .step import block_overheads, evaluate, layer_compute_items
 def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
     """A JSON-ready account of one plan's prediction (SI units, per rank and step unless a name says otherwise)."""
     plan.validate_for(spec)
-    b = PlanBatch.from_plans([plan], hw.gpus_per_node)
+    b = encode([plan], hw.gpus_per_node)
     r = evaluate(spec, b, hw, detail=True)
     rank = int(r["time_rank"][0])
     ledger = [{"what": rec.what, "key": rec.key, "calls": float(rec.calls[0]),

@@ -69,7 +69,12 @@ class Shapes:
         self.sp_div = np.where(b.sp, self.t, 1.0)
         # without data parallelism FSDP applies no mixed precision: autocast keeps the residual stream (block
         # inputs, norm inputs) in fp32 while matmuls produce bf16
-        self.res_b = np.where((b.dp_replicate * b.dp_shard * b.cp == 1) & (b.param_bytes < 4), 4.0, 2.0)
+        self.res_b = np.where((b.dp_replicate * b.dp_shard * b.cp == 1) & (b.param_bytes < 4), 4.0,
+                              b.param_bytes.astype(float))
+        # [derived] bytes of an activation element: FSDP2's MixedPrecisionPolicy casts the parameters to
+        # param_dtype, so linears, attention and the elementwise ops between them produce param_dtype tensors
+        # (bf16: 2 B; an fp32 plan, the fast dtype of CPUs without bf16 instructions: 4 B)
+        self.act_b = b.param_bytes.astype(float)
         self.seq = b.seq_len.astype(float)
         self.etp = b.etp_eff.astype(float)
         self.ep = b.ep.astype(float)
@@ -120,7 +125,7 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     output), other (elementwise / norm inputs)."""
     T, t, sd = sh.T, sh.t, sh.sp_div
     d = spec.d_model
-    b2, b4 = 2.0, 4.0
+    b2, b4 = sh.act_b, 4.0  # activations in param_dtype; norm rstd, logsumexp, router scores in fp32 [derived]
     rb = sh.res_b
     out = [
         ("attention_norm.input", T * d / sd * rb, "input"),
@@ -151,7 +156,7 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
             ("ffn_norm.input", T * d / sd * rb, "other"), ("ffn_norm.rstd", T / sd * b4, "other"),
             ("ffn_norm.output(gathered)", T * d * b2, "other")]
     if not moe:
-        out += _mlp_saved(spec, T, spec.d_ff / t, "mlp", T * d * b2)
+        out += _mlp_saved(spec, T, spec.d_ff / t, "mlp", T * d * b2, b2)
     else:
         mo = spec.moe
         assert mo is not None
@@ -159,15 +164,14 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
         out += [("router.logits", t_router * mo.n_experts * b4, "mm"),
                 ("router.probs", t_router * mo.n_experts * b4, "other"),
                 ("experts.input(permuted)", sh.Tr * d * b2, "other")]
-        out += _mlp_saved(spec, sh.Tr, mo.d_ff_expert / sh.etp, "experts", sh.Tr * d * b2, kind="gmm")
+        out += _mlp_saved(spec, sh.Tr, mo.d_ff_expert / sh.etp, "experts", sh.Tr * d * b2, b2, kind="gmm")
         if mo.n_shared_experts:
-            out += _mlp_saved(spec, T, mo.d_ff_expert * mo.n_shared_experts / t, "shared", T * d * b2)
+            out += _mlp_saved(spec, T, mo.d_ff_expert * mo.n_shared_experts / t, "shared", T * d * b2, b2)
     out.append(("mlp.reduce_scatter.out", np.where(sd > 1, T * d / sd * b2, 0.0), "rs"))
     return out
 
 
-def _mlp_saved(spec, T, ff_local, prefix, out_bytes, kind="mm"):
-    b2 = 2.0
+def _mlp_saved(spec, T, ff_local, prefix, out_bytes, b2, kind="mm"):
     if spec.mlp == "swiglu":
         return [(f"{prefix}.w1.out", T * ff_local * b2, kind), (f"{prefix}.silu.out", T * ff_local * b2, "other"),
                 (f"{prefix}.w3.out", T * ff_local * b2, kind), (f"{prefix}.w2.input", T * ff_local * b2, "other"),

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..codec import PlanBatch, encode
 from ..hardware import HardwareProfile
 from ..plan import Plan
 from ..results import Prediction
 from ..spec import ModelSpec
 from . import comm as C
-from .batch import PlanBatch
 from .layers import (
     FIRST,
     LAST,
@@ -138,7 +138,7 @@ def block_overheads(hw: HardwareProfile) -> tuple[float, float]:
     dtype = block["dtype"] if block["dtype"] in ("float32", "bfloat16") else "bfloat16"
     plan = Plan(seq_len=block["seq_len"], local_batch_size=max(1, block["tokens"] // block["seq_len"]),
                 param_dtype=dtype)
-    b = PlanBatch.from_plans([plan], hw.gpus_per_node)
+    b = encode([plan], hw.gpus_per_node)
     cost = _layer_costs(spec, b, Shapes(spec, b), hw, spec.is_moe_layer(0), overheads=(0.0, 0.0), compute_scale=1.0)
     fwd = max(0.0, block["time_fwd_s"] - float(cost["fwd"][0]))
     bwd = max(0.0, (block["time_fwd_bwd_s"] - block["time_fwd_s"]) - float(cost["bwd"][0]))
@@ -298,9 +298,10 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     # the loss: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the end of forward under loss
     # parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the log-softmax output,
     # the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read off the live
-    # storages at the peak of executor traces). Plus the final norm's input and gathered output.
-    per_logit = np.where(b.tp > 1, 10.0, 12.0)  # [measured] in executor traces (see above)
-    logits_bytes = np.where(rv.has_out, c["logits"] * per_logit + sh.T * d * 2.0 + sh.T * d / sh.sp_div * 2.0, 0.0)
+    # storages at the peak of executor traces). Plus the final norm's input and gathered output. An fp32 plan has
+    # no separate fp32 copy of its logits: 8 B/logit under loss parallel [derived from the bf16 case].
+    per_logit = np.where(b.tp > 1, sh.act_b + np.where(sh.act_b < 4, 4.0, 0.0) + 4.0, 12.0)  # [measured] bf16
+    logits_bytes = np.where(rv.has_out, c["logits"] * per_logit + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
     # the embedding's backward (first stage) materializes a dense gradient of the full vocabulary, also under TP
     # (seen in traces with torch 2.13's RowwiseParallel embedding); without PP FSDP then reduce-scatters it (input
     # in reduce_dtype), with PP it accumulates it unsharded in reduce_dtype at full vocabulary size, beside the
@@ -399,7 +400,7 @@ def _model_flops_per_token(spec: ModelSpec, b: PlanBatch) -> np.ndarray:
 def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
     """Predict one plan (the same vectorized code on a batch of one)."""
     plan.validate_for(spec)
-    b = PlanBatch.from_plans([plan], hw.gpus_per_node)
+    b = encode([plan], hw.gpus_per_node)
     r = evaluate(spec, b, hw, detail=True)
     tb = {k: float(v[0]) for k, v in r["time_breakdown_s"].items() if k in TIME_KEYS or float(v[0]) > 0}
     mb = {k: float(v[0]) for k, v in r["memory_breakdown_bytes"].items()}

@@ -1,0 +1,376 @@
+"""One plan codec and one set of rules.
+
+``PlanBatch`` holds many plans as a struct of numpy arrays (one column per Plan field, names and device/wrapper
+orders as indices into tuples the batch carries), so that the cost model evaluates a million plans at once.
+``encode`` (Plans -> batch), ``batch_of`` (columns -> batch, what search builds) and ``decode`` (row -> Plan) are the
+only places a Plan is turned into columns or back; resolved defaults (sequence parallel on when tp > 1, reshard
+after forward off with PP, dtype bytes, whether AC wraps compile) are derived here, once.
+
+``RULES`` are the structural rules a plan must satisfy, vectorized: ``invalid_reasons(b, spec)`` gives each row the
+key of the first rule it breaks (``""`` when none). ``Plan`` validation raises ``RuleError`` with that key and a
+message that shows the arithmetic; search prunes with the same function and counts the same keys (tested: the plans
+search prunes are exactly the plans ``Plan`` refuses, for the same reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import ParsimError
+from .plan import AC_MODES, AXES, PP_SCHEDULES, RAF_MODES, parse_ac, ranks_per_node
+from .units import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from .plan import Plan
+    from .spec import ModelSpec
+
+DTYPES = ("float32", "bfloat16", "float16")
+SCHED_NAMES = {v: k for k, v in PP_SCHEDULES.items()}
+AC_NAMES = {v: k for k, v in AC_MODES.items()}
+GROUPS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "fsdp", "ep", "efsdp", "edp")
+
+
+@dataclass
+class PlanBatch:
+    pp: np.ndarray
+    dp_replicate: np.ndarray
+    dp_shard: np.ndarray
+    cp: np.ndarray
+    tp: np.ndarray
+    ep: np.ndarray
+    etp: np.ndarray
+    ep_ddp: np.ndarray  # bool: EP borrowed from dp_replicate (Megatron DDP+EP) instead of dp_shard*cp*tp
+    seq_len: np.ndarray
+    local_batch_size: np.ndarray
+    micro_batch_size: np.ndarray
+    global_batch_size: np.ndarray
+    sched: np.ndarray  # PP_SCHEDULES code
+    v: np.ndarray  # stages per rank
+    sp: np.ndarray  # bool, resolved sequence parallel
+    raf_mode: np.ndarray  # index into RAF_MODES
+    ac: np.ndarray  # AC_MODES code
+    ac_every: np.ndarray
+    compile: np.ndarray  # bool
+    float8: np.ndarray  # bool
+    param_dtype: np.ndarray  # index into DTYPES
+    reduce_dtype: np.ndarray  # index into DTYPES
+    mesh_idx: np.ndarray  # index into mesh_orders
+    wrapper_idx: np.ndarray  # index into wrapper_orders
+    mesh_orders: tuple = (AXES,)
+    wrapper_orders: tuple = ()
+    rpn: dict | None = None  # group name -> ranks of that group per node (None: no node size given)
+
+    def __len__(self) -> int:
+        return len(self.pp)
+
+    def take(self, idx) -> PlanBatch:
+        kw = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name not in _SHARED}
+        rpn = None if self.rpn is None else {k: v[idx] for k, v in self.rpn.items()}
+        return PlanBatch(mesh_orders=self.mesh_orders, wrapper_orders=self.wrapper_orders, rpn=rpn, **kw)
+
+    # ---- resolved and derived columns (computed on first use; the columns are not changed after construction) ----
+    @cached_property
+    def raf(self):
+        """reshard_after_forward in effect: default = on without PP, off with PP (torchtitan)."""
+        return np.where(self.raf_mode == 0, self.pp == 1, self.raf_mode == 1)
+
+    @cached_property
+    def raf_always(self):
+        """'always' reshards the output layer too (torchtitan's default keeps the last unit gathered)."""
+        return self.raf_mode == 1
+
+    @cached_property
+    def ac_wraps_compile(self):
+        """AC applied after compile (AC(compile(block))): the recompute is counted twice."""
+        wraps = np.array([o.index("ac") > o.index("compile") for o in self.wrapper_orders] or [False])
+        return wraps[self.wrapper_idx]
+
+    @cached_property
+    def param_bytes(self):
+        return _DTYPE_BYTES[self.param_dtype]
+
+    @cached_property
+    def reduce_bytes(self):
+        return _DTYPE_BYTES[self.reduce_dtype]
+
+    @cached_property
+    def dp(self):
+        return self.dp_replicate * self.dp_shard
+
+    @cached_property
+    def n_micro(self):
+        return self.local_batch_size // self.micro_batch_size
+
+    @cached_property
+    def grad_accum(self):
+        return self.global_batch_size // (self.local_batch_size * self.dp)
+
+    @cached_property
+    def fsdp(self):
+        """Degree of the FSDP group of non-expert parameters (torchtitan shards over dp_shard x cp)."""
+        return self.dp_shard * self.cp
+
+    @cached_property
+    def etp_eff(self):
+        """Expert tensor-parallel degree in effect: without EP, torchtitan TP-shards the experts like any MLP."""
+        return np.where(self.ep == 1, self.tp, self.etp)
+
+    @cached_property
+    def efsdp(self):
+        """FSDP degree of the routed experts: with their block when ep == 1, else what dp2ep leaves."""
+        tt = self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+        return np.where((self.ep == 1) | self.ep_ddp, self.dp_shard * self.cp, tt)
+
+    @cached_property
+    def world(self):
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+
+_SHARED = ("mesh_orders", "wrapper_orders", "rpn")
+_DTYPE_BYTES = np.array([DTYPE_BYTES[d] for d in DTYPES], dtype=np.int64)
+_INT_COLS = tuple(f.name for f in fields(PlanBatch) if f.name not in _SHARED)
+_BOOL_COLS = ("ep_ddp", "sp", "compile", "float8")
+
+
+def batch_of(cols: dict, mesh_orders: tuple, wrapper_orders: tuple, gpus_per_node: int | None) -> PlanBatch:
+    """A batch from its columns (arrays or scalars broadcast to the batch length); ``sp`` may be None for the
+    default (on when tp > 1). Ranks per node of every group are computed per device order when the node size is
+    given."""
+    sizes = [np.size(v) for v in cols.values() if v is not None and np.ndim(v) > 0]
+    n = max(sizes) if sizes else 1
+    kw: dict[str, Any] = {}
+    for name in _INT_COLS:
+        v = cols[name]
+        if name == "sp" and v is None:
+            v = np.asarray(cols["tp"]) > 1
+        kw[name] = np.broadcast_to(np.asarray(v, dtype=bool if name in _BOOL_COLS else np.int64), (n,))
+    kw["sp"] = kw["sp"] & (kw["tp"] > 1)
+    b = PlanBatch(mesh_orders=tuple(mesh_orders), wrapper_orders=tuple(wrapper_orders), **kw)
+    if gpus_per_node is not None:
+        b.rpn = _rpn(b, gpus_per_node)
+    return b
+
+
+def _rpn(b: PlanBatch, gpus_per_node: int) -> dict:
+    out = {k: np.ones(len(b), dtype=np.int64) for k in GROUPS}
+    for m in np.unique(b.mesh_idx):
+        idx = np.nonzero(b.mesh_idx == m)[0]
+        for k, v in group_rpn(b.take(idx), b.mesh_orders[int(m)], gpus_per_node).items():
+            out[k][idx] = v
+    return out
+
+
+def encode(plans: list[Plan], gpus_per_node: int | None) -> PlanBatch:
+    """Plans -> batch (one row per plan, in order)."""
+    meshes = list(dict.fromkeys(p.mesh_order for p in plans))
+    wrappers = list(dict.fromkeys(p.wrapper_order for p in plans))
+    acs = [parse_ac(p.ac) for p in plans]
+
+    def col(f):
+        return [f(p) for p in plans]
+
+    cols = {a: col(lambda p, a=a: getattr(p, a)) for a in AXES + ("ep", "etp", "seq_len", "local_batch_size",
+                                                                   "micro_batch_size", "global_batch_size")}
+    cols.update(
+        ep_ddp=col(lambda p: p.ep_from == "dp_replicate"), sched=col(lambda p: PP_SCHEDULES[p.pp_schedule]),
+        v=col(lambda p: p.pp_stages_per_rank), sp=col(lambda p: bool(p.sequence_parallel)),
+        raf_mode=col(lambda p: RAF_MODES.index(p.fsdp_reshard_after_forward)),
+        ac=[AC_MODES[m] for m, _ in acs], ac_every=[e for _, e in acs], compile=col(lambda p: p.compile),
+        float8=col(lambda p: p.float8), param_dtype=col(lambda p: DTYPES.index(p.param_dtype)),
+        reduce_dtype=col(lambda p: DTYPES.index(p.reduce_dtype)),
+        mesh_idx=col(lambda p: meshes.index(p.mesh_order)), wrapper_idx=col(lambda p: wrappers.index(p.wrapper_order)),
+    )
+    return batch_of(cols, tuple(meshes), tuple(wrappers), gpus_per_node)
+
+
+def _row(p: Plan) -> PlanBatch:
+    """One plan as a batch of numpy scalars (what ``encode`` gives for one plan, without its array overhead: a
+    Plan checks its rules on construction)."""
+    i, t = np.int64, np.bool_
+    mode, every = parse_ac(p.ac)
+    kw: dict[str, Any] = dict(
+        pp=i(p.pp), dp_replicate=i(p.dp_replicate), dp_shard=i(p.dp_shard), cp=i(p.cp), tp=i(p.tp), ep=i(p.ep),
+        etp=i(p.etp), ep_ddp=t(p.ep_from == "dp_replicate"), seq_len=i(p.seq_len),
+        local_batch_size=i(p.local_batch_size), micro_batch_size=i(p.micro_batch_size),
+        global_batch_size=i(p.global_batch_size), sched=i(PP_SCHEDULES[p.pp_schedule]), v=i(p.pp_stages_per_rank),
+        sp=t(bool(p.sequence_parallel) and p.tp > 1), raf_mode=i(RAF_MODES.index(p.fsdp_reshard_after_forward)),
+        ac=i(AC_MODES[mode]), ac_every=i(every), compile=t(p.compile), float8=t(p.float8),
+        param_dtype=i(DTYPES.index(p.param_dtype)), reduce_dtype=i(DTYPES.index(p.reduce_dtype)), mesh_idx=i(0),
+        wrapper_idx=i(0), mesh_orders=(p.mesh_order,), wrapper_orders=(p.wrapper_order,))
+    return PlanBatch(**kw)
+
+
+def plan_kwargs(b: PlanBatch, i: int) -> dict:
+    """The Plan fields of row ``i`` (unvalidated: ``Plan(**plan_kwargs(b, i))`` checks them)."""
+    g = {f.name: getattr(b, f.name)[i].item() for f in fields(b) if f.name not in _SHARED}
+    ac = AC_NAMES[g["ac"]]
+    return dict(
+        pp=g["pp"], dp_replicate=g["dp_replicate"], dp_shard=g["dp_shard"], cp=g["cp"], tp=g["tp"], ep=g["ep"],
+        etp=g["etp"], ep_from="dp_replicate" if g["ep_ddp"] else "dp_shard", mesh_order=b.mesh_orders[g["mesh_idx"]],
+        seq_len=g["seq_len"], local_batch_size=g["local_batch_size"], global_batch_size=g["global_batch_size"],
+        micro_batch_size=g["micro_batch_size"], pp_schedule=SCHED_NAMES[g["sched"]], pp_stages_per_rank=g["v"],
+        sequence_parallel=g["sp"], fsdp_reshard_after_forward=RAF_MODES[g["raf_mode"]],
+        ac=f"layer:{g['ac_every']}" if ac == "layer" else ac, compile=g["compile"], float8=g["float8"],
+        param_dtype=DTYPES[g["param_dtype"]], reduce_dtype=DTYPES[g["reduce_dtype"]],
+        wrapper_order=b.wrapper_orders[g["wrapper_idx"]],
+    )
+
+
+def names(b: PlanBatch) -> dict[str, np.ndarray]:
+    """The named Plan fields of every row as string arrays (what a CSV or a table shows), vectorized."""
+    ac = np.array([AC_NAMES.get(k, "") for k in range(max(AC_NAMES) + 1)], dtype=object)[b.ac]
+    ac = np.where(ac == "layer", "layer:" + b.ac_every.astype(str).astype(object), ac)
+    return {
+        "ep_from": np.where(b.ep_ddp, "dp_replicate", "dp_shard"),
+        "mesh_order": np.array([",".join(o) for o in b.mesh_orders])[b.mesh_idx],
+        "pp_schedule": np.array([SCHED_NAMES[k] for k in range(len(SCHED_NAMES))])[b.sched],
+        "fsdp_reshard_after_forward": np.array(RAF_MODES)[b.raf_mode],
+        "ac": ac.astype(str),
+        "param_dtype": np.array(DTYPES)[b.param_dtype], "reduce_dtype": np.array(DTYPES)[b.reduce_dtype],
+        "wrapper_order": np.array([",".join(o) for o in b.wrapper_orders] or [""])[b.wrapper_idx],
+    }
+
+
+def decode(b: PlanBatch, i: int) -> Plan:
+    from .plan import Plan
+
+    return Plan(**plan_kwargs(b, i))
+
+
+def group_rpn(b: PlanBatch, order: tuple[str, ...], gpus_per_node: int) -> dict:
+    """Ranks per node of every communication group, for plans that share one device order.
+
+    EP groups (torchtitan dp2ep) take the innermost ``ep`` ranks of the flattened dp_shard x cp (x tp when etp = 1)
+    block, and the expert-FSDP group the rest; DDP-style EP takes the innermost ranks of dp_replicate."""
+    deg = {a: getattr(b, a) for a in AXES}
+    out = {a: ranks_per_node(deg, order, gpus_per_node, (a,)) for a in AXES}
+    out["fsdp"] = ranks_per_node(deg, order, gpus_per_node, ("dp_shard", "cp"))
+    block = np.where(b.etp == 1, ranks_per_node(deg, order, gpus_per_node, ("dp_shard", "cp", "tp")), out["fsdp"])
+    ep_tt = np.minimum(b.ep, block)
+    efsdp_tt = np.maximum(1, block // np.maximum(b.ep, 1))
+    out["ep"] = np.where(b.ep_ddp, np.minimum(b.ep, out["dp_replicate"]), ep_tt)
+    out["efsdp"] = np.where(b.ep_ddp, out["fsdp"], efsdp_tt)
+    out["edp"] = np.maximum(1, out["dp_replicate"] // np.maximum(b.ep, 1))
+    return out
+
+
+# ---- rules ------------------------------------------------------------------------------------------------------
+
+
+class RuleError(ParsimError):
+    """A plan that breaks a structural rule; ``rule`` is the key search counts its pruned plans under."""
+
+    def __init__(self, rule: str, message: str):
+        super().__init__(message)
+        self.rule = rule
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str  # short reason, the same in search's pruning counters and in Plan's refusal
+    needs_spec: bool
+    broken: Callable  # (PlanBatch, ModelSpec | None) -> bool array
+    message: Callable  # (Plan, ModelSpec | None) -> one line with the arithmetic
+
+
+def _uses_ep(b):
+    return (b.ep > 1) | (b.etp > 1)
+
+
+def _kv(spec):
+    return spec.n_heads if spec.mla else spec.n_kv_heads
+
+
+def _tp_msg(p, s):
+    what, n = next((w, n) for w, n in (("n_heads", s.n_heads), ("n_kv_heads", _kv(s)), ("d_ff", s.d_ff)) if n % p.tp)
+    return f"{s.name}: {what} {n} is not divisible by tp {p.tp} ({n} % {p.tp} = {n % p.tp})"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("global batch not a multiple of local batch x dp", False,
+         lambda b, s: b.global_batch_size % (b.local_batch_size * b.dp) != 0,
+         lambda p, s: f"global batch {p.global_batch_size} is not a multiple of local batch x dp = "
+                      f"{p.local_batch_size} x {p.dp} = {p.local_batch_size * p.dp} "
+                      f"({p.global_batch_size} % {p.local_batch_size * p.dp} = "
+                      f"{p.global_batch_size % (p.local_batch_size * p.dp)})"),
+    Rule("local batch not a multiple of micro batch", False,
+         lambda b, s: b.local_batch_size % b.micro_batch_size != 0,
+         lambda p, s: f"local batch {p.local_batch_size} is not a multiple of micro batch {p.micro_batch_size}"),
+    Rule("micro batch != local batch without PP", False,
+         lambda b, s: (b.pp == 1) & (b.micro_batch_size != b.local_batch_size),
+         lambda p, s: f"micro batch {p.micro_batch_size} != local batch {p.local_batch_size} without PP; use global "
+                      "batch for gradient accumulation"),
+    Rule("Interleaved1F1B with one stage per rank", False,
+         lambda b, s: (b.sched == PP_SCHEDULES["Interleaved1F1B"]) & (b.pp > 1) & (b.v < 2),
+         lambda p, s: "Interleaved1F1B needs pp_stages_per_rank >= 2"),
+    Rule("several stages per rank without an interleaved schedule", False,
+         lambda b, s: (b.sched != PP_SCHEDULES["Interleaved1F1B"]) & (b.v != 1),
+         lambda p, s: f"{p.pp_schedule} runs one stage per rank, got pp_stages_per_rank={p.pp_stages_per_rank}"),
+    Rule("several stages per rank without PP", False,
+         lambda b, s: (b.pp == 1) & (b.v != 1),
+         lambda p, s: f"pp_stages_per_rank={p.pp_stages_per_rank} needs pp > 1"),
+    Rule("fewer microbatches than stages", False,
+         lambda b, s: (b.pp > 1) & (b.sched != PP_SCHEDULES["GPipe"]) & (b.n_micro < b.pp),
+         lambda p, s: f"{p.pp_schedule} needs at least pp={p.pp} microbatches, got local batch / micro batch = "
+                      f"{p.local_batch_size} / {p.micro_batch_size} = {p.n_microbatches}"),
+    Rule("seq_len not divisible by 2 x cp", False,
+         lambda b, s: (b.cp > 1) & (b.seq_len % (2 * b.cp) != 0),
+         lambda p, s: f"seq_len {p.seq_len} is not divisible by 2 x cp = {2 * p.cp} (CP load balancing)"),
+    Rule("seq_len / cp not divisible by tp (sequence parallel)", False,
+         lambda b, s: b.sp & ((b.seq_len // b.cp) % b.tp != 0),
+         lambda p, s: f"sequence parallel needs seq_len / cp = {p.seq_len // p.cp} divisible by tp = {p.tp}"),
+    Rule("etp neither 1 nor tp", False,
+         lambda b, s: _uses_ep(b) & (b.etp != 1) & (b.etp != b.tp),
+         lambda p, s: f"etp must be 1 or tp={p.tp}, got {p.etp}"),
+    Rule("dp_shard x cp x tp not divisible by ep x etp", False,
+         lambda b, s: _uses_ep(b) & ~b.ep_ddp & ((b.dp_shard * b.cp * b.tp) % (b.ep * b.etp) != 0),
+         lambda p, s: f"dp2ep needs dp_shard x cp x tp = {p.dp_shard} x {p.cp} x {p.tp} = "
+                      f"{p.dp_shard * p.cp * p.tp} divisible by ep x etp = {p.ep} x {p.etp} = {p.ep * p.etp}"),
+    Rule("dp_replicate not divisible by ep (DDP-style EP)", False,
+         lambda b, s: _uses_ep(b) & b.ep_ddp & (b.dp_replicate % b.ep != 0),
+         lambda p, s: f"DDP-style EP needs dp_replicate {p.dp_replicate} divisible by ep {p.ep}"),
+    Rule("tp does not divide heads / kv heads / d_ff", True,
+         lambda b, s: (s.n_heads % b.tp != 0) | (_kv(s) % b.tp != 0) | (s.d_ff % b.tp != 0), _tp_msg),
+    Rule("more pipeline stages than layers", True,
+         lambda b, s: b.pp * b.v > s.n_layers,
+         lambda p, s: f"{s.name}: {s.n_layers} layers cannot fill pp x stages per rank = {p.pp} x "
+                      f"{p.pp_stages_per_rank} = {p.pp * p.pp_stages_per_rank} stages"),
+    Rule("expert parallelism on a dense model", True,
+         lambda b, s: _uses_ep(b) & (s.moe is None),
+         lambda p, s: f"{s.name} is dense: ep/etp > 1 needs a MoE model"),
+    Rule("experts do not divide over ep", True,
+         lambda b, s: _uses_ep(b) & (s.moe is not None) & ((s.moe.n_experts if s.moe else 1) % b.ep != 0),
+         lambda p, s: f"{s.name}: {s.moe.n_experts} experts do not divide over ep {p.ep} "
+                      f"({s.moe.n_experts} % {p.ep} = {s.moe.n_experts % p.ep})"),
+    Rule("expert width not divisible by etp", True,
+         lambda b, s: _uses_ep(b) & (s.moe is not None) & ((s.moe.d_ff_expert if s.moe else 1) % b.etp != 0),
+         lambda p, s: f"{s.name}: expert width {s.moe.d_ff_expert} not divisible by etp {p.etp}"),
+)
+
+
+def invalid_reasons(b: PlanBatch, spec: ModelSpec | None = None) -> np.ndarray:
+    """Key of the first rule each row breaks, ``""`` where none (rules needing a model are skipped without one)."""
+    if np.ndim(b.pp) == 0:  # one plan as scalars (``_row``): plain truth values, no array overhead
+        active = [r for r in RULES if spec is not None or not r.needs_spec]
+        return np.array([next((r.key for r in active if r.broken(b, spec)), "")], dtype=object)
+    out = np.full(len(b), "", dtype=object)
+    open_ = np.ones(len(b), dtype=bool)
+    for rule in RULES:
+        if rule.needs_spec and spec is None:
+            continue
+        hit = open_ & np.broadcast_to(np.asarray(rule.broken(b, spec), dtype=bool), (len(b),))
+        out[hit] = rule.key
+        open_ &= ~hit
+    return out
+
+
+def check_rules(plan: Plan, spec: ModelSpec | None = None) -> None:
+    """Raise RuleError for the first rule ``plan`` breaks (the model's rules only when ``spec`` is given)."""
+    key = invalid_reasons(_row(plan), spec)[0]
+    if key:
+        raise RuleError(key, next(r for r in RULES if r.key == key).message(plan, spec))
