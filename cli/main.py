@@ -399,6 +399,120 @@ def profile(
     print_profile(hw)
 
 
+@app.command()
+@guarded
+def validate(
+    model: str = typer.Option("tiny", "--model", help="measured tier: preset to run"),
+    nproc_per_node: int = typer.Option(2, "--nproc-per-node", help="measured tier: CPU ranks (gloo)"),
+    out: str = typer.Option(..., "--out", help="results folder (measurements.jsonl, rows.json, summary.json)"),
+    published: Optional[str] = typer.Option(None, "--published", help="a CSV in the schema of "
+                                            "shared/published/dev.csv: predict its rows, run nothing"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="profile to predict with [cpu-gloo-<ranks>; "
+                                          "published: each row's spec-sheet profile]"),
+    rounds: int = typer.Option(2, "--rounds", help="interleaved repetitions of every plan"),
+    steps: int = typer.Option(5, "--steps", help="timed steps per run (after 2 warm-up steps)"),
+    max_plans: int = typer.Option(0, "--max-plans", help="run only the first N plans of the space (0: all)"),
+    timeout: float = typer.Option(600.0, "--timeout", help="seconds per run"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Put predictions beside measurements: run a small space here (resumable), or predict published runs."""
+    from pathlib import Path
+
+    from cli.loop import print_summary, validate_measured, validate_published
+    from parsim.errors import ParsimError
+    from parsim.jsonio import check_output_path
+    from parsim.procs import check_timeout
+
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ParsimError(f"--out {out} exists and is not a folder")
+    check_output_path(out + "/summary.json", make_parents=True)
+    if published:
+        summary = validate_published(published, out, profile)
+    else:
+        check_timeout(timeout)
+        summary = validate_measured(model, nproc_per_node, out, profile=profile, rounds=rounds, steps=steps,
+                                    max_plans=max_plans, timeout_s=timeout)
+    if as_json:
+        emit_json(summary)
+    else:
+        print_summary(summary)
+
+
+@app.command()
+@guarded
+def calibrate(
+    dirs: list[str] = typer.Argument(..., help="folders written by `parsim validate`"),
+    params: Optional[str] = typer.Option(None, "--params", help="comma-separated parameters to fit, of "
+                                         "gemm_eff_max attention_eff_max memory_efficiency compile_memory_factor "
+                                         "layer_overhead comm_scale_tp comm_scale_dp comm_scale_pp comm_scale_ep "
+                                         "[all but attention_eff_max and comm_scale_pp]"),
+    folds: int = typer.Option(5, "--folds", help="cross-validation folds (grouped by plan family / source table)"),
+    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="where NAME-cal.json goes [profiles/]"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Fit named profile parameters to validation results; report out-of-fold accuracy; size the intervals."""
+    from cli.loop import calibrate_dirs, print_calibration
+    from parsim.errors import ParsimError
+
+    if not 2 <= folds <= 100:
+        raise ParsimError(f"--folds must be in 2..100, got {folds}")
+    out = calibrate_dirs(dirs, params, folds, out_dir)
+    if as_json:
+        emit_json(out)
+    else:
+        print_calibration(out)
+
+
+@app.command()
+@guarded
+def report(
+    dirs: list[str] = typer.Argument(..., help="folders written by `parsim validate` (and `calibrate`)"),
+    html: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
+    csv: Optional[str] = typer.Option(None, "--csv", help="write the predicted-vs-measured table here"),
+    plotly_js: str = typer.Option("inline", "--plotly-js", help="inline (self-contained, ~4.7 MB) | cdn (one "
+                                  "script tag, small, needs the network to draw)"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Predicted vs measured per plan or published row: table, statistics, and an HTML page with plots."""
+    from cli.loop import load_rows
+    from parsim.errors import ParsimError
+    from parsim.jsonio import check_output_path
+    from parsim.report_html import build_table, write_html
+
+    if plotly_js not in ("inline", "cdn"):
+        raise ParsimError(f"--plotly-js takes inline or cdn, got {plotly_js!r}")
+    for p in (html, csv):
+        if p:
+            check_output_path(p)
+    rows = load_rows(dirs)
+    table, stats = build_table(rows, dirs)
+    if csv:
+        from parsim.jsonio import atomic_write_text
+
+        atomic_write_text(csv, table.to_csv(index=False))
+    if html:
+        write_html(html, table, stats, dirs, plotly_js)
+    if as_json:
+        emit_json({"stats": stats, "rows": table.astype(object).where(table.notna(), None).to_dict("records")})
+        return
+    from rich.console import Console
+
+    from cli.loop import print_summary_table
+
+    con = Console()
+    print_summary_table(con, stats)
+    from rich.table import Table
+
+    t = Table(title="largest errors")
+    for c in ("plan or row", "model", "measured ms", "shown ms", "error"):
+        t.add_column(c, justify="left" if c in ("plan or row", "model") else "right")
+    for r in table.sort_values("abs_err", ascending=False).head(10).itertuples():
+        t.add_row(r.describe, r.model, f"{r.measured_ms:.1f}", f"{r.shown_ms:.1f}", f"{r.err_pct:+.0f}%")
+    con.print(t)
+    if html:
+        con.print(f"wrote {html}")
+
+
 def _click_exceptions() -> tuple[tuple, tuple]:
     """(usage-error classes, abort classes) of click and of the click that newer typer versions vendor."""
     usage, abort = [], []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from parsim.units import MS, GiB
@@ -129,13 +131,16 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     t = Table(title=f"top {min(top, len(res.top))} plans (per GPU)")
     for col, just in (("#", "right"), ("degrees", "left"), ("device order", "left"), ("pp sched", "left"),
                       ("lbs/mbs", "right"), ("AC", "left"), ("compile", "left"), ("fp8", "left"),
-                      ("reshard", "left"), ("step ms", "right"), ("tok/s/GPU", "right"), ("MFU", "right"),
+                      ("reshard", "left"), ("step ms", "right"), ("90% interval", "right"), ("tok/s/GPU", "right"),
+                      ("MFU", "right"),
                       ("mem GiB", "right"), ("dominant", "left")):
         t.add_column(col, justify=just)
+    q = math.exp(hw.interval_log_halfwidth)
     for i, (plan, step, mem, tps, mfu, dom) in enumerate(res.top[:top], 1):
         t.add_row(str(i), plan.describe(), _order_str(plan), _sched_str(plan),
                   f"{plan.local_batch_size}/{plan.micro_batch_size}", plan.ac, "y" if plan.compile else "n",
-                  "y" if plan.float8 else "n", plan.fsdp_reshard_after_forward, f"{step / MS:.1f}", f"{tps:,.0f}",
+                  "y" if plan.float8 else "n", plan.fsdp_reshard_after_forward, f"{step / MS:.1f}",
+                  f"{step / q / MS:.0f}-{step * q / MS:.0f}", f"{tps:,.0f}",
                   f"{mfu * 100:.1f}%", f"{mem / GiB:.1f}", dom)
     con.print(t)
     pt = Table(title=f"Pareto front: step time vs memory ({len(res.pareto)} plans)")

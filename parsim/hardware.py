@@ -30,6 +30,16 @@ from .jsonio import atomic_write_json, read_json  # noqa: F401 (atomic_write_jso
 SCHEMA_VERSION = 1
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send")
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+# Interval half-widths (log of the ratio) of profiles no calibration has sized, 90% split-conformal quantiles of
+# |log(predicted / measured)| of the uncalibrated model:
+UNCALIBRATED_LOG_HALFWIDTH = {
+    # [measured] 104 scored rows of shared/published/dev.csv with the spec-sheet profiles (q = 0.561, x/÷ 1.75),
+    # `parsim validate --published ../shared/published/dev.csv`, 2026-11-22; rounded up
+    "spec-sheet": 0.6,
+    # [measured] 39 plans of the CPU tier before calibration (q = 0.273, x/÷ 1.31; tiny / tiny-moe on 2 and 4 gloo
+    # ranks, 3 interleaved rounds, bench/reports/validate-cpu), 2026-11-22; rounded up
+    "measured": 0.3,
+}
 
 
 def busbw_factor(op: str, n):
@@ -147,6 +157,9 @@ class HardwareProfile:
     comm_overlap: bool = True  # collectives run beside compute (NCCL streams); gloo on CPU blocks the rank
     samples: dict = field(default_factory=dict)  # raw measurements (or a path to them), kept for refits
     corrections: dict = field(default_factory=dict)  # multiplicative corrections fitted by calibrate
+    # written by `parsim calibrate`: interval_log_halfwidth (the split-conformal q of its out-of-fold residuals),
+    # the fitted factors, their cross-validated accuracy and the data used
+    calibration: dict = field(default_factory=dict)
     source: str = "spec-sheet"  # spec-sheet | measured
     assumptions: tuple = ()
     provenance: dict = field(default_factory=dict)
@@ -193,6 +206,10 @@ class HardwareProfile:
             raise ParsimError(f"corrections must be an object, got {self.corrections!r}")
         for k, v in self.corrections.items():
             check_number(f"corrections.{k}", v, 0.0, 1e6, low_open=k.endswith("_scale"))
+        if not isinstance(self.calibration, dict):
+            raise ParsimError(f"calibration must be an object, got {self.calibration!r}")
+        if "interval_log_halfwidth" in self.calibration:
+            check_number("calibration.interval_log_halfwidth", self.calibration["interval_log_halfwidth"], 0.0, 10.0)
         for n in ("samples", "provenance"):
             if not isinstance(getattr(self, n), dict):
                 raise ParsimError(f"{n} must be an object, got {getattr(self, n)!r}")
@@ -206,6 +223,13 @@ class HardwareProfile:
     @property
     def usable_memory_bytes(self) -> float:
         return self.memory_bytes - self.memory_reserved_bytes
+
+    @property
+    def interval_log_halfwidth(self) -> float:
+        """Half-width q of step-time intervals [t e^-q, t e^q]: the calibration's out-of-fold conformal quantile,
+        else the uncalibrated error of profiles of this kind (``UNCALIBRATED_LOG_HALFWIDTH``)."""
+        q = self.calibration.get("interval_log_halfwidth")
+        return float(q) if q is not None else UNCALIBRATED_LOG_HALFWIDTH[self.source]
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

@@ -40,7 +40,10 @@ def print_prediction(pred: Prediction, spec, plan) -> None:
     fit = "[green]fits[/green]" if pred.fits else "[red]does NOT fit[/red]"
     con.print(f"{fit}: peak {pred.peak_memory_bytes / GiB:.2f} GiB of {pred.memory_capacity_bytes / GiB:.2f} GiB "
               "usable; "
-              f"step {pred.step_time_s / MS:.1f} ms, {pred.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+              f"step {pred.step_time_s / MS:.1f} ms"
+              + (f" (90% interval {pred.interval_s[0] / MS:.1f}-{pred.interval_s[1] / MS:.1f} ms)"
+                 if pred.interval_s else "")
+              + f", {pred.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
               f"MFU {pred.mfu * 100:.1f}%, dominant cost {pred.dominant_cost}")
 
 

@@ -28,7 +28,8 @@ class Prediction:
     tokens_per_s_per_gpu: float
     mfu: float
     plan: dict = field(default_factory=dict)
-    interval_s: tuple | None = None
+    interval_s: tuple | None = None  # [low, high] of step_time_s (90%: the profile's interval_log_halfwidth)
+    interval_tokens_per_s_per_gpu: tuple | None = None
     # seconds per "<op>/<axis>" on the rank whose step time is reported (the keys of comm_bytes): raw (the calls'
     # time, as if nothing overlapped) and exposed (what the step waits for: the comm_<axis> entries of
     # time_breakdown_s are their sums per axis)
@@ -59,8 +60,11 @@ class Prediction:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["interval_s"] is None:
-            d.pop("interval_s")
+        for k in ("interval_s", "interval_tokens_per_s_per_gpu"):
+            if d[k] is None:
+                d.pop(k)
+            else:
+                d[k] = list(d[k])
         return d
 
 

@@ -403,9 +403,11 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
 
 def result_to_dict(res: SearchResult, spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace,
                    top: int) -> dict:
+    q = math.exp(hw.interval_log_halfwidth)
+
     def row(plan, step, mem, *rest):
-        d = {"plan_id": plan.plan_id, "describe": plan.describe(), "step_time_s": step, "peak_memory_bytes": mem,
-             "plan": plan.to_dict()}
+        d = {"plan_id": plan.plan_id, "describe": plan.describe(), "step_time_s": step,
+             "interval_s": [step / q, step * q], "peak_memory_bytes": mem, "plan": plan.to_dict()}
         if rest:
             d.update(tokens_per_s_per_gpu=rest[0], mfu=rest[1], dominant_cost=rest[2])
         return d

@@ -33,6 +33,8 @@ parameter, foreach AdamW). All hold the sharded fp32 params and AdamW states.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..codec import PlanBatch, encode
@@ -243,6 +245,20 @@ def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile
     return {"fwd": fwd, "bwd": bwd, "rec": rec, "act": act, "transient": transient, "logits": logits}
 
 
+def _bubble(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb):
+    """Pipeline bubble of one rank: ``ga (pp - 1) / v`` microbatch-times (Narayanan et al. 2021, sec. 2.2).
+
+    Ranks sharing cores (``compute_scale`` s = ranks per core > 1, measured by the profiler): a rank idle in the
+    bubble gives its core to the ranks that share it, so the work is limited by the cores, not stretched on the
+    critical path. With W = M x compute per microbatch at full speed, the step's compute takes
+    ``max(s W, W + bubble at full speed)`` [derived]: the bubble adds time only beyond what the shared cores need
+    anyway. With s = 1 this is the plain bubble."""
+    s = float(hw.corrections.get("compute_scale", 1.0))
+    full_speed_mb = t_mb - compute_mb + compute_mb / s  # exposed comm per microbatch is not stretched by s
+    bubble1 = ga * (b.pp - 1) / b.v * full_speed_mb
+    return np.maximum(0.0, M * compute_mb / s + bubble1 - M * compute_mb)
+
+
 def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rank: int, rv: C.RankView,
                    costs: dict) -> dict:
     """Step time (itemized) and peak memory (itemized, the largest of four moments) of one rank."""
@@ -259,7 +275,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     _set_exposed(cm["ledger"], fsdp_exposed, cm["fsdp_ag_total_s"] + cm["fsdp_red_total_s"])
     opt = p_shard * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
     tb = {"compute_forward": M * c["fwd"], "compute_backward": M * c["bwd"], "recompute": M * c["rec"],
-          "pp_bubble": ga * (b.pp - 1) / b.v * t_mb, "optimizer": opt}
+          "pp_bubble": _bubble(b, hw, M, ga, c["fwd"] + c["bwd"] + c["rec"], t_mb), "optimizer": opt}
     for axis, tt in cm["ledger"].exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
         tb["comm_" + axis] = tt
     phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard)
@@ -409,6 +425,7 @@ def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
     comm_t = {k: float(r["comm_time_s"].get(k, [0.0])[0]) for k in keys}
     exposed = {k: float(r["exposed_comm_time_s"].get(k, [0.0])[0]) for k in keys}
     pp_last = plan.pp - 1
+    step, tps, q = float(r["step_time_s"][0]), float(r["tokens_per_s_per_gpu"][0]), hw.interval_log_halfwidth
     return Prediction(
         plan_id=plan.plan_id, model=spec.name, profile=hw.name, n_gpus=plan.world_size,
         fits=bool(r["fits"][0]), peak_memory_bytes=float(r["peak_memory_bytes"][0]),
@@ -418,4 +435,6 @@ def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
         memory_breakdown_bytes=mb, step_time_s=float(r["step_time_s"][0]), time_breakdown_s=tb, comm_bytes=comm,
         tokens_per_s_per_gpu=float(r["tokens_per_s_per_gpu"][0]), mfu=float(r["mfu"][0]), plan=plan.to_dict(),
         comm_time_s=comm_t, exposed_comm_time_s=exposed,
+        interval_s=(step * math.exp(-q), step * math.exp(q)),
+        interval_tokens_per_s_per_gpu=(tps * math.exp(-q), tps * math.exp(q)),
     )

@@ -1,0 +1,232 @@
+"""Plain functions behind `parsim validate`, `report` and `calibrate` (rendering: rich on stderr/stdout)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from parsim.errors import ParsimError
+
+
+def _progress():
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    err = Console(stderr=True)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=not err.is_terminal)
+
+
+def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | None, rounds: int, steps: int,
+                      max_plans: int, timeout_s: float) -> dict:
+    from parsim import validate as V
+    from parsim.hardware import load_profile
+    from parsim.spec import load_model
+
+    if nproc < 1 or nproc > 64:
+        raise ParsimError(f"--nproc-per-node must be in 1..64, got {nproc}")
+    if rounds < 1 or steps < 1:
+        raise ParsimError("--rounds and --steps must be >= 1")
+    spec = load_model(model)
+    plans = V.measured_plans(spec, nproc)
+    if max_plans:
+        plans = plans[:max_plans]
+    hw = load_profile(profile or f"cpu-gloo-{nproc}")  # checked before anything runs
+    out = Path(out_dir)
+    with _progress() as prog:
+        task = prog.add_task(f"{model} on {nproc} ranks", total=len(plans) * rounds)
+
+        def tick(done, total, what):
+            prog.update(task, completed=done, description=what[:60])
+
+        V.run_measured(model, nproc, out, rounds=rounds, steps=steps, timeout_s=timeout_s, plans=plans,
+                       progress=tick)
+    return _measured_summary(out, profile, hw)
+
+
+def _measured_summary(out: Path, profile: str | None, hw) -> dict:
+    """Rows and summary over every measurement in the folder (earlier models and rank counts included)."""
+    from parsim import validate as V
+    from parsim.hardware import load_profile
+
+    lines = V.load_measurements(out / "measurements.jsonl")
+    rows = []
+    for nproc in sorted({ln["nproc"] for ln in lines}):
+        prof = hw if profile else load_profile(f"cpu-gloo-{nproc}")
+        rows += V.measured_rows([ln for ln in lines if ln["nproc"] == nproc], prof)
+    summary = V.summarize(rows)
+    V.write_results(out, rows, summary, {"tier": "measured", "profile": profile or "cpu-gloo-<ranks>"})
+    return summary
+
+
+def validate_published(csv: str, out_dir: str, profile: str | None) -> dict:
+    from parsim import validate as V
+    from parsim.hardware import load_profile
+
+    profiles = {}
+    if profile:
+        hw = load_profile(profile)
+        base = hw.provenance.get("calibrated_from", hw.name)
+        profiles[base] = hw
+    rows = V.published_rows(csv, profiles)
+    summary = V.summarize(rows)
+    V.write_results(Path(out_dir), rows, summary, {"tier": "published", "csv": csv, "profile": profile or "spec"})
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    con = Console()
+    t = Table(title=f"validation: {summary['n_ok']} of {summary['n_rows']} rows scored "
+                    f"({summary['n_unrepresentable']} unrepresentable, {summary['n_low_confidence']} low confidence)")
+    for c in ("", "step mean |err|", "median", "max", "Spearman", "coverage", "half-width"):
+        t.add_column(c, justify="right" if c else "left")
+
+    def add(name, s):
+        if not s or s.get("step_time_mape") is None:
+            return
+        t.add_row(name, pct(s["step_time_mape"]), pct(s.get("step_time_median_ape")), pct(s.get("step_time_max_ape")),
+                  "-" if s.get("spearman") is None else f"{s['spearman']:.2f}", pct(s.get("interval_coverage")),
+                  pct(s.get("interval_median_rel_halfwidth")))
+        rule = s.get("constant_mfu_rule")
+        if rule:
+            t.add_row(f"  constant-MFU rule ({name})", pct(rule["step_time_mape"]), "", pct(rule["step_time_max_ape"]),
+                      "-" if rule.get("spearman") is None else f"{rule['spearman']:.2f}", "", "")
+
+    add("parsim", summary)
+    for src, s in (summary.get("by_source") or {}).items():
+        add(src, s)
+    con.print(t)
+    if summary.get("top1_regret") is not None:
+        con.print(f"top-1 regret (worst comparable set): {pct(summary['top1_regret'])}")
+    if summary.get("memory_mape") is not None:
+        con.print(f"peak memory: mean |err| {pct(summary['memory_mape'])}, max {pct(summary['memory_max_ape'])} "
+                  f"over {summary['memory_n']} rows")
+
+
+def load_rows(dirs: list[str]) -> list[dict]:
+    import json
+
+    rows = []
+    for d in dirs:
+        p = Path(d) / "rows.json"
+        if not p.is_file():
+            raise ParsimError(f"{d}: no rows.json (run `parsim validate --out {d}` first)")
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise ParsimError(f"cannot read {p}: {e}") from None
+        if not isinstance(data, list):
+            raise ParsimError(f"{p}: expected a list of rows")
+        for r in data:
+            r.setdefault("dir", d)
+        rows += data
+    return rows
+
+
+def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str | None) -> dict:
+    """Fit, cross-validate, write the calibrated profile(s) and each folder's calibration.json."""
+    import math
+    import os
+
+    from parsim import calibrate as C
+    from parsim.hardware import PROFILES_DIR, load_profile
+    from parsim.jsonio import atomic_write_json, check_output_path
+    from parsim.validate import summarize
+
+    names = tuple(p.strip() for p in params.split(",")) if params else C.DEFAULT_PARAMETERS
+    rows = load_rows(dirs)
+    profiles = {n: load_profile(n) for n in sorted({r["profile"] for r in rows if r.get("profile")})}
+    target = Path(out_dir) if out_dir else PROFILES_DIR
+    for n in profiles:
+        check_output_path(target / f"{n}-cal.json", make_parents=True)
+    res = C.calibrate(rows, profiles, names, folds)
+    scored = res["rows"]
+    q = res["interval_log_halfwidth"]
+    views = {}
+    for key, pred, half in (("uncalibrated", res["uncalibrated"], None), ("in_sample", res["in_sample"], None),
+                            ("out_of_fold", res["out_of_fold"], res["interval_fold_halfwidth"])):
+        view = []
+        for i, r in enumerate(scored):
+            v = dict(r, predicted_step_s=float(pred[i]))
+            v["interval_s"] = None if half is None or not math.isfinite(half[i]) else \
+                [float(pred[i] * math.exp(-half[i])), float(pred[i] * math.exp(half[i]))]
+            view.append(v)
+        views[key] = summarize(view)
+    stats = {"out_of_fold": views["out_of_fold"], "in_sample": views["in_sample"],
+             "uncalibrated": views["uncalibrated"]}
+    written = []
+    for n, hw in profiles.items():
+        new = C.calibrated_profile(hw, res, {k: _headline(v) for k, v in stats.items()}, list(dirs))
+        written.append(os.path.relpath(new.save(target / f"{n}-cal.json")))
+    for d in dirs:
+        mine = [i for i, r in enumerate(scored) if r["dir"] == d]
+        atomic_write_json(Path(d) / "calibration.json", {
+            "factors": res["factors"], "interval_log_halfwidth": q, "profiles": written, "stats": stats,
+            "rows": {scored[i]["plan_id"] + "/" + scored[i]["model"]: {
+                "out_of_fold_step_s": float(res["out_of_fold"][i]), "in_sample_step_s": float(res["in_sample"][i]),
+                "fold": int(res["folds"][i]), "fold_log_halfwidth": _finite(res["interval_fold_halfwidth"][i])}
+                for i in mine}})
+    return {"factors": res["factors"], "parameters": {n: C.PARAMETERS[n][0] for n in names},
+            "interval_log_halfwidth": q, "n_rows": len(scored), "folds": int(max(res["folds"]) + 1),
+            "profiles_written": written, **stats}
+
+
+def _finite(x):
+    import math
+
+    return float(x) if math.isfinite(x) else None
+
+
+def _headline(s: dict) -> dict:
+    keys = ("n", "step_time_mape", "step_time_max_ape", "spearman", "interval_coverage",
+            "interval_median_rel_halfwidth", "top1_regret")
+    return {k: s.get(k) for k in keys}
+
+
+def print_calibration(out: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title=f"calibration: {out['n_rows']} rows, {out['folds']} grouped folds")
+    t.add_column("parameter")
+    t.add_column("factor", justify="right")
+    t.add_column("scales")
+    for n, f in out["factors"].items():
+        t.add_row(n, f"{f:.3f}", out["parameters"][n])
+    con.print(t)
+    print_summary_table(con, {k: out[k] for k in ("uncalibrated", "in_sample", "out_of_fold")})
+    con.print(f"90% interval: x/÷ {__import__('math').exp(out['interval_log_halfwidth']):.3f}; wrote "
+              + ", ".join(out["profiles_written"]))
+
+
+def print_summary_table(con, views: dict) -> None:
+    from rich.table import Table
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    t = Table(title="step time")
+    for c in ("", "mean |err|", "max", "Spearman", "top-1 regret", "coverage", "half-width"):
+        t.add_column(c, justify="right" if c else "left")
+    for name, s in views.items():
+        t.add_row(name, pct(s.get("step_time_mape")), pct(s.get("step_time_max_ape")),
+                  "-" if s.get("spearman") is None else f"{s['spearman']:.2f}", pct(s.get("top1_regret")),
+                  pct(s.get("interval_coverage")), pct(s.get("interval_median_rel_halfwidth")))
+        rule = s.get("constant_mfu_rule")
+        if rule and name == "uncalibrated":
+            t.add_row("constant-MFU rule (LOO)", pct(rule["step_time_mape"]), pct(rule["step_time_max_ape"]),
+                      "-" if rule.get("spearman") is None else f"{rule['spearman']:.2f}", "", "", "")
+    con.print(t)

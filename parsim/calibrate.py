@@ -1,0 +1,191 @@
+"""`parsim calibrate`: fit a few named, physical parameters of a profile to validation rows, cross-validated, and
+give every prediction an interval from the out-of-fold residuals.
+
+Parameters (``PARAMETERS``) are multiplicative factors on quantities the profile already has, shared by every row:
+the GEMM and attention efficiency ceilings (``eff_max``), the memory-bound efficiency (eager and under
+torch.compile), the collective time per class of axis (``comm_scale_tp/dp/pp/ep``: achieved time in a training step
+vs the profile's fitted curves of isolated collectives, e.g. TP's small messages on the critical path of
+oversubscribed cores) and the per-layer overhead (dispatch, autograd: ``block_overheads``). Never a factor per
+plan, per row or per source. The fit minimises ``sum_i rho(log(pred_i / measured_i))``
+(``scipy.optimize.least_squares``, soft-L1 loss with a scale of 10%, bounds on every factor) plus a weak pull of
+every log-factor towards 0 (weight ``PRIOR``) so that a parameter the rows do not constrain stays at its measured
+value instead of drifting.
+
+Cross-validation: rows are grouped (``family``: plans that differ only in options; for published rows the source
+table) and the groups dealt into k folds; each fold is predicted by a fit on the others (out-of-fold). The accuracy
+a user is shown is the out-of-fold one.
+
+Intervals (split-conformal on the log ratio, Vovk et al. 2005; Lei et al. 2018, "Distribution-free predictive
+inference for regression"): with out-of-fold residuals ``r_i = |log(pred_i / measured_i)|`` of n rows, the
+half-width is ``q = r_(k)``, the k-th smallest, ``k = ceil((n + 1)(1 - alpha))``; a new prediction t gets
+``[t e^-q, t e^q]``, which covers the measured value with probability >= 1 - alpha when rows are exchangeable. The
+coverage reported by cross-validation uses, for each fold, the q of the other folds' out-of-fold residuals (the
+fold's own residuals never size its own interval).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from datetime import datetime, timezone
+
+import numpy as np
+
+from .codec import encode
+from .costmodel.step import block_overheads, evaluate
+from .errors import ParsimError
+from .hardware import EfficiencyCurve, HardwareProfile
+from .plan import Plan
+from .spec import ModelSpec, load_model
+
+# name -> (what it scales, lower and upper bound of the factor)
+PARAMETERS = {
+    "gemm_eff_max": ("gemm_efficiency.eff_max (capped at 1)", 0.2, 5.0),
+    "attention_eff_max": ("attention_efficiency.eff_max (capped at 1)", 0.2, 5.0),
+    "memory_efficiency": ("memory_efficiency (capped at 1)", 0.2, 5.0),
+    "compile_memory_factor": ("compile_memory_bound_factor: memory-bound time under torch.compile (capped at 1)",
+                              0.2, 5.0),
+    "layer_overhead": ("per-layer overhead, forward and backward (corrections.layer_overhead_*_s)", 0.0, 10.0),
+    "comm_scale_tp": ("tensor-parallel collective time (corrections.comm_scale_tp)", 0.2, 5.0),
+    "comm_scale_dp": ("data-parallel (FSDP/DDP) collective time (corrections.comm_scale_dp)", 0.2, 5.0),
+    "comm_scale_pp": ("pipeline send/recv time (corrections.comm_scale_pp)", 0.2, 5.0),
+    "comm_scale_ep": ("expert all-to-all time (corrections.comm_scale_ep)", 0.2, 5.0),
+}
+DEFAULT_PARAMETERS = ("gemm_eff_max", "memory_efficiency", "compile_memory_factor", "layer_overhead",
+                      "comm_scale_tp", "comm_scale_dp", "comm_scale_ep")
+PRIOR = 0.05  # [assumed] weight of the pull of each log-factor towards 0, against residuals of order 0.1
+ALPHA = 0.1  # 90% intervals
+SOFT_L1_SCALE = 0.1  # [assumed] residuals beyond ~10% count linearly, not quadratically (outlier-robust)
+
+
+def apply(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
+    """The profile with every factor applied (factors missing from the dict are 1)."""
+    f = {k: float(factors.get(k, 1.0)) for k in PARAMETERS}
+    ov_f, ov_b = block_overheads(hw)
+    corr = dict(hw.corrections)
+    for k in ("comm_scale_tp", "comm_scale_dp", "comm_scale_pp", "comm_scale_ep"):
+        corr[k] = float(corr.get(k, 1.0)) * f[k]
+    corr["layer_overhead_fwd_s"] = ov_f * f["layer_overhead"]
+    corr["layer_overhead_bwd_s"] = ov_b * f["layer_overhead"]
+    ge, ae = hw.gemm_efficiency, hw.attention_efficiency
+    return dataclasses.replace(
+        hw, gemm_efficiency=EfficiencyCurve(min(1.0, ge.eff_max * f["gemm_eff_max"]), ge.x_half),
+        attention_efficiency=EfficiencyCurve(min(1.0, ae.eff_max * f["attention_eff_max"]), ae.x_half),
+        memory_efficiency=min(1.0, hw.memory_efficiency * f["memory_efficiency"]),
+        compile_memory_bound_factor=min(1.0, hw.compile_memory_bound_factor * f["compile_memory_factor"]),
+        corrections=corr)
+
+
+class _Rows:
+    """Rows grouped by (model, profile) into batches, so that one parameter vector is one evaluate per group."""
+
+    def __init__(self, rows: list[dict], profiles: dict[str, HardwareProfile]):
+        self.rows = rows
+        self.meas = np.array([r["measured_step_s"] for r in rows], dtype=float)
+        self.groups = []
+        for key in sorted({(r["model"], r["profile"]) for r in rows}):
+            idx = np.array([i for i, r in enumerate(rows) if (r["model"], r["profile"]) == key])
+            spec = _spec_of(rows[idx[0]])
+            plans = [Plan.from_dict(rows[i]["plan"]) for i in idx]
+            hw = profiles[key[1]]
+            self.groups.append((idx, spec, encode(plans, hw.gpus_per_node), hw))
+
+    def ceiling(self, name: str) -> float:
+        """Largest factor that keeps an efficiency at most 1 on every profile (the fit meets the cap as a bound,
+        not as a flat region it cannot leave)."""
+        base = {"gemm_eff_max": lambda hw: hw.gemm_efficiency.eff_max,
+                "attention_eff_max": lambda hw: hw.attention_efficiency.eff_max,
+                "memory_efficiency": lambda hw: hw.memory_efficiency,
+                "compile_memory_factor": lambda hw: hw.compile_memory_bound_factor}.get(name)
+        return min(1.0 / base(hw) for *_, hw in self.groups) if base else math.inf
+
+    def predict(self, factors: dict[str, float], subset: np.ndarray | None = None) -> np.ndarray:
+        out = np.full(len(self.rows), np.nan)
+        for idx, spec, b, hw in self.groups:
+            if subset is not None and not np.isin(idx, subset).any():
+                continue
+            out[idx] = evaluate(spec, b, apply(hw, factors))["step_time_s"]
+        return out
+
+
+def _spec_of(row: dict) -> ModelSpec:
+    return ModelSpec.from_dict(row["spec"]) if row.get("spec") else load_model(row["model"])
+
+
+def fit(data: _Rows, train: np.ndarray, names: tuple[str, ...]) -> dict[str, float]:
+    """Factors that minimise the robust log-ratio loss on the ``train`` rows."""
+    from scipy.optimize import least_squares
+
+    lo = np.array([max(PARAMETERS[n][1], 1e-3) for n in names])
+    hi = np.array([min(PARAMETERS[n][2], data.ceiling(n)) for n in names])
+    lo = np.minimum(lo, hi * 0.999)
+
+    def residuals(x):
+        fac = dict(zip(names, np.exp(x), strict=True))
+        pred = data.predict(fac, train)[train]
+        return np.concatenate([np.log(pred / data.meas[train]), PRIOR * x])
+
+    # start strictly inside the bounds: trust-region reflective stalls when it starts on one
+    x0 = np.clip(np.zeros(len(names)), np.log(lo) + 0.05, np.log(hi) - 0.05)
+    res = least_squares(residuals, x0, bounds=(np.log(lo), np.log(hi)), loss="soft_l1",
+                        f_scale=SOFT_L1_SCALE, diff_step=1e-3)
+    return dict(zip(names, (float(v) for v in np.exp(res.x)), strict=True))
+
+
+def folds_of(rows: list[dict], k: int = 5) -> np.ndarray:
+    """Fold index per row: whole groups (``family``) dealt round-robin in sorted order, so near-identical plans
+    (or one source table) never sit on both sides of a split."""
+    groups = sorted({str(r["family"]) for r in rows})
+    k = max(2, min(k, len(groups)))
+    fold_of_group = {g: i % k for i, g in enumerate(groups)}
+    return np.array([fold_of_group[str(r["family"])] for r in rows])
+
+
+def conformal_halfwidth(abs_log_residuals: np.ndarray, alpha: float = ALPHA) -> float:
+    """Split-conformal quantile: the ceil((n+1)(1-alpha))-th smallest residual (inf when n is too small)."""
+    r = np.sort(np.asarray(abs_log_residuals, dtype=float))
+    k = math.ceil((len(r) + 1) * (1 - alpha))
+    return float(r[k - 1]) if 1 <= k <= len(r) else math.inf
+
+
+def calibrate(rows: list[dict], profiles: dict[str, HardwareProfile], names: tuple[str, ...] = DEFAULT_PARAMETERS,
+              k: int = 5) -> dict:
+    """Fit on all rows, cross-validate, size intervals. Rows need measured_step_s, plan, model, profile, family.
+    Returns factors, in-sample and out-of-fold predictions, per-fold interval half-widths and the final one."""
+    bad = [n for n in names if n not in PARAMETERS]
+    if bad:
+        raise ParsimError(f"unknown parameters {bad} (known: {', '.join(PARAMETERS)})")
+    rows = [r for r in rows if r.get("status") == "ok" and r.get("measured_step_s") and r.get("plan")]
+    if len(rows) < 6:
+        raise ParsimError(f"calibration needs at least 6 measured rows, got {len(rows)}")
+    data = _Rows(rows, profiles)
+    everything = np.arange(len(rows))
+    folds = folds_of(rows, k)
+    oof = np.full(len(rows), np.nan)
+    fold_factors = []
+    for f in sorted(set(folds.tolist())):
+        train, test = everything[folds != f], everything[folds == f]
+        fac = fit(data, train, names)
+        fold_factors.append(fac)
+        oof[test] = data.predict(fac, test)[test]
+    r_oof = np.abs(np.log(oof / data.meas))
+    q_fold = {f: conformal_halfwidth(r_oof[folds != f]) for f in set(folds.tolist())}
+    factors = fit(data, everything, names)
+    if not math.isfinite(conformal_halfwidth(r_oof)):
+        raise ParsimError(f"{len(rows)} rows are too few for a {100 * (1 - ALPHA):.0f}% interval: need at least "
+                          f"{math.ceil(1 / ALPHA) - 1}")
+    return {"rows": rows, "factors": factors, "fold_factors": fold_factors, "folds": folds,
+            "uncalibrated": data.predict({}), "in_sample": data.predict(factors), "out_of_fold": oof,
+            "interval_fold_halfwidth": np.array([q_fold[f] for f in folds]),
+            "interval_log_halfwidth": conformal_halfwidth(r_oof)}
+
+
+def calibrated_profile(hw: HardwareProfile, result: dict, stats: dict, sources: list[str]) -> HardwareProfile:
+    """A new version of ``hw`` with the fitted factors applied and the calibration's provenance."""
+    new = apply(hw, result["factors"])
+    cal = {"interval_log_halfwidth": result["interval_log_halfwidth"], "alpha": ALPHA,
+           "factors": result["factors"], "parameters": {n: PARAMETERS[n][0] for n in result["factors"]},
+           "cv": stats, "data": sources, "n_rows": len(result["rows"]),
+           "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    prov = dict(hw.provenance, calibrated_from=hw.provenance.get("calibrated_from", hw.name))
+    return dataclasses.replace(new, name=f"{hw.name}-cal", calibration=cal, provenance=prov)

@@ -1,0 +1,399 @@
+"""`parsim validate`: prediction beside measurement, two sources of truth, one row format.
+
+* measured here (tier 2): every plan of a small space is predicted with this machine's profile and run for real
+  with the executor (torchrun + gloo on CPU); rounds are interleaved (round r runs every plan once, in a rotated
+  order) so that slow drifts of a shared machine spread over all plans; each run keeps the median of its steps and
+  the plan keeps the median over rounds and the spread of every step. Results are appended to
+  ``measurements.jsonl`` keyed by plan_id + model + ranks + executor code version and reused when the command is
+  run again (interrupt it, run it again: finished runs are not repeated). A failed plan is a recorded row.
+* published (tier 3): every row of a CSV in the schema of ``shared/published/dev.csv`` is predicted with its
+  spec-sheet profile and compared with the published tokens/s/GPU (as step time: tokens per GPU per step / rate)
+  and memory. Rows the model cannot represent are rows with a reason.
+
+Both write ``rows.json`` (one dict per plan or row, see ``ROW_KEYS``) and ``summary.json`` (``summarize``). The
+statistics and the constant-MFU rule of thumb are torch-free; only the measured runner starts torch (in workers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from .costmodel import predict
+from .errors import ParsimError
+from .hardware import HardwareProfile, load_profile
+from .jsonio import atomic_write_json
+from .plan import Plan
+from .spec import PRESETS, ModelSpec, MoESpec, load_model
+
+ROW_KEYS = ("tier", "source", "table", "model", "spec", "plan_id", "describe", "family", "n_gpus", "status",
+            "reason",
+            "measured_step_s", "measured_spread_s", "predicted_step_s", "interval_s", "measured_peak_bytes",
+            "predicted_peak_bytes", "fits", "time_breakdown_s", "model_work_s", "confidence", "plan", "profile")
+MEASURED_SEQ, MEASURED_GLOBAL_BATCH = 256, 8
+
+
+# ---- the small space of the measured tier ------------------------------------------------------------------------
+
+
+def family_of(plan: Plan) -> str:
+    """Plans that differ only in options (AC, compile, reshard, schedule, micro batch) share a family: the unit
+    that cross-validation keeps in one fold."""
+    return plan.describe() + (f"/ep_from={plan.ep_from}" if plan.ep > 1 else "")
+
+
+def measured_plans(spec: ModelSpec, nproc: int, *, seq_len: int = MEASURED_SEQ,
+                   global_batch_size: int = MEASURED_GLOBAL_BATCH, param_dtype: str = "float32") -> list[Plan]:
+    """Every legal degree combination on ``nproc`` ranks (HSDP, TP, PP, EP with dp2ep and DDP-style, no CP: ring
+    attention over gloo is not supported by the executor) with default options, plus option variants of the
+    FSDP plan (AC full / selective-op / layer:2, compile, reshard never) and of a PP plan (GPipe, Interleaved1F1B,
+    more microbatches)."""
+    from .search import SearchSpace, candidates
+
+    sp = SearchSpace(global_batch_size=global_batch_size, seq_len=seq_len, cp=(1,), pp_schedules=("1F1B",))
+    from .codec import invalid_reasons, plan_kwargs
+
+    _, _, b = candidates(spec, nproc, sp)
+    ok = np.nonzero(invalid_reasons(b, spec) == "")[0]
+    by_degrees: dict[tuple, Plan] = {}
+    for i in ok:
+        kw = plan_kwargs(b, int(i))
+        p = Plan(**{**kw, "param_dtype": param_dtype})
+        key = (p.pp, p.dp_replicate, p.dp_shard, p.tp, p.ep, p.etp, p.ep_from)
+        # one batch split per degree combination: the fewest microbatches the schedule allows
+        if key not in by_degrees or p.n_microbatches < by_degrees[key].n_microbatches:
+            by_degrees[key] = p
+    plans = list(by_degrees.values())
+    fsdp = next((p for p in plans if p.dp_shard == nproc and p.ep == 1), None)
+    if fsdp is not None:
+        plans += [Plan(**{**fsdp.to_dict(), **v}) for v in (dict(ac="full"), dict(ac="selective-op"),
+                                                              dict(ac="layer:2"), dict(compile=True),
+                                                              dict(fsdp_reshard_after_forward="never"))]
+    pp = next((p for p in plans if p.pp == 2 and p.tp == 1 and p.ep == 1), None)
+    if pp is not None:
+        lbs = pp.local_batch_size
+        variants = [dict(pp_schedule="GPipe"), dict(micro_batch_size=1)]
+        if spec.n_layers >= 4 and lbs >= 2:
+            variants.append(dict(pp_schedule="Interleaved1F1B", pp_stages_per_rank=2, micro_batch_size=1))
+        for v in variants:
+            try:
+                plans.append(Plan(**{**pp.to_dict(), **v}))
+            except ParsimError:
+                pass
+    return list({p.plan_id: p for p in plans}.values())
+
+
+# ---- the measured runner ------------------------------------------------------------------------------------------
+
+
+def executor_version() -> str:
+    """Hash of the code that runs and measures a plan (``parsim/executor/``): a result is reused only while it
+    holds. What a plan or model means is in the key already (plan_id, model name)."""
+    root = Path(__file__).resolve().parent
+    files = sorted((root / "executor").glob("*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _key(model: str, plan: Plan, nproc: int, version: str) -> str:
+    return f"{model}/{plan.plan_id}/{nproc}/{version}"
+
+
+def load_measurements(path: Path) -> list[dict]:
+    """Lines of measurements.jsonl; a torn last line (an interrupted write) is ignored."""
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def run_measured(model: str, nproc: int, out_dir: Path, *, rounds: int = 2, steps: int = 5, warmup: int = 2,
+                 timeout_s: float = 600.0, plans: list[Plan] | None = None,
+                 progress: Callable[[int, int, str], None] | None = None) -> list[dict]:
+    """Run every plan ``rounds`` times, interleaved; append each run to measurements.jsonl; return all lines of
+    this model and rank count (those of earlier invocations included)."""
+    from .executor.launch import run_plan
+
+    spec = load_model(model)
+    plans = plans if plans is not None else measured_plans(spec, nproc)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "measurements.jsonl"
+    version = executor_version()
+    done = {(r["key"], r["round"]) for r in load_measurements(path)}
+    todo = [(r, p) for r in range(rounds) for p in plans[r % len(plans):] + plans[:r % len(plans)]]
+    for n, (r, plan) in enumerate(todo):
+        key = _key(model, plan, nproc, version)
+        if progress:
+            progress(n, len(todo), f"{model} {plan.describe()} round {r + 1}")
+        if (key, r) in done:
+            continue
+        m = run_plan(model, plan, nproc, steps=steps, warmup=warmup, timeout_s=timeout_s, device="cpu")
+        line = {"key": key, "round": r, "model": model, "nproc": nproc, "version": version,
+                "plan": plan.to_dict(), "measurement": m.to_dict()}
+        with open(path, "a") as f:  # one line per run, flushed: an interrupt loses at most the run under way
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+    if progress:
+        progress(len(todo), len(todo), "done")
+    keys = {_key(model, p, nproc, version) for p in plans}
+    return [r for r in load_measurements(path) if r["key"] in keys]
+
+
+def measured_rows(lines: list[dict], hw: HardwareProfile) -> list[dict]:
+    """One row per (model, plan, ranks): median over rounds of each run's median step, spread of all steps."""
+    groups: dict[tuple, list[dict]] = {}
+    for ln in lines:  # runs of the same plan by earlier code versions count too (the key makes re-runs resume)
+        groups.setdefault((ln["model"], Plan.from_dict(ln["plan"]).plan_id, ln["nproc"]), []).append(ln)
+    rows = []
+    for runs in groups.values():
+        plan = Plan.from_dict(runs[0]["plan"])
+        spec = load_model(runs[0]["model"])
+        ms = [r["measurement"] for r in runs]
+        good = [m for m in ms if m["status"] == "ok" and m.get("median_step_time_s")]
+        row = _predicted(spec, plan, hw, tier="measured", source=f"cpu-gloo-{runs[0]['nproc']}", table="validate",
+                         confidence="high")
+        if good:
+            steps = [s for m in good for s in m["step_times_s"] if s is not None]
+            row.update(status="ok", measured_step_s=float(np.median([m["median_step_time_s"] for m in good])),
+                       measured_spread_s=[min(steps), max(steps)],
+                       measured_peak_bytes=float(max(m["peak_memory_bytes"] for m in good)))
+        else:
+            row.update(status=ms[-1]["status"], reason=(ms[-1].get("error") or "")[:300])
+        rows.append(row)
+    return rows
+
+
+def _predicted(spec: ModelSpec, plan: Plan, hw: HardwareProfile, **kw) -> dict:
+    row = dict.fromkeys(ROW_KEYS)
+    row.update(kw, model=spec.name, spec=spec.to_dict(), plan_id=plan.plan_id, describe=_describe(plan),
+               family=family_of(plan), n_gpus=plan.world_size, plan=plan.to_dict(), profile=hw.name, status="ok",
+               reason="")
+    try:
+        p = predict(spec, plan, hw)
+    except ParsimError as e:
+        row.update(status="unrepresentable", reason=str(e))
+        return row
+    row.update(predicted_step_s=p.step_time_s, predicted_peak_bytes=p.peak_memory_bytes, fits=p.fits,
+               time_breakdown_s=p.time_breakdown_s, interval_s=list(p.interval_s) if p.interval_s else None,
+               model_work_s=p.mfu * p.step_time_s)
+    return row
+
+
+def _describe(plan: Plan) -> str:
+    extra = [plan.ac if plan.ac != "none" else "", "compile" if plan.compile else "",
+             "float8" if plan.float8 else "",
+             f"raf={plan.fsdp_reshard_after_forward}" if plan.fsdp_reshard_after_forward != "default" else "",
+             (plan.pp_schedule + (f"/v{plan.pp_stages_per_rank}" if plan.pp_stages_per_rank > 1 else "")
+              + f"/mb{plan.micro_batch_size}") if plan.pp > 1 else ""]
+    return " ".join([plan.describe()] + [e for e in extra if e])
+
+
+# ---- the published tier ---------------------------------------------------------------------------------------------
+
+
+def _num(v, default=None):
+    if v is None or (isinstance(v, float) and math.isnan(v)) or v == "":
+        return default
+    return v
+
+
+def published_plan(r: dict) -> tuple[ModelSpec, Plan]:
+    """The (model, plan) of one published row, batch words mapped: without PP a micro batch smaller than the
+    per-rank batch is gradient accumulation (parsim: local batch = micro batch, the global batch keeps the rest);
+    with PP the per-rank batch is split into microbatches in one step. EP is borrowed from dp_replicate when the
+    source runs Megatron-style DDP (dp_shard 1), else torchtitan's dp2ep. Raises ParsimError with the reason when
+    the row cannot be represented."""
+    spec = _published_spec(r)
+    deg = {a: int(_num(r.get(a), 1)) for a in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}
+    ep = int(_num(r.get("ep"), 1))
+    ac = _num(r.get("ac"))
+    if ac is None:
+        raise ParsimError(f"AC not representable: {str(r.get('notes', ''))[:160]}")
+    lbs, mbs, gbs = int(r["local_batch_size"]), int(r["micro_batch_size"]), int(r["global_batch_size"])
+    sched = _num(r.get("pp_schedule"), "1F1B")
+    v = int(_num(r.get("pp_stages_per_rank"), 1))
+    if deg["pp"] == 1:
+        lbs = mbs
+        sched, v = "1F1B", 1
+    ep_from = "dp_replicate" if ep > 1 and deg["dp_shard"] == 1 else "dp_shard"
+    plan = Plan(**deg, ep=ep, ep_from=ep_from, seq_len=int(r["seq_len"]), local_batch_size=lbs,
+                micro_batch_size=mbs, global_batch_size=gbs, pp_schedule=sched, pp_stages_per_rank=v, ac=ac,
+                compile=bool(int(_num(r.get("compile"), 0))), float8=bool(int(_num(r.get("float8"), 0))),
+                fsdp_reshard_after_forward=_num(r.get("fsdp_reshard_after_forward"), "default"))
+    if plan.world_size != int(r["gpus"]):
+        raise ParsimError(f"degrees multiply to {plan.world_size}, the row says {r['gpus']} GPUs")
+    plan.validate_for(spec, int(r["gpus"]))
+    return spec, plan
+
+
+def _published_spec(r: dict) -> ModelSpec:
+    if r["model"] != "custom":
+        return PRESETS[r["model"]] if r["model"] in PRESETS else load_model(r["model"])
+    fam = r["family"]
+    moe = None
+    if fam == "moe":
+        moe = MoESpec(n_experts=int(r["n_experts"]), top_k=int(r["top_k"]), d_ff_expert=int(r["d_ff_expert"]),
+                      n_shared_experts=int(_num(r.get("n_shared_experts"), 0)),
+                      first_k_dense=int(_num(r.get("first_k_dense"), 0)))
+    d, h = int(r["d_model"]), int(r["n_heads"])
+    gpt = fam == "gpt"
+    return ModelSpec(name=str(r["id"]), n_layers=int(r["n_layers"]), d_model=d, n_heads=h,
+                     n_kv_heads=int(_num(r.get("n_kv_heads"), h)), d_ff=int(r["d_ff"]),
+                     vocab_size=int(r["vocab_size"]), head_dim=d // h,
+                     tie_embeddings=str(r.get("tie_embeddings")).lower() in ("true", "1"),
+                     mlp="gelu" if gpt else "swiglu", norm="layernorm" if gpt else "rmsnorm", bias=gpt,
+                     max_position_embeddings=int(r["seq_len"]) if gpt else 0, moe=moe)
+
+
+def published_rows(csv_path: str, profiles: dict | None = None) -> list[dict]:
+    """Predict every row of a published CSV. ``profiles`` maps a profile name to the profile to use instead (a
+    calibrated one)."""
+    import pandas as pd
+
+    try:
+        df = pd.read_csv(csv_path, dtype={"measured_tps_per_gpu": str})
+    except (OSError, ValueError) as e:
+        raise ParsimError(f"cannot read {csv_path}: {e}") from None
+    missing = [c for c in ("id", "model", "profile", "gpus", "seq_len", "global_batch_size", "local_batch_size",
+                           "micro_batch_size", "measured_tps_per_gpu") if c not in df.columns]
+    if missing:
+        raise ParsimError(f"{csv_path}: missing columns {missing} (schema of shared/published/dev.csv)")
+    profiles = dict(profiles or {})
+    rows = []
+    for r in df.to_dict("records"):
+        hw = profiles.get(r["profile"]) or profiles.setdefault(r["profile"], load_profile(r["profile"]))
+        base = dict(tier="published", source=r.get("source"), table=r.get("table"),
+                    confidence=_num(r.get("confidence"), "low"))
+        try:
+            spec, plan = published_plan(r)
+        except (ParsimError, KeyError, ValueError) as e:
+            row = dict.fromkeys(ROW_KEYS)
+            row.update(base, model=str(r["model"]), plan_id=str(r["id"]), describe=str(r["id"]),
+                       family=str(r.get("table")), n_gpus=int(r["gpus"]), status="unrepresentable",
+                       reason=str(e), profile=hw.name)
+            rows.append(row)
+            continue
+        row = _predicted(spec, plan, hw, **base)
+        row["plan_id"] = str(r["id"])  # the published row's id is its identity here
+        row["family"] = str(r.get("table"))  # CV folds: one source table per fold
+        _add_published_measurement(row, r, plan)
+        rows.append(row)
+    return rows
+
+
+def _add_published_measurement(row: dict, r: dict, plan: Plan) -> None:
+    tps = str(_num(r.get("measured_tps_per_gpu"), "")).strip()
+    mem = _num(r.get("measured_mem_gib"))
+    try:
+        row["measured_peak_bytes"] = float(mem) * 2**30 if mem is not None else None
+    except ValueError:
+        pass
+    if tps.upper() == "OOM":
+        row.update(status="oom", reason="published: out of memory")
+        return
+    if row["status"] != "ok":
+        return
+    try:
+        rate = float(tps)
+    except ValueError:
+        row.update(status="no-measurement", reason=f"measured_tps_per_gpu {tps!r}")
+        return
+    tokens_per_gpu_step = plan.global_batch_size * plan.seq_len / plan.world_size
+    row["measured_step_s"] = tokens_per_gpu_step / rate
+
+
+# ---- statistics -----------------------------------------------------------------------------------------------------
+
+
+def _spearman(a, b) -> float | None:
+    from scipy.stats import spearmanr
+
+    if len(a) < 3:
+        return None
+    return float(spearmanr(a, b).statistic)
+
+
+def constant_mfu_rule(work_s: np.ndarray, measured_s: np.ndarray) -> np.ndarray:
+    """The rule of thumb to beat, leave-one-out: every run achieves the median MFU of the others. ``work_s`` is
+    the model FLOPs of a step over the peak (the step time at 100% MFU), so the rule predicts
+    ``work_i / median_{j != i}(work_j / measured_j)``."""
+    mfu = work_s / measured_s
+    n = len(mfu)
+    return np.array([work_s[i] / np.median(np.delete(mfu, i)) for i in range(n)]) if n > 1 else work_s / mfu
+
+
+def _top1_regret(rows: list[dict]) -> float | None:
+    """Measured tier: within each comparable set (same model, ranks, global batch, seq), how much slower the
+    model's pick ran than the fastest measured plan; the worst set is reported."""
+    sets: dict[tuple, list[dict]] = {}
+    for r in rows:
+        p = r["plan"]
+        sets.setdefault((r["model"], r["n_gpus"], p["global_batch_size"], p["seq_len"]), []).append(r)
+    regrets = []
+    for s in sets.values():
+        if len(s) < 2:
+            continue
+        pick = min(s, key=lambda r: r["predicted_step_s"])
+        regrets.append(pick["measured_step_s"] / min(r["measured_step_s"] for r in s) - 1.0)
+    return max(regrets) if regrets else None
+
+
+def summarize(rows: list[dict], predicted_key: str = "predicted_step_s") -> dict:
+    """The statistics of a set of rows (ok rows with a measured and a predicted step time are scored; low-confidence
+    published rows are kept apart), with the constant-MFU rule beside them."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("measured_step_s") and r.get(predicted_key)
+          and r.get("confidence") != "low"]
+    out: dict = {"n_rows": len(rows), "n_ok": len(ok),
+                 "n_unrepresentable": sum(r["status"] == "unrepresentable" for r in rows),
+                 "n_low_confidence": sum(r.get("confidence") == "low" for r in rows)}
+    out.update(_step_stats(ok, predicted_key))
+    mem = [r for r in rows if r.get("measured_peak_bytes") and r.get("predicted_peak_bytes")
+           and r["status"] == "ok" and r.get("confidence") != "low"]
+    mape = [abs(r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"] for r in mem]
+    out.update(memory_n=len(mem), memory_mape=float(np.mean(mape)) if mape else None,
+               memory_max_ape=float(np.max(mape)) if mape else None)
+    if any(r["tier"] == "measured" for r in ok):
+        out["top1_regret"] = _top1_regret(ok)
+    if any(r["tier"] == "published" for r in rows):
+        out["by_source"] = {s: _step_stats([r for r in ok if r["source"] == s], predicted_key)
+                            for s in sorted({str(r["source"]) for r in ok})}
+    return out
+
+
+def _step_stats(ok: list[dict], key: str) -> dict:
+    if not ok:
+        return {"step_time_mape": None}
+    meas = np.array([r["measured_step_s"] for r in ok])
+    pred = np.array([r[key] for r in ok])
+    ape = np.abs(pred - meas) / meas
+    out = {"n": len(ok), "step_time_mape": float(ape.mean()), "step_time_max_ape": float(ape.max()),
+           "step_time_median_ape": float(np.median(ape)), "spearman": _spearman(meas, pred)}
+    iv = [r for r in ok if r.get("interval_s")]
+    if iv:
+        cov = [r["interval_s"][0] <= r["measured_step_s"] <= r["interval_s"][1] for r in iv]
+        half = [(r["interval_s"][1] - r["interval_s"][0]) / 2 / r[key] for r in iv]
+        out.update(interval_coverage=float(np.mean(cov)), interval_median_rel_halfwidth=float(np.median(half)))
+    work = np.array([r.get("model_work_s") or 0.0 for r in ok])
+    if len(ok) >= 3 and (work > 0).all():
+        rule = constant_mfu_rule(work, meas)
+        rape = np.abs(rule - meas) / meas
+        out["constant_mfu_rule"] = {"step_time_mape": float(rape.mean()), "step_time_max_ape": float(rape.max()),
+                                    "spearman": _spearman(meas, rule)}
+    return out
+
+
+def write_results(out_dir: Path, rows: list[dict], summary: dict, meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / "rows.json", rows)
+    atomic_write_json(out_dir / "summary.json", {**meta, **summary})

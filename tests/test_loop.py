@@ -1,0 +1,216 @@
+"""The validation loop: statistics, calibration, grouped folds, intervals, resumable runs, the HTML report."""
+
+import json
+import math
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from parsim import calibrate as C
+from parsim import validate as V
+from parsim.costmodel import predict
+from parsim.hardware import load_profile
+from parsim.plan import Plan
+from parsim.results import Measurement
+from parsim.spec import PRESETS
+
+
+def _row(meas, pred, **kw):
+    r = dict.fromkeys(V.ROW_KEYS)
+    r.update(tier="measured", source="here", model="m", plan_id=str(meas), family=str(meas), n_gpus=2, status="ok",
+             reason="", confidence="high", measured_step_s=meas, predicted_step_s=pred,
+             plan={"global_batch_size": 8, "seq_len": 256}, model_work_s=0.5 * meas)
+    r.update(kw)
+    return r
+
+
+def test_statistics_on_hand_made_pairs():
+    rows = [_row(1.0, 1.1, interval_s=[0.9, 1.2]), _row(2.0, 1.5, interval_s=[1.0, 1.8]),
+            _row(4.0, 4.0, interval_s=[3.0, 5.0]), _row(8.0, 10.0, interval_s=[7.0, 11.0]),
+            _row(3.0, None, status="error", reason="boom")]
+    s = V.summarize(rows)
+    assert s["n_rows"] == 5 and s["n_ok"] == 4
+    assert s["step_time_mape"] == pytest.approx((0.1 + 0.25 + 0.0 + 0.25) / 4)
+    assert s["step_time_max_ape"] == pytest.approx(0.25)
+    assert s["spearman"] == pytest.approx(1.0)
+    assert s["interval_coverage"] == pytest.approx(0.75)  # 2.0 is outside [1.0, 1.8]
+    # top-1: the model picks the plan it predicts fastest (1.1 -> measured 1.0), which is the fastest measured
+    assert s["top1_regret"] == pytest.approx(0.0)
+    # the constant-MFU rule: every row has MFU 0.5 here, so leave-one-out predicts each exactly
+    assert s["constant_mfu_rule"]["step_time_mape"] == pytest.approx(0.0)
+
+
+def test_top1_regret_and_low_confidence_rows():
+    rows = [_row(2.0, 1.0), _row(1.0, 1.5), _row(1.5, 3.0), _row(9.0, 1.0, confidence="low")]
+    s = V.summarize(rows)
+    assert s["n_ok"] == 3 and s["n_low_confidence"] == 1
+    assert s["top1_regret"] == pytest.approx(1.0)  # picked 2.0 s, best measured 1.0 s
+
+
+def test_conformal_halfwidth():
+    r = np.arange(1, 20) / 100.0  # 19 residuals: k = ceil(20 * 0.9) = 18 -> the 18th smallest
+    assert C.conformal_halfwidth(r) == pytest.approx(0.18)
+    assert math.isinf(C.conformal_halfwidth(r[:5]))  # too few rows for a 90% interval: say so
+
+
+def test_folds_keep_a_group_together():
+    rows = [_row(float(i), 1.0, family=f"fam{i % 7}") for i in range(40)]
+    folds = C.folds_of(rows, 5)
+    for fam in {r["family"] for r in rows}:
+        assert len({int(f) for r, f in zip(rows, folds, strict=True) if r["family"] == fam}) == 1
+    assert len(set(folds.tolist())) == 5
+
+
+def _synthetic_rows(hw, planted):
+    rows = []
+    truth = C.apply(hw, planted)
+    for model, n in (("tiny", 2), ("tiny-moe", 2), ("tiny", 4)):
+        spec = PRESETS[model]
+        for p in V.measured_plans(spec, n):
+            r = V._predicted(spec, p, hw, tier="measured", source="synthetic", table="t", confidence="high")
+            r["measured_step_s"] = predict(spec, p, truth).step_time_s
+            rows.append(r)
+    return rows
+
+
+def test_calibration_recovers_planted_parameters():
+    hw = load_profile("cpu-gloo-2")
+    planted = {"gemm_eff_max": 0.7, "comm_scale_dp": 1.6, "comm_scale_tp": 1.3, "layer_overhead": 2.0}
+    rows = _synthetic_rows(hw, planted)
+    res = C.calibrate(rows, {hw.name: hw}, tuple(planted), k=4)
+    for k, v in planted.items():
+        assert res["factors"][k] == pytest.approx(v, rel=0.05), (k, res["factors"])
+    meas = np.array([r["measured_step_s"] for r in res["rows"]])
+    assert np.max(np.abs(res["out_of_fold"] / meas - 1)) < 0.05  # noise-free: out of fold is near exact too
+    assert np.max(np.abs(res["uncalibrated"] / meas - 1)) > 0.2  # and the planted change was not small
+
+
+def test_calibrated_profile_carries_its_interval_and_provenance(tmp_path):
+    hw = load_profile("cpu-gloo-2")
+    rows = _synthetic_rows(hw, {"comm_scale_dp": 1.3})
+    res = C.calibrate(rows, {hw.name: hw}, ("comm_scale_dp",), k=3)
+    new = C.calibrated_profile(hw, res, {"out_of_fold": {"step_time_mape": 0.0}}, ["synthetic"])
+    p = new.save(tmp_path / "x.json")
+    back = load_profile(str(p))
+    assert back.calibration["factors"]["comm_scale_dp"] == pytest.approx(1.3, rel=0.02)
+    assert back.provenance["calibrated_from"] == "cpu-gloo-2"
+    plan = Plan(dp_shard=2, seq_len=256, local_batch_size=4)
+    pred = predict(PRESETS["tiny"], plan, back)
+    lo, hi = pred.interval_s
+    assert lo < pred.step_time_s < hi and hi / pred.step_time_s == pytest.approx(math.exp(back.interval_log_halfwidth))
+
+
+def test_uncalibrated_profiles_give_wide_intervals():
+    pred = predict(PRESETS["llama3-8b"], Plan(dp_shard=8, seq_len=4096), load_profile("h100-sxm-spec"))
+    lo, hi = pred.interval_s
+    assert hi / pred.step_time_s >= 1.5 and pred.step_time_s / lo >= 1.5
+    tlo, thi = pred.interval_tokens_per_s_per_gpu
+    assert tlo < pred.tokens_per_s_per_gpu < thi
+
+
+def test_measured_runs_resume_after_an_interrupt(tmp_path, monkeypatch):
+    """An interrupted validation keeps every finished run; running it again runs only what is missing."""
+    import parsim.executor.launch as launch
+
+    calls = []
+
+    def fake_run(model, plan, nproc, **kw):
+        calls.append(plan.plan_id)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return Measurement(plan_id=plan.plan_id, kind="run", status="ok", step_times_s=(0.1, 0.2, 0.3),
+                           median_step_time_s=0.2, peak_memory_bytes=1e6)
+
+    monkeypatch.setattr(launch, "run_plan", fake_run)
+    plans = V.measured_plans(PRESETS["tiny"], 2)[:3]
+    with pytest.raises(KeyboardInterrupt):
+        V.run_measured("tiny", 2, tmp_path, rounds=2, plans=plans)
+    assert len(V.load_measurements(tmp_path / "measurements.jsonl")) == 3
+    calls.clear()
+    lines = V.run_measured("tiny", 2, tmp_path, rounds=2, plans=plans)
+    assert len(calls) == 3 and len(lines) == 6  # the 3 missing runs of round 2, nothing twice
+    calls.clear()
+    V.run_measured("tiny", 2, tmp_path, rounds=2, plans=plans)
+    assert calls == []
+    rows = V.measured_rows(lines, load_profile("cpu-gloo-2"))
+    assert len(rows) == 3 and all(r["status"] == "ok" and r["measured_step_s"] == 0.2 for r in rows)
+
+
+def test_a_failed_plan_is_a_row(tmp_path, monkeypatch):
+    import parsim.executor.launch as launch
+
+    monkeypatch.setattr(launch, "run_plan", lambda model, plan, nproc, **kw: Measurement(
+        plan_id=plan.plan_id, kind="run", status="error", error="rank 0: it broke"))
+    plans = V.measured_plans(PRESETS["tiny"], 2)[:2]
+    rows = V.measured_rows(V.run_measured("tiny", 2, tmp_path, rounds=1, plans=plans), load_profile("cpu-gloo-2"))
+    assert [r["status"] for r in rows] == ["error", "error"] and "it broke" in rows[0]["reason"]
+
+
+def test_published_rows_are_all_predicted_or_explained():
+    rows = V.published_rows("tests/data/published_sample.csv")
+    assert len(rows) == 4
+    by_id = {r["plan_id"]: r for r in rows}
+    assert by_id["ok-fsdp"]["status"] == "ok" and by_id["ok-fsdp"]["measured_step_s"] == pytest.approx(
+        8 * 4096 / 8 / 4000.0)
+    # Megatron words: micro batch 1 of local 4 without PP = gradient accumulation over 4 passes
+    ga = by_id["megatron-ga"]
+    assert ga["status"] == "ok" and ga["plan"]["local_batch_size"] == 1 and ga["plan"]["global_batch_size"] == 32
+    assert by_id["no-ac"]["status"] == "unrepresentable" and "AC" in by_id["no-ac"]["reason"]
+    assert by_id["oom"]["status"] == "oom"
+
+
+def test_validate_and_report_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["validate", "--published", "tests/data/published_sample.csv", "--out",
+                            str(tmp_path / "v"), "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert s["n_rows"] == 4 and s["n_unrepresentable"] == 1
+    html = tmp_path / "r.html"
+    r = runner.invoke(app, ["report", str(tmp_path / "v"), "--html", str(html), "--json"])
+    assert r.exit_code == 0, r.output
+    assert html.stat().st_size < 6e6 and "plotly" in html.read_text()[:2_000_000]
+    r = runner.invoke(app, ["report", str(tmp_path / "nothing")])
+    assert r.exit_code == 2 and "no rows.json" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium (apt-get install chromium)")
+def test_html_report_renders_in_a_real_browser(tmp_path):
+    """Chromium loads the page and plotly draws every figure (its SVG roots exist after the scripts ran)."""
+    rows = V.published_rows("tests/data/published_sample.csv")
+    V.write_results(tmp_path, rows, V.summarize(rows), {})
+    from parsim.report_html import build_table, write_html
+
+    table, stats = build_table(rows, [str(tmp_path)])
+    write_html(str(tmp_path / "r.html"), table, stats, [str(tmp_path)])
+    dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000",
+                          "--dump-dom", f"file://{tmp_path / 'r.html'}"], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert dom.count('class="main-svg"') >= 3 and "every row, by |error|" in dom
+
+
+def test_loop_commands_refuse_bad_input_with_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "rows.json").write_text("{not json")
+    for args, fragment in ((["calibrate", str(tmp_path / "none")], "no rows.json"),
+                           (["calibrate", str(tmp_path / "v")], "cannot read"),
+                           (["calibrate", str(tmp_path / "v"), "--folds", "1"], "--folds"),
+                           (["report", str(tmp_path / "v"), "--plotly-js", "remote"], "--plotly-js"),
+                           (["validate", "--out", str(tmp_path / "o"), "--nproc-per-node", "0"], "--nproc-per-node"),
+                           (["validate", "--out", str(tmp_path / "o"), "--published", str(tmp_path / "x.csv")],
+                            "cannot read"),
+                           (["validate", "--out", "/dev/null"], "is not a folder")):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2 and fragment in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.output)
