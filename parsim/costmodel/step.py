@@ -300,12 +300,17 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     base = {"parameters": p_shard * 4.0, "optimizer_states": p_shard * 8.0}
     # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
     # earlier passes; with PP, once the schedule reaches its steady state (more microbatches than in flight,
-    # 1F1B / interleaved) the unsharded grads accumulated in reduce_dtype — the embedding's at full vocabulary
+    # 1F1B / interleaved, or any schedule with ga > 1) the unsharded grads accumulated in reduce_dtype — the embedding's at full vocabulary
     # size — sit beside a full set of in-flight activations; before that (or with GPipe) nothing has accumulated
     accumulated = (ne_local + ex_local - emb_local) * rb + np.where(has_emb, V * d * rb, 0.0)
-    steady = (b.pp > 1) & (b.sched != SCHED_GPIPE) & (m_pass > inflight)
+    # with gradient accumulation (ga > 1) the grads of the earlier passes are there in every schedule (traces of
+    # pp2 GPipe with ga 4 in fp32: the stage's full gradients beside the activations) [measured]
+    steady = (b.pp > 1) & (((b.sched != SCHED_GPIPE) & (m_pass > inflight)) | (ga > 1))
     grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, np.where(steady, accumulated, 0.0))
-    sharded = (b.fsdp > 1) | (b.efsdp > 1)
+    # FSDP2 wraps the model whenever a data-parallel axis exists (HSDP with a shard group of 1 included) and then
+    # keeps unsharded copies of the parameters it gathers, also when the shard group is 1 (seen in traces of
+    # pp2 x dp_replicate2 in fp32: 8 MiB of unsharded parameters on stage 0) [measured]
+    sharded = (b.fsdp > 1) | (b.efsdp > 1) | (b.dp_replicate > 1)
     layer_w = (ne_local + ex_local - emb_local - out_local) / np.maximum(rv.n_layers, 1.0)  # one block's weights
     keep_all = (ne_local + ex_local) * pb  # reshard_after_forward off: the whole stage stays unsharded
     unsh_fwd = np.where(sharded, np.where(b.raf, out_local * pb, keep_all), 0.0)
