@@ -50,9 +50,11 @@ PARAMETERS = {
     "comm_scale_dp": ("data-parallel (FSDP/DDP) collective time (corrections.comm_scale_dp)", 0.2, 5.0),
     "comm_scale_pp": ("pipeline send/recv time (corrections.comm_scale_pp)", 0.2, 5.0),
     "comm_scale_ep": ("expert all-to-all time (corrections.comm_scale_ep)", 0.2, 5.0),
+    "comm_scale_all_reduce": ("all-reduce time on every axis (corrections.comm_scale_op_all_reduce): DDP/HSDP "
+                              "gradient all-reduces, TP without sequence parallel", 0.2, 5.0),
 }
 DEFAULT_PARAMETERS = ("gemm_eff_max", "memory_efficiency", "compile_memory_factor", "layer_overhead",
-                      "comm_scale_tp", "comm_scale_dp", "comm_scale_ep")
+                      "comm_scale_tp", "comm_scale_dp", "comm_scale_ep", "comm_scale_all_reduce")
 PRIOR = 0.05  # [assumed] weight of the pull of each log-factor towards 0, against residuals of order 0.1
 ALPHA = 0.1  # 90% intervals
 SOFT_L1_SCALE = 0.1  # [assumed] residuals beyond ~10% count linearly, not quadratically (outlier-robust)
@@ -65,6 +67,7 @@ def apply(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
     corr = dict(hw.corrections)
     for k in ("comm_scale_tp", "comm_scale_dp", "comm_scale_pp", "comm_scale_ep"):
         corr[k] = float(corr.get(k, 1.0)) * f[k]
+    corr["comm_scale_op_all_reduce"] = float(corr.get("comm_scale_op_all_reduce", 1.0)) * f["comm_scale_all_reduce"]
     corr["layer_overhead_fwd_s"] = ov_f * f["layer_overhead"]
     corr["layer_overhead_bwd_s"] = ov_b * f["layer_overhead"]
     ge, ae = hw.gemm_efficiency, hw.attention_efficiency

@@ -72,10 +72,12 @@ AXIS_CLASS = {"tp": "tp", "dp_shard": "dp", "dp_replicate": "dp", "dp_shard+cp":
               "fsdp": "dp", "pp": "pp", "ep": "ep", "cp": "cp"}
 
 
-def axis_class_scale(hw, axis: str) -> float:
-    """``corrections.comm_scale_<class>`` of the axis's class (fitted by `parsim calibrate`; 1 without one): the
-    achieved collective time of that class in a training step relative to the profile's fitted curves."""
-    return float(hw.corrections.get(f"comm_scale_{AXIS_CLASS.get(axis, axis)}", 1.0))
+def axis_class_scale(hw, axis: str, op: str) -> float:
+    """``corrections.comm_scale_<class>`` of the axis's class times ``corrections.comm_scale_op_<op>`` (fitted by
+    `parsim calibrate`; 1 without them): the achieved collective time of that class and op in a training step
+    relative to the profile's fitted curves of isolated collectives."""
+    c = hw.corrections
+    return float(c.get(f"comm_scale_{AXIS_CLASS.get(axis, axis)}", 1.0)) * float(c.get(f"comm_scale_op_{op}", 1.0))
 
 
 class Ledger:
@@ -100,7 +102,7 @@ class Ledger:
             return
         per_call = np.where(on, np.broadcast_to(bytes_per_call, (n,)), 0.0)
         calls = np.where(on, np.broadcast_to(calls, (n,)), 0.0)
-        t = self.hw.collective_time_s(op, per_call, group, rpn) * calls * axis_class_scale(self.hw, split[0][0])
+        t = self.hw.collective_time_s(op, per_call, group, rpn) * calls * axis_class_scale(self.hw, split[0][0], op)
         for name, m in split:
             self.records.append(Record(what, op, name, np.where(m, per_call, 0.0), np.where(m, calls, 0.0), group,
                                        rpn, phase, overlap, np.where(m, t, 0.0)) if len(split) > 1 else

@@ -300,8 +300,9 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     base = {"parameters": p_shard * 4.0, "optimizer_states": p_shard * 8.0}
     # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
     # earlier passes; with PP, once the schedule reaches its steady state (more microbatches than in flight,
-    # 1F1B / interleaved, or any schedule with ga > 1) the unsharded grads accumulated in reduce_dtype — the embedding's at full vocabulary
-    # size — sit beside a full set of in-flight activations; before that (or with GPipe) nothing has accumulated
+    # 1F1B / interleaved, or any schedule with ga > 1) the unsharded grads accumulated in reduce_dtype — the
+    # embedding's at full vocabulary size — sit beside a full set of in-flight activations; before that (GPipe
+    # in its one pass) nothing has accumulated
     accumulated = (ne_local + ex_local - emb_local) * rb + np.where(has_emb, V * d * rb, 0.0)
     # with gradient accumulation (ga > 1) the grads of the earlier passes are there in every schedule (traces of
     # pp2 GPipe with ga 4 in fp32: the stage's full gradients beside the activations) [measured]
