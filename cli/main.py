@@ -71,6 +71,7 @@ def plan_options(fn):
         from parsim.flags import DEFAULTS
 
         flags = {n: kwargs.pop(n) for n, _, _ in PLAN_FLAGS}
+        flags["model_given"] = flags["model"] is not None
         for name in ("model", "profile"):  # what to load, not a pin: the default applies to every command
             if flags[name] is None:
                 flags[name] = DEFAULTS[name]
@@ -122,7 +123,14 @@ def build_plan(flags: dict):
         if extra:
             raise ParsimError(f"--plan gives the whole plan: drop {', '.join(extra)} (or edit the plan file)")
         data = read_json(flags["plan_file"], "cannot read plan")
+        recorded = data.get("model") if isinstance(data, dict) and isinstance(data.get("model"), str) else None
         data = data.get("plan", data) if isinstance(data, dict) else data
+        if recorded and not flags.get("model_given"):
+            spec = load_model(recorded)  # a plan written by `search --emit-plan` says which model it is for
+            flags["model"] = recorded
+        elif recorded and recorded != flags["model"]:
+            raise ParsimError(f"--plan {flags['plan_file']} was made for model {recorded}, not {flags['model']}: "
+                              "drop --model or use a plan of that model")
         plan = Plan.from_dict(data)
         plan.validate_for(spec, flags.get("gpus"))
     else:

@@ -93,7 +93,9 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         raise ParsimError(f"--explain {explain}: only {len(res.top)} plans ranked")
     best = res.top[0][0] if res.top else None
     if emit_plan and best:
-        atomic_write_json(emit_plan, best.to_dict())
+        # the plan with the model it was searched for (`predict --plan F` then needs no --model)
+        atomic_write_json(emit_plan, {"model": model_arg or spec.name, "plan_id": best.plan_id,
+                                      "plan": best.to_dict()})
     if emit_torchtitan and best:
         atomic_write_text(emit_torchtitan, to_torchtitan_toml(best, spec))
     executed = _execute(spec, hw, res, execute, model_arg or spec.name, err) if execute else []

@@ -42,7 +42,7 @@ INT_RANGES = {"gpus": (1, MAX_GPUS), **{d: (1, MAX_GPUS) for d in DEGREES}, "loc
               "pp_stages_per_rank": (1, MAX_STAGES_PER_RANK)}
 CLI_NAMES = {k: "--" + k.replace("_", "-") for k in DEFAULTS} | {"plan_file": "--plan", "order": "--order"}
 # flags that only say what to load, not what the plan is
-NOT_PLAN = ("model", "profile", "plan_file", "gpus")
+NOT_PLAN = ("model", "profile", "plan_file", "gpus", "model_given")
 
 
 def check_int(name: str, value, low: int, high: int) -> int:

@@ -64,3 +64,23 @@ def test_core_imports_no_torch():
             "parsim.report, cli.main; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_an_emitted_plan_carries_its_model(tmp_path):
+    """`search --emit-plan` records the model; `predict --plan` uses it, and refuses a --model that contradicts it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    f = tmp_path / "best.json"
+    r = runner.invoke(app, ["search", "--model", "tiny", "--gpus", "4", "--seq-len", "256", "--profile", "cpu-gloo-4",
+                            "--emit-plan", str(f), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(f.read_text())["model"] == "tiny"
+    r = runner.invoke(app, ["predict", "--plan", str(f), "--profile", "cpu-gloo-4", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["model"] == "tiny", r.output
+    r = runner.invoke(app, ["predict", "--plan", str(f), "--model", "llama3-8b"])
+    assert r.exit_code == 2 and "made for model tiny" in r.stderr

@@ -81,7 +81,9 @@ def test_cli_search_json_and_emitted_files(tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert len(d["top"]) == 3 and d["evaluated"] > 0 and d["pareto"] and d["explain"]["versus"]
-    plan = json.loads(plan_f.read_text())
+    emitted = json.loads(plan_f.read_text())
+    plan = emitted["plan"]
+    assert emitted["model"] == "llama3-8b" and emitted["plan_id"] == d["top"][0]["plan_id"]
     assert plan["dp_shard"] * plan["tp"] * plan["pp"] * plan["cp"] * plan["dp_replicate"] == 16
     toml = tt_f.read_text()
     assert "data_parallel_shard_degree" in toml and "[activation_checkpoint]" in toml
