@@ -165,44 +165,35 @@ def _rpn(b: PlanBatch, gpus_per_node: int) -> dict:
     return out
 
 
+def _fields(p: Plan) -> dict:
+    """The batch columns of one plan (orders as index 0 of single-entry tuples)."""
+    mode, every = parse_ac(p.ac)
+    return dict(
+        pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep, etp=p.etp,
+        ep_ddp=p.ep_from == "dp_replicate", seq_len=p.seq_len, local_batch_size=p.local_batch_size,
+        micro_batch_size=p.micro_batch_size, global_batch_size=p.global_batch_size,
+        sched=PP_SCHEDULES[p.pp_schedule], v=p.pp_stages_per_rank, sp=bool(p.sequence_parallel) and p.tp > 1,
+        raf_mode=RAF_MODES.index(p.fsdp_reshard_after_forward), ac=AC_MODES[mode], ac_every=every,
+        compile=p.compile, float8=p.float8, param_dtype=DTYPES.index(p.param_dtype),
+        reduce_dtype=DTYPES.index(p.reduce_dtype), mesh_idx=0, wrapper_idx=0)
+
+
 def encode(plans: list[Plan], gpus_per_node: int | None) -> PlanBatch:
     """Plans -> batch (one row per plan, in order)."""
     meshes = list(dict.fromkeys(p.mesh_order for p in plans))
     wrappers = list(dict.fromkeys(p.wrapper_order for p in plans))
-    acs = [parse_ac(p.ac) for p in plans]
-
-    def col(f):
-        return [f(p) for p in plans]
-
-    cols = {a: col(lambda p, a=a: getattr(p, a)) for a in AXES + ("ep", "etp", "seq_len", "local_batch_size",
-                                                                   "micro_batch_size", "global_batch_size")}
-    cols.update(
-        ep_ddp=col(lambda p: p.ep_from == "dp_replicate"), sched=col(lambda p: PP_SCHEDULES[p.pp_schedule]),
-        v=col(lambda p: p.pp_stages_per_rank), sp=col(lambda p: bool(p.sequence_parallel)),
-        raf_mode=col(lambda p: RAF_MODES.index(p.fsdp_reshard_after_forward)),
-        ac=[AC_MODES[m] for m, _ in acs], ac_every=[e for _, e in acs], compile=col(lambda p: p.compile),
-        float8=col(lambda p: p.float8), param_dtype=col(lambda p: DTYPES.index(p.param_dtype)),
-        reduce_dtype=col(lambda p: DTYPES.index(p.reduce_dtype)),
-        mesh_idx=col(lambda p: meshes.index(p.mesh_order)), wrapper_idx=col(lambda p: wrappers.index(p.wrapper_order)),
-    )
+    rows = [_fields(p) for p in plans]
+    cols = {k: [r[k] for r in rows] for k in _INT_COLS}
+    cols["mesh_idx"] = [meshes.index(p.mesh_order) for p in plans]
+    cols["wrapper_idx"] = [wrappers.index(p.wrapper_order) for p in plans]
     return batch_of(cols, tuple(meshes), tuple(wrappers), gpus_per_node)
 
 
 def _row(p: Plan) -> PlanBatch:
     """One plan as a batch of numpy scalars (what ``encode`` gives for one plan, without its array overhead: a
     Plan checks its rules on construction)."""
-    i, t = np.int64, np.bool_
-    mode, every = parse_ac(p.ac)
-    kw: dict[str, Any] = dict(
-        pp=i(p.pp), dp_replicate=i(p.dp_replicate), dp_shard=i(p.dp_shard), cp=i(p.cp), tp=i(p.tp), ep=i(p.ep),
-        etp=i(p.etp), ep_ddp=t(p.ep_from == "dp_replicate"), seq_len=i(p.seq_len),
-        local_batch_size=i(p.local_batch_size), micro_batch_size=i(p.micro_batch_size),
-        global_batch_size=i(p.global_batch_size), sched=i(PP_SCHEDULES[p.pp_schedule]), v=i(p.pp_stages_per_rank),
-        sp=t(bool(p.sequence_parallel) and p.tp > 1), raf_mode=i(RAF_MODES.index(p.fsdp_reshard_after_forward)),
-        ac=i(AC_MODES[mode]), ac_every=i(every), compile=t(p.compile), float8=t(p.float8),
-        param_dtype=i(DTYPES.index(p.param_dtype)), reduce_dtype=i(DTYPES.index(p.reduce_dtype)), mesh_idx=i(0),
-        wrapper_idx=i(0), mesh_orders=(p.mesh_order,), wrapper_orders=(p.wrapper_order,))
-    return PlanBatch(**kw)
+    kw: dict[str, Any] = {k: (np.bool_ if k in _BOOL_COLS else np.int64)(v) for k, v in _fields(p).items()}
+    return PlanBatch(mesh_orders=(p.mesh_order,), wrapper_orders=(p.wrapper_order,), **kw)
 
 
 def plan_kwargs(b: PlanBatch, i: int) -> dict:
