@@ -65,7 +65,7 @@ def _measured_summary(out: Path, profile: str | None, hw) -> dict:
     return summary
 
 
-def validate_published(csv: str, out_dir: str, profile: str | None) -> dict:
+def validate_published(csv: str, out_dir: str, profile: str | None, calibrated: bool = True) -> dict:
     from parsim import validate as V
     from parsim.hardware import load_profile
 
@@ -74,13 +74,15 @@ def validate_published(csv: str, out_dir: str, profile: str | None) -> dict:
         hw = load_profile(profile)
         base = hw.provenance.get("calibrated_from", hw.name)
         profiles[base] = hw
-    rows = V.published_rows(csv, profiles)
+    rows = V.published_rows(csv, profiles, calibrated=calibrated)
     summary = V.summarize(rows)
-    V.write_results(Path(out_dir), rows, summary, {"tier": "published", "csv": csv, "profile": profile or "spec"})
+    V.write_results(Path(out_dir), rows, summary, {"tier": "published", "csv": csv, "profile": profile or (
+        "spec-cal" if calibrated else "spec")})
     return summary
 
 
 def print_summary(summary: dict) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -89,20 +91,25 @@ def print_summary(summary: dict) -> None:
 
     con = Console()
     t = Table(title=f"validation: {summary['n_ok']} of {summary['n_rows']} rows scored "
-                    f"({summary['n_unrepresentable']} unrepresentable, {summary['n_low_confidence']} low confidence)")
-    for c in ("", "step mean |err|", "median", "max", "Spearman", "coverage", "half-width"):
-        t.add_column(c, justify="right" if c else "left")
+                    f"({summary['n_unrepresentable']} unrepresentable, {summary['n_low_confidence']} low confidence)",
+              caption="tok/s, step: mean |error| of tokens/s and of step time; max: largest tok/s error; ρ: Spearman "
+                      "(step time); cover, ±: 90% interval coverage and median half-width; rule: the constant-MFU "
+                      "rule of thumb on the same rows (one MFU for bf16, one for float8, leave-one-out)",
+              box=box.SIMPLE_HEAD)
+    for c in ("", "n", "tok/s", "max", "step", "ρ", "cover", "±"):
+        t.add_column(c, justify="right" if c else "left", no_wrap=True)
 
     def add(name, s):
         if not s or s.get("step_time_mape") is None:
             return
-        t.add_row(name, pct(s["step_time_mape"]), pct(s.get("step_time_median_ape")), pct(s.get("step_time_max_ape")),
-                  "-" if s.get("spearman") is None else f"{s['spearman']:.2f}", pct(s.get("interval_coverage")),
-                  pct(s.get("interval_median_rel_halfwidth")))
+        t.add_row(name, str(s.get("n", "")), pct(s.get("tps_mape")), pct(s.get("tps_max_ape")),
+                  pct(s["step_time_mape"]), "-" if s.get("spearman") is None else f"{s['spearman']:.2f}",
+                  pct(s.get("interval_coverage")), pct(s.get("interval_median_rel_halfwidth")))
         rule = s.get("constant_mfu_rule")
         if rule:
-            t.add_row(f"  constant-MFU rule ({name})", pct(rule["step_time_mape"]), "", pct(rule["step_time_max_ape"]),
-                      "-" if rule.get("spearman") is None else f"{rule['spearman']:.2f}", "", "")
+            t.add_row("  rule", "", pct(rule.get("tps_mape")), pct(rule.get("tps_max_ape")),
+                      pct(rule["step_time_mape"]), "-" if rule.get("spearman") is None else f"{rule['spearman']:.2f}",
+                      "", "")
 
     add("parsim", summary)
     for src, s in (summary.get("by_source") or {}).items():
@@ -113,6 +120,10 @@ def print_summary(summary: dict) -> None:
     if summary.get("memory_mape") is not None:
         con.print(f"peak memory: mean |err| {pct(summary['memory_mape'])}, max {pct(summary['memory_max_ape'])} "
                   f"over {summary['memory_n']} rows")
+    fc = summary.get("fit_check")
+    if fc:
+        con.print(f"fits: {fc['ran_predicted_to_fit']} of {fc['ran']} runs that ran predicted to fit; "
+                  f"{fc['oom_predicted_not_to_fit']} of {fc['oom']} OOM runs predicted not to")
 
 
 def load_rows(dirs: list[str]) -> list[dict]:
@@ -145,8 +156,10 @@ def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str
     from parsim.jsonio import atomic_write_json, check_output_path
     from parsim.validate import summarize
 
-    names = tuple(p.strip() for p in params.split(",")) if params else C.DEFAULT_PARAMETERS
     rows = load_rows(dirs)
+    gpu = all(r.get("tier") == "published" for r in rows)
+    names = tuple(p.strip() for p in params.split(",")) if params else (
+        C.GPU_PARAMETERS if gpu else C.DEFAULT_PARAMETERS)
     profiles = {n: load_profile(n) for n in sorted({r["profile"] for r in rows if r.get("profile")})}
     target = Path(out_dir) if out_dir else PROFILES_DIR
     for n in profiles:
@@ -213,20 +226,38 @@ def print_calibration(out: dict) -> None:
 
 
 def print_summary_table(con, views: dict) -> None:
+    from rich import box
     from rich.table import Table
 
     def pct(x):
         return "-" if x is None else f"{100 * x:.1f}%"
 
-    t = Table(title="step time")
-    for c in ("", "mean |err|", "max", "Spearman", "top-1 regret", "coverage", "half-width"):
-        t.add_column(c, justify="right" if c else "left")
+    t = Table(title="accuracy", box=box.SIMPLE_HEAD,
+              caption="step, tok/s: mean |error| of step time and of tokens/s (max: the largest); ρ: Spearman; "
+                      "regret: top-1 regret; cover, ±: 90% interval coverage and median half-width; rule: the "
+                      "constant-MFU rule of thumb (leave-one-out, bf16 and float8 apart)")
+    for c in ("", "step", "max", "tok/s", "max", "ρ", "regret", "cover", "±"):
+        t.add_column(c, justify="right" if c else "left", no_wrap=True)
     for name, s in views.items():
-        t.add_row(name, pct(s.get("step_time_mape")), pct(s.get("step_time_max_ape")),
+        t.add_row(name.replace("_", " ").split(" (")[0], pct(s.get("step_time_mape")), pct(s.get("step_time_max_ape")),
+                  pct(s.get("tps_mape")), pct(s.get("tps_max_ape")),
                   "-" if s.get("spearman") is None else f"{s['spearman']:.2f}", pct(s.get("top1_regret")),
                   pct(s.get("interval_coverage")), pct(s.get("interval_median_rel_halfwidth")))
         rule = s.get("constant_mfu_rule")
-        if rule and name == "uncalibrated":
-            t.add_row("constant-MFU rule (LOO)", pct(rule["step_time_mape"]), pct(rule["step_time_max_ape"]),
+        if rule and name == next(iter(views)):  # the rule does not depend on the view: shown once
+            t.add_row("rule", pct(rule["step_time_mape"]), pct(rule["step_time_max_ape"]),
+                      pct(rule.get("tps_mape")), pct(rule.get("tps_max_ape")),
                       "-" if rule.get("spearman") is None else f"{rule['spearman']:.2f}", "", "", "")
     con.print(t)
+    for name, s in views.items():
+        by = s.get("by_source")
+        if by and name.replace("_", " ").startswith("out of fold"):
+            ts = Table(title="out of fold, by source: tokens/s mean |error| and max, the rule's beside",
+                       box=box.SIMPLE_HEAD)
+            for c in ("source", "n", "tok/s", "max", "rule", "rule max"):
+                ts.add_column(c, justify="left" if c == "source" else "right", no_wrap=True)
+            for src, v in by.items():
+                r = v.get("constant_mfu_rule") or {}
+                ts.add_row(src, str(v.get("n")), pct(v.get("tps_mape")), pct(v.get("tps_max_ape")),
+                           pct(r.get("tps_mape")), pct(r.get("tps_max_ape")))
+            con.print(ts)

@@ -47,6 +47,14 @@ PLAN_FLAGS = [
     ("ac", Optional[str], typer.Option(None, "--ac", help="none | full | selective-op | layer:N [none]")),
     ("compile", Optional[bool], typer.Option(None, "--compile/--no-compile", help="[no]")),
     ("float8", Optional[bool], typer.Option(None, "--float8/--no-float8", help="[no]")),
+    ("float8_recipe", Optional[str], typer.Option(None, "--float8-recipe",
+                                                  help="tensorwise | rowwise | rowwise_with_gw_hp [tensorwise]")),
+    ("async_tp", Optional[bool], typer.Option(None, "--async-tp/--no-async-tp",
+                                              help="TP collectives overlapped with the matmuls (cost model only) "
+                                                   "[no]")),
+    ("distributed_optimizer", Optional[bool], typer.Option(
+        None, "--distributed-optimizer/--no-distributed-optimizer",
+        help="Megatron distributed optimizer: optimizer state sharded over dp_replicate (cost model only) [no]")),
     ("sequence_parallel", Optional[bool], typer.Option(None, "--sequence-parallel/--no-sequence-parallel",
                                                         help="[on when tp > 1]")),
     ("fsdp_reshard_after_forward", Optional[str], typer.Option(None, "--fsdp-reshard-after-forward",
@@ -55,7 +63,8 @@ PLAN_FLAGS = [
                                                "only the axes > 1 [pp,dp_replicate,dp_shard,cp,tp]")),
     ("order", Optional[str], typer.Option(None, "--order", help="wrapper order [pp,tp,ac,compile,fsdp]")),
     ("plan_file", Optional[str], typer.Option(None, "--plan", help="plan JSON (instead of the plan flags)")),
-    ("profile", Optional[str], typer.Option(None, "--profile", help="profile name or path [h100-sxm-spec]")),
+    ("profile", Optional[str], typer.Option(None, "--profile", help="profile name or path [h100-sxm-spec-cal: the "
+                                            "H100 spec sheet calibrated on published runs]")),
 ]
 
 
@@ -416,7 +425,9 @@ def validate(
     published: Optional[str] = typer.Option(None, "--published", help="a CSV in the schema of "
                                             "shared/published/dev.csv: predict its rows, run nothing"),
     profile: Optional[str] = typer.Option(None, "--profile", help="profile to predict with [cpu-gloo-<ranks>; "
-                                          "published: each row's spec-sheet profile]"),
+                                          "published: each row's spec-sheet profile, calibrated]"),
+    uncalibrated: bool = typer.Option(False, "--uncalibrated", help="published: the raw spec-sheet profiles, "
+                                      "not their calibrated versions (what `parsim calibrate` fits)"),
     rounds: int = typer.Option(2, "--rounds", help="interleaved repetitions of every plan"),
     steps: int = typer.Option(5, "--steps", help="timed steps per run (after 2 warm-up steps)"),
     max_plans: int = typer.Option(0, "--max-plans", help="run only the first N plans of the space (0: all)"),
@@ -435,7 +446,7 @@ def validate(
         raise ParsimError(f"--out {out} exists and is not a folder")
     check_output_path(out + "/summary.json", make_parents=True)
     if published:
-        summary = validate_published(published, out, profile)
+        summary = validate_published(published, out, profile, calibrated=not uncalibrated)
     else:
         check_timeout(timeout)
         summary = validate_measured(model, nproc_per_node, out, profile=profile, rounds=rounds, steps=steps,
@@ -451,9 +462,10 @@ def validate(
 def calibrate(
     dirs: list[str] = typer.Argument(..., help="folders written by `parsim validate`"),
     params: Optional[str] = typer.Option(None, "--params", help="comma-separated parameters to fit, of "
-                                         "gemm_eff_max attention_eff_max memory_efficiency compile_memory_factor "
-                                         "layer_overhead comm_scale_tp comm_scale_dp comm_scale_pp comm_scale_ep "
-                                         "[all but attention_eff_max and comm_scale_pp]"),
+                                         "gemm_eff_max attention_eff_max float8_eff_max memory_efficiency "
+                                         "compile_memory_factor comm_interference layer_overhead comm_scale_tp "
+                                         "comm_scale_dp comm_scale_pp comm_scale_ep comm_scale_all_reduce "
+                                         "[measured rows: the CPU set; published rows: the GPU set]"),
     folds: int = typer.Option(5, "--folds", help="cross-validation folds (grouped by plan family / source table)"),
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="where NAME-cal.json goes [profiles/]"),
     as_json: bool = typer.Option(False, "--json"),
@@ -511,11 +523,13 @@ def report(
     print_summary_table(con, stats)
     from rich.table import Table
 
-    t = Table(title="largest errors")
+    t = Table(title="largest errors (step time)")
     for c in ("plan or row", "model", "measured ms", "shown ms", "error"):
         t.add_column(c, justify="left" if c in ("plan or row", "model") else "right")
     for r in table.sort_values("abs_err", ascending=False).head(10).itertuples():
-        t.add_row(r.describe, r.model, f"{r.measured_ms:.1f}", f"{r.shown_ms:.1f}", f"{r.err_pct:+.0f}%")
+        published = str(getattr(r, "tier", "")) == "published"  # a published row is named by its id
+        t.add_row(str(r.plan_id) if published else r.describe, "" if published else r.model,
+                  f"{r.measured_ms:.1f}", f"{r.shown_ms:.1f}", f"{r.err_pct:+.0f}%")
     con.print(t)
     if html:
         con.print(f"wrote {html}")

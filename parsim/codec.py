@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ParsimError
-from .plan import AC_MODES, AXES, PP_SCHEDULES, RAF_MODES, parse_ac, ranks_per_node
+from .plan import AC_MODES, AXES, FLOAT8_RECIPES, PP_SCHEDULES, RAF_MODES, parse_ac, ranks_per_node
 from .units import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -57,6 +57,9 @@ class PlanBatch:
     ac_every: np.ndarray
     compile: np.ndarray  # bool
     float8: np.ndarray  # bool
+    f8_recipe: np.ndarray  # index into FLOAT8_RECIPES
+    async_tp: np.ndarray  # bool
+    dist_opt: np.ndarray  # bool: distributed optimizer (ZeRO-1 over dp_replicate)
     param_dtype: np.ndarray  # index into DTYPES
     reduce_dtype: np.ndarray  # index into DTYPES
     mesh_idx: np.ndarray  # index into mesh_orders
@@ -134,7 +137,9 @@ class PlanBatch:
 _SHARED = ("mesh_orders", "wrapper_orders", "rpn")
 _DTYPE_BYTES = np.array([DTYPE_BYTES[d] for d in DTYPES], dtype=np.int64)
 _INT_COLS = tuple(f.name for f in fields(PlanBatch) if f.name not in _SHARED)
-_BOOL_COLS = ("ep_ddp", "sp", "compile", "float8")
+_BOOL_COLS = ("ep_ddp", "sp", "compile", "float8", "async_tp", "dist_opt")
+# columns a caller may leave out (their Plan default)
+_OPTIONAL_COLS = {"f8_recipe": 0, "async_tp": False, "dist_opt": False}
 
 
 def batch_of(cols: dict, mesh_orders: tuple, wrapper_orders: tuple, gpus_per_node: int | None) -> PlanBatch:
@@ -145,7 +150,7 @@ def batch_of(cols: dict, mesh_orders: tuple, wrapper_orders: tuple, gpus_per_nod
     n = max(sizes) if sizes else 1
     kw: dict[str, Any] = {}
     for name in _INT_COLS:
-        v = cols[name]
+        v = cols[name] if name in cols or name not in _OPTIONAL_COLS else _OPTIONAL_COLS[name]
         if name == "sp" and v is None:
             v = np.asarray(cols["tp"]) > 1
         kw[name] = np.broadcast_to(np.asarray(v, dtype=bool if name in _BOOL_COLS else np.int64), (n,))
@@ -174,7 +179,8 @@ def _fields(p: Plan) -> dict:
         micro_batch_size=p.micro_batch_size, global_batch_size=p.global_batch_size,
         sched=PP_SCHEDULES[p.pp_schedule], v=p.pp_stages_per_rank, sp=bool(p.sequence_parallel) and p.tp > 1,
         raf_mode=RAF_MODES.index(p.fsdp_reshard_after_forward), ac=AC_MODES[mode], ac_every=every,
-        compile=p.compile, float8=p.float8, param_dtype=DTYPES.index(p.param_dtype),
+        compile=p.compile, float8=p.float8, f8_recipe=FLOAT8_RECIPES.index(p.float8_recipe), async_tp=p.async_tp,
+        dist_opt=p.distributed_optimizer, param_dtype=DTYPES.index(p.param_dtype),
         reduce_dtype=DTYPES.index(p.reduce_dtype), mesh_idx=0, wrapper_idx=0)
 
 
@@ -207,6 +213,7 @@ def plan_kwargs(b: PlanBatch, i: int) -> dict:
         micro_batch_size=g["micro_batch_size"], pp_schedule=SCHED_NAMES[g["sched"]], pp_stages_per_rank=g["v"],
         sequence_parallel=g["sp"], fsdp_reshard_after_forward=RAF_MODES[g["raf_mode"]],
         ac=f"layer:{g['ac_every']}" if ac == "layer" else ac, compile=g["compile"], float8=g["float8"],
+        float8_recipe=FLOAT8_RECIPES[g["f8_recipe"]], async_tp=g["async_tp"], distributed_optimizer=g["dist_opt"],
         param_dtype=DTYPES[g["param_dtype"]], reduce_dtype=DTYPES[g["reduce_dtype"]],
         wrapper_order=b.wrapper_orders[g["wrapper_idx"]],
     )

@@ -15,6 +15,7 @@ from .plan import (
     AXES,
     DEFAULT_ORDER,
     EP_FROM,
+    FLOAT8_RECIPES,
     MAX_BATCH,
     MAX_GPUS,
     MAX_SEQ_LEN,
@@ -32,8 +33,9 @@ DEFAULTS = {
     "etp": 1, "ep_from": "dp_shard", "local_batch_size": 1, "micro_batch_size": None, "global_batch_size": None,
     "seq_len": 4096,
     "pp_schedule": "1F1B", "pp_stages_per_rank": None, "ac": "none", "compile": False, "float8": False,
+    "float8_recipe": "tensorwise", "async_tp": False, "distributed_optimizer": False,
     "sequence_parallel": None, "fsdp_reshard_after_forward": "default", "mesh_order": ",".join(AXES),
-    "order": ",".join(DEFAULT_ORDER), "plan_file": None, "profile": "h100-sxm-spec",
+    "order": ",".join(DEFAULT_ORDER), "plan_file": None, "profile": "h100-sxm-spec-cal",
 }
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp")
 # flag name -> (low, high) for the integer flags
@@ -88,6 +90,8 @@ def check_flags(given: dict) -> None:
         raise ParsimError(f"--ep-from {given['ep_from']!r}: expected one of {', '.join(EP_FROM)}")
     if given.get("ac") is not None:
         parse_ac(given["ac"])
+    if given.get("float8_recipe") is not None and given["float8_recipe"] not in FLOAT8_RECIPES:
+        raise ParsimError(f"--float8-recipe {given['float8_recipe']!r}: expected one of {', '.join(FLOAT8_RECIPES)}")
     if given.get("mesh_order") is not None:
         parse_mesh_order(given["mesh_order"])
     if given.get("order") is not None:
@@ -129,7 +133,8 @@ def plan_from_given(given: dict) -> Plan:
         ep=f["ep"], etp=f["etp"], ep_from=f["ep_from"], local_batch_size=f["local_batch_size"],
         micro_batch_size=f["micro_batch_size"] or 0, global_batch_size=f["global_batch_size"] or 0,
         seq_len=f["seq_len"], pp_schedule=sched, pp_stages_per_rank=spr, ac=f["ac"], compile=f["compile"],
-        float8=f["float8"], sequence_parallel=f["sequence_parallel"],
+        float8=f["float8"], float8_recipe=f["float8_recipe"], async_tp=f["async_tp"],
+        distributed_optimizer=f["distributed_optimizer"], sequence_parallel=f["sequence_parallel"],
         fsdp_reshard_after_forward=f["fsdp_reshard_after_forward"], mesh_order=mesh_order,
         wrapper_order=parse_wrapper_order(f["order"]),
     )
@@ -184,6 +189,9 @@ def search_space(given: dict, *, no_pp: bool = False, no_cp: bool = False, max_t
             kw[a] = (given[a],)
     if given.get("ep_from") is not None:
         kw["ep_from"] = (given["ep_from"],)
+    for a in ("float8_recipe", "async_tp", "distributed_optimizer"):
+        if given.get(a) is not None:
+            kw[a] = given[a]
     if given.get("sequence_parallel") is not None:
         kw["sequence_parallel"] = given["sequence_parallel"]
     if given.get("fsdp_reshard_after_forward") is not None:

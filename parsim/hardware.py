@@ -153,6 +153,10 @@ class HardwareProfile:
     topology: Topology
     collectives: tuple = ()  # CollectiveFit, measured
     float8_gemm_efficiency: EfficiencyCurve | None = None
+    # attention efficiency as a function of the keys each query attends to in one kernel (x = keys, not FLOPs):
+    # FlashAttention's throughput grows with sequence length at any batch (public kernel benchmarks); when set it is
+    # used instead of ``attention_efficiency`` (which stays the FLOP-indexed curve a profiler fits)
+    attention_keys_efficiency: EfficiencyCurve | None = None
     compile_memory_bound_factor: float = 0.5  # memory-bound time with torch.compile (fusion), fraction of eager
     comm_overlap: bool = True  # collectives run beside compute (NCCL streams); gloo on CPU blocks the rank
     samples: dict = field(default_factory=dict)  # raw measurements (or a path to them), kept for refits
@@ -299,6 +303,8 @@ class HardwareProfile:
         d["gemm_efficiency"] = asdict(self.gemm_efficiency)
         d["attention_efficiency"] = asdict(self.attention_efficiency)
         d["float8_gemm_efficiency"] = asdict(self.float8_gemm_efficiency) if self.float8_gemm_efficiency else None
+        d["attention_keys_efficiency"] = (asdict(self.attention_keys_efficiency) if self.attention_keys_efficiency
+                                          else None)
         d["topology"] = asdict(self.topology)
         d["collectives"] = [asdict(c) for c in self.collectives]
         d["assumptions"] = list(self.assumptions)
@@ -327,9 +333,9 @@ class HardwareProfile:
             d = dict(d)
             d["gemm_efficiency"] = _sub(EfficiencyCurve, d["gemm_efficiency"], "gemm_efficiency")
             d["attention_efficiency"] = _sub(EfficiencyCurve, d["attention_efficiency"], "attention_efficiency")
-            if d.get("float8_gemm_efficiency") is not None:
-                d["float8_gemm_efficiency"] = _sub(EfficiencyCurve, d["float8_gemm_efficiency"],
-                                                   "float8_gemm_efficiency")
+            for k in ("float8_gemm_efficiency", "attention_keys_efficiency"):
+                if d.get(k) is not None:
+                    d[k] = _sub(EfficiencyCurve, d[k], k)
             d["topology"] = _sub(Topology, d["topology"], "topology")
             if not isinstance(d["collectives"], list):
                 raise ParsimError(f"collectives must be a list, got {d['collectives']!r}")

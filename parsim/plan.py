@@ -24,6 +24,11 @@ PP_SCHEDULES = {"GPipe": 0, "1F1B": 1, "Interleaved1F1B": 2}
 AC_MODES = {"none": 0, "full": 1, "selective-op": 2, "layer": 3}
 RAF_MODES = ("default", "always", "never")
 EP_FROM = ("dp_shard", "dp_replicate")
+# torchao float8 training recipes (torchtitan's Float8LinearConverter recipe_name; tensorwise is the original one)
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# fields added after plan ids were first recorded: left out of the id while at their default, so that the ids of
+# earlier plans (and the measurements keyed by them) stay valid
+_LATE_DEFAULTS = {"float8_recipe": "tensorwise", "async_tp": False, "distributed_optimizer": False}
 # absurd sizes, refused before anything is enumerated (and int64 / float arithmetic stays far from overflow)
 MAX_GPUS = 2**20  # 1,048,576: beyond every cluster built so far
 MAX_SEQ_LEN = 2**24  # 16,777,216 tokens
@@ -70,6 +75,14 @@ class Plan:
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
     wrapper_order: tuple[str, ...] = DEFAULT_ORDER
+    # float8 scaling recipe (used when float8 is on)
+    float8_recipe: str = "tensorwise"
+    # TP collectives decomposed and overlapped with the matmuls they feed (torchtitan enable_async_tensor_parallel,
+    # Megatron tp_comm_overlap)
+    async_tp: bool = False
+    # Megatron's distributed optimizer (ZeRO-1): fp32 master weights and AdamW states sharded over dp_replicate,
+    # gradients reduce-scattered and updated parameters all-gathered instead of one all-reduce
+    distributed_optimizer: bool = False
 
     def __post_init__(self):
         s = object.__setattr__
@@ -97,6 +110,8 @@ class Plan:
         if self.fsdp_reshard_after_forward not in RAF_MODES:
             raise ParsimError(f"fsdp_reshard_after_forward must be one of {RAF_MODES}")
         parse_ac(self.ac)
+        if self.float8_recipe not in FLOAT8_RECIPES:
+            raise ParsimError(f"float8_recipe must be one of {', '.join(FLOAT8_RECIPES)}, got {self.float8_recipe!r}")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPE_BYTES or getattr(self, name) == "float8":
                 raise ParsimError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
@@ -120,12 +135,13 @@ class Plan:
         world = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if world > MAX_GPUS:
             raise ParsimError(f"the degrees multiply to {world} GPUs, more than the {MAX_GPUS} parsim plans for")
-        for a in ("compile", "float8"):
+        for a in ("compile", "float8", "async_tp", "distributed_optimizer"):
             if not isinstance(getattr(self, a), bool):
                 raise ParsimError(f"{a} must be true or false, got {getattr(self, a)!r}")
         if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
             raise ParsimError(f"sequence_parallel must be true, false or null, got {self.sequence_parallel!r}")
-        for a in ("ep_from", "pp_schedule", "fsdp_reshard_after_forward", "ac", "param_dtype", "reduce_dtype"):
+        for a in ("ep_from", "pp_schedule", "fsdp_reshard_after_forward", "ac", "param_dtype", "reduce_dtype",
+                  "float8_recipe"):
             if not isinstance(getattr(self, a), str):
                 raise ParsimError(f"{a} must be a string, got {getattr(self, a)!r}")
         for a in ("mesh_order", "wrapper_order"):
@@ -192,7 +208,8 @@ class Plan:
     @property
     def plan_id(self) -> str:
         """Stable hash of the canonical JSON form (defaults resolved), 12 hex digits."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        d = {k: v for k, v in self.to_dict().items() if k not in _LATE_DEFAULTS or v != _LATE_DEFAULTS[k]}
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     @staticmethod

@@ -126,27 +126,37 @@ def _stats_html(stats: dict) -> str:
     def pct(x):
         return "-" if x is None else f"{100 * x:.1f}%"
 
-    head = ("<tr><th>view</th><th>rows</th><th>step mean |err|</th><th>median</th><th>max</th><th>Spearman</th>"
-            "<th>top-1 regret</th><th>coverage</th><th>half-width</th><th>memory mean |err|</th></tr>")
+    def rho(s):
+        return "-" if s.get("spearman") is None else str(round(s["spearman"], 2))
+
+    head = ("<tr><th>view</th><th>rows</th><th>tokens/s mean |err|</th><th>max</th><th>step mean |err|</th>"
+            "<th>max</th><th>Spearman</th><th>top-1 regret</th><th>coverage</th><th>half-width</th>"
+            "<th>memory mean |err|</th></tr>")
     body = []
+
+    def rule_row(label, rule):
+        body.append(f"<tr class='rule'><td>{label}</td><td></td><td>{pct(rule.get('tps_mape'))}</td>"
+                    f"<td>{pct(rule.get('tps_max_ape'))}</td><td>{pct(rule['step_time_mape'])}</td>"
+                    f"<td>{pct(rule['step_time_max_ape'])}</td><td>{rho(rule)}</td>"
+                    "<td></td><td></td><td></td><td></td></tr>")
+
     for name, s in stats.items():
-        body.append(f"<tr><td>{_html.escape(name)}</td><td>{s.get('n_ok')}</td><td>{pct(s.get('step_time_mape'))}"
-                    f"</td><td>{pct(s.get('step_time_median_ape'))}</td><td>{pct(s.get('step_time_max_ape'))}</td>"
-                    f"<td>{'-' if s.get('spearman') is None else round(s['spearman'], 2)}</td>"
+        body.append(f"<tr><td>{_html.escape(name)}</td><td>{s.get('n_ok')}</td><td>{pct(s.get('tps_mape'))}</td>"
+                    f"<td>{pct(s.get('tps_max_ape'))}</td><td>{pct(s.get('step_time_mape'))}</td>"
+                    f"<td>{pct(s.get('step_time_max_ape'))}</td><td>{rho(s)}</td>"
                     f"<td>{pct(s.get('top1_regret'))}</td><td>{pct(s.get('interval_coverage'))}</td>"
                     f"<td>{pct(s.get('interval_median_rel_halfwidth'))}</td><td>{pct(s.get('memory_mape'))}</td></tr>")
-        rule = s.get("constant_mfu_rule")
-        if rule:
-            body.append(f"<tr class='rule'><td>constant-MFU rule (leave-one-out), same rows</td><td></td>"
-                        f"<td>{pct(rule['step_time_mape'])}</td><td></td><td>{pct(rule['step_time_max_ape'])}</td>"
-                        f"<td>{'-' if rule.get('spearman') is None else round(rule['spearman'], 2)}</td>"
-                        "<td></td><td></td><td></td><td></td></tr>")
+        if s.get("constant_mfu_rule"):
+            rule_row("constant-MFU rule (leave-one-out, bf16 / float8), same rows", s["constant_mfu_rule"])
         for src, ss in (s.get("by_source") or {}).items():
-            if ss.get("step_time_mape") is not None:
-                body.append(f"<tr class='src'><td>&nbsp;&nbsp;{_html.escape(src)}</td><td>{ss.get('n')}</td>"
-                            f"<td>{pct(ss['step_time_mape'])}</td><td>{pct(ss.get('step_time_median_ape'))}</td>"
-                            f"<td>{pct(ss.get('step_time_max_ape'))}</td><td>{'-' if ss.get('spearman') is None else round(ss['spearman'], 2)}</td>"  # noqa: E501
-                            "<td></td><td></td><td></td><td></td></tr>")
+            if ss.get("step_time_mape") is None:
+                continue
+            body.append(f"<tr class='src'><td>&nbsp;&nbsp;{_html.escape(src)}</td><td>{ss.get('n')}</td>"
+                        f"<td>{pct(ss.get('tps_mape'))}</td><td>{pct(ss.get('tps_max_ape'))}</td>"
+                        f"<td>{pct(ss['step_time_mape'])}</td><td>{pct(ss.get('step_time_max_ape'))}</td>"
+                        f"<td>{rho(ss)}</td><td></td><td>{pct(ss.get('interval_coverage'))}</td><td></td><td></td></tr>")
+            if ss.get("constant_mfu_rule"):
+                rule_row("&nbsp;&nbsp;&nbsp;&nbsp;rule, same rows", ss["constant_mfu_rule"])
     return f"<table class='stats'>{head}{''.join(body)}</table>"
 
 

@@ -32,6 +32,7 @@ from .plan import (
     AXES,
     DEFAULT_ORDER,
     EP_FROM,
+    FLOAT8_RECIPES,
     MAX_BATCH,
     MAX_GPUS,
     MAX_SEQ_LEN,
@@ -92,6 +93,10 @@ class SearchSpace:
     mesh_order: tuple | None = None  # one device order, pinned
     wrapper_orders: tuple | None = None  # wrapper orders, pinned (default: the legal ones searched_orders gives)
     headroom: float = 0.0  # fraction of usable memory kept free
+    # pinned options the executor cannot run here (not enumerated: set for every plan when the user asks)
+    float8_recipe: str = "tensorwise"
+    async_tp: bool = False
+    distributed_optimizer: bool = False
     max_plans: int = MAX_PLANS  # 0: no limit
 
     def __post_init__(self):
@@ -308,7 +313,9 @@ def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace
             "micro_batch_size": base["mbs"][bi], "sched": base["sched"][bi], "v": base["v"][bi],
             "sp": sp.sequence_parallel, "raf_mode": _raf_mode(o[:, 4], c[:, 0]), "ac": o[:, 0], "ac_every": o[:, 1],
             "compile": o[:, 2], "float8": o[:, 3], "param_dtype": DTYPES.index("bfloat16"),
-            "reduce_dtype": DTYPES.index("float32"), "mesh_idx": base["perm"][bi], "wrapper_idx": o[:, 6]}
+            "reduce_dtype": DTYPES.index("float32"), "mesh_idx": base["perm"][bi], "wrapper_idx": o[:, 6],
+            "f8_recipe": FLOAT8_RECIPES.index(sp.float8_recipe), "async_tp": sp.async_tp & (c[:, 4] > 1),
+            "dist_opt": sp.distributed_optimizer & (c[:, 1] > 1)}
     return batch_of(cols, tuple(base["perms"]), tuple(base["orders"]), gpn)
 
 

@@ -22,6 +22,7 @@ which is the work a causal flash-attention kernel actually does and is what the 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
 from pathlib import Path
 
 from .errors import ParsimError
@@ -273,6 +274,9 @@ class ModelSpec:
 
     def param_counts(self) -> dict[str, int]:
         """Exact totals by kind; sums to ``n_params``."""
+        return dict(_param_counts(self))
+
+    def _param_counts(self) -> dict[str, int]:
         counts = {"embedding": self.embedding_params(), "output": self.output_params()}
         for i in range(self.n_layers):
             for k, v in self.layer_params(i).items():
@@ -433,3 +437,8 @@ def load_model(name_or_path: str) -> ModelSpec:
     except (TypeError, ValueError, AttributeError) as e:
         raise ParsimError(f"bad model config {p}: {e}") from None
 
+
+@lru_cache(maxsize=1024)
+def _param_counts(spec: ModelSpec) -> dict[str, int]:
+    """``ModelSpec.param_counts``, cached per (frozen, hashable) spec: the cost model asks for it per batch."""
+    return spec._param_counts()

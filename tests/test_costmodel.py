@@ -26,6 +26,8 @@ PLANS = [
     (PRESETS["mixtral-8x7b"], dict(dp_shard=8, ep=8, ac="full")),
     (PRESETS["deepseek-v3"], dict(pp=8, dp_shard=8, ep=8, local_batch_size=16, micro_batch_size=1, ac="full")),
     (PRESETS["gpt3-175b"], dict(pp=8, dp_shard=8, tp=8, local_batch_size=8, micro_batch_size=1, pp_schedule="GPipe")),
+    (L70, dict(pp=8, dp_replicate=2, tp=4, local_batch_size=8, micro_batch_size=1, float8=True,
+               float8_recipe="rowwise_with_gw_hp", async_tp=True, distributed_optimizer=True)),
 ]
 
 

@@ -275,9 +275,19 @@ def _fsdp_records(led: Ledger, spec, b, rv: RankView) -> None:
         led.add(f"FSDP reduce-scatter of gradients: {name}", "reduce_scatter", axis, params * rb, ga * units, size,
                 rpn, "backward", "fsdp_reduce", on)
         expert = grp == "efsdp"
+        dense_dp = on & (~b.ep_ddp if expert else True)
+        dist = b.dist_opt & (b.dp_replicate > 1)
         led.add(f"HSDP all-reduce of sharded gradients: {name}", "all_reduce", "dp_replicate", params / div * rb,
-                ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce",
-                on & (~b.ep_ddp if expert else True))
+                ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce", dense_dp & ~dist)
+        # distributed optimizer: the all-reduce becomes a reduce-scatter of the gradients and, after the step, an
+        # all-gather of the updated param_dtype shards (overlapped with the next forward, Megatron's
+        # overlap_param_gather): the same bus bytes in bf16/fp32 halves
+        led.add(f"distributed-optimizer reduce-scatter of gradients: {name}", "reduce_scatter", "dp_replicate",
+                params / div * rb, ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce",
+                dense_dp & dist)
+        led.add(f"distributed-optimizer all-gather of updated parameters: {name}", "all_gather", "dp_replicate",
+                params / div / np.maximum(b.dp_replicate, 1) * pb, units, b.dp_replicate, b.rpn["dp_replicate"],
+                "forward", "fsdp_gather", dense_dp & dist)
         if expert:
             led.add(f"DDP-EP all-reduce of gradients: {name}", "all_reduce", "edp", params / div * rb, ga * units,
                     b.dp_replicate // np.maximum(b.ep, 1), b.rpn["edp"], "backward", "fsdp_reduce", on & b.ep_ddp)

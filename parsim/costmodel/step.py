@@ -70,6 +70,9 @@ GEMM_BWD_PER_FWD = 2.0
 # backward moves about twice as much
 MEMORY_TRAFFIC_PER_SAVED_BYTE = 3.0
 MEMORY_BWD_PER_FWD = 2.0
+# [public benchmark] float8 rowwise GEMMs run at 90-100% of tensorwise speed on most shapes, with a tail down to 50%
+# (pytorch/pytorch#147971): the low end of the common range
+ROWWISE_KERNEL_SPEED = 0.9
 # [derived] the loss's fp32 traffic per logit: read bf16 logits, write / read the fp32 copy and log-softmax (16 B)
 LOSS_BYTES_PER_LOGIT = 16.0
 PHASES = ("end of forward", "backward of the last layer", "end of backward", "optimizer step")
@@ -87,19 +90,23 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
     mem_bw = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
     items = []
     mm_count = 0
+    wgrad_hp = np.zeros_like(sh.T)  # rowwise_with_gw_hp: extra backward seconds of weight gradients in bf16
     for name, flops, kernel_flops, io_elems, kind in gemms(spec, sh, moe):
         t = (flops / kernel_flops) * hw.gemm_efficiency.time_s(kernel_flops, peak)
         eff = hw.gemm_efficiency(kernel_flops)
         if fp8_peak and hw.float8_gemm_efficiency is not None:
             t_fp8 = (flops / kernel_flops) * hw.float8_gemm_efficiency.time_s(kernel_flops, fp8_peak)
-            t_fp8 = t_fp8 + 3.0 * io_elems / mem_bw  # [derived] cast: read bf16 (2 B), write fp8 (1 B) per element
+            t_fp8 = t_fp8 / np.where(b.f8_recipe == 0, 1.0, ROWWISE_KERNEL_SPEED)
+            # [derived] cast: read bf16 (2 B), write fp8 (1 B) per element; rowwise recipes quantize each operand
+            # along both axes (the backward GEMMs scale along the other dimension), tensorwise reuses one scale
+            casts = np.where(b.f8_recipe == 0, 1.0, 2.0)
+            t_fp8 = t_fp8 + casts * 3.0 * io_elems / mem_bw
+            wgrad_hp = wgrad_hp + np.where(b.float8 & (b.f8_recipe == 2), np.maximum(t - t_fp8, 0.0), 0.0)
             t = np.where(b.float8, t_fp8, t)
             eff = np.where(b.float8, hw.float8_gemm_efficiency(kernel_flops), eff)
         mm_count += kind == "mm"
         items.append((name, "gemm", flops, eff, t, kind == "mm" and mm_count % 2 == 0))  # SAC recomputes even mm's
-    a_flops = attention_flops(spec, sh)
-    items.append(("attention (causal)", "attention", a_flops, hw.attention_efficiency(a_flops),
-                  hw.attention_efficiency.time_s(a_flops, peak), False))
+    items.append(_attention_item(spec, b, sh, hw, peak))
     act = activation_bytes(spec, sh, moe)
     # memory-bound kernels: every non-GEMM tensor the layer saves is written once and read about twice
     mem_bytes = np.maximum(MEMORY_TRAFFIC_PER_SAVED_BYTE * (act["none"] - _gemm_output_bytes(spec, sh, moe)), 0.0)
@@ -109,7 +116,25 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
     # fixed per-layer costs the FLOP/byte terms miss (block_overheads: measured block - model; 0 without one)
     items.append(("per-layer overhead (measured block - model)", "overhead", np.zeros_like(sh.T),
                   np.ones_like(sh.T), np.full_like(sh.T, overhead_fwd_s), False))
+    # backward only: the weight-gradient GEMMs that rowwise_with_gw_hp runs in bf16 instead of float8
+    items.append(("weight gradients in bf16 (float8 rowwise_with_gw_hp; backward only)", "wgrad_hp",
+                  np.zeros_like(sh.T), np.ones_like(sh.T), wgrad_hp, False))
     return items
+
+
+def _attention_item(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, peak) -> tuple:
+    """The causal attention core of one layer. With ``attention_keys_efficiency`` (spec-sheet GPU profiles) the
+    efficiency follows the keys one kernel attends to: FlashAttention's published throughput grows with sequence
+    length at a fixed token count (FA2 forward+backward on H100, hd 128, causal: 163 TFLOP/s at 512 keys, 294 at
+    4k, 328 at 16k), which a FLOP-indexed curve cannot express (a 64k-token batch of 512-token sequences has the
+    FLOPs of a 4k-token batch of 4k-token sequences). Under CP, torchtitan's ring attention runs ``cp`` kernels of
+    ``seq / cp`` keys each."""
+    a_flops = attention_flops(spec, sh)
+    if hw.attention_keys_efficiency is None:
+        return ("attention (causal)", "attention", a_flops, hw.attention_efficiency(a_flops),
+                hw.attention_efficiency.time_s(a_flops, peak), False)
+    eff = hw.attention_keys_efficiency(sh.seq / b.cp)
+    return ("attention (causal)", "attention", a_flops, eff, a_flops / (eff * peak), False)
 
 
 def compute_peak(hw: HardwareProfile, b: PlanBatch) -> np.ndarray:
@@ -156,14 +181,15 @@ def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
         compute_scale = float(hw.corrections.get("compute_scale", 1.0))
     items = layer_compute_items(spec, b, sh, hw, moe, overheads[0])
     by_kind = {k: sum((it[4] for it in items if it[1] == k), np.zeros_like(sh.T))
-               for k in ("gemm", "attention", "memory", "overhead")}
+               for k in ("gemm", "attention", "memory", "overhead", "wgrad_hp")}
     sac_t = sum((it[4] for it in items if it[5] and it[1] == "gemm"), np.zeros_like(sh.T))
     ovb = overheads[1]
-    fwd = sum(by_kind.values()) * compute_scale
-    bwd = (GEMM_BWD_PER_FWD * by_kind["gemm"] + ATTENTION_BWD_PER_FWD * by_kind["attention"]
+    fwd = (by_kind["gemm"] + by_kind["attention"] + by_kind["memory"] + by_kind["overhead"]) * compute_scale
+    bwd = (GEMM_BWD_PER_FWD * by_kind["gemm"] + by_kind["wgrad_hp"] + ATTENTION_BWD_PER_FWD * by_kind["attention"]
            + MEMORY_BWD_PER_FWD * by_kind["memory"] + ovb) * compute_scale
     sac = (sac_t + by_kind["memory"] + 0.5 * by_kind["overhead"]) * compute_scale
-    return {"fwd": fwd, "bwd": bwd, "rec_full": fwd, "rec_sac": sac, "act": activation_bytes(spec, sh, moe)}
+    return {"fwd": fwd, "bwd": bwd, "rec_full": fwd, "rec_sac": sac, "act": activation_bytes(spec, sh, moe),
+            "gemm_fwd": by_kind["gemm"] * compute_scale}
 
 
 def _gemm_output_bytes(spec, sh, moe):
@@ -227,6 +253,7 @@ def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile
     n = len(b)
     fwd = sum(rv.n_of[k] * costs[k]["fwd"] for k in rv.kinds)
     bwd = sum(rv.n_of[k] * costs[k]["bwd"] for k in rv.kinds)
+    gemm = sum(rv.n_of[k] * costs[k]["gemm_fwd"] for k in rv.kinds) * (1.0 + GEMM_BWD_PER_FWD)
     rec, act, transient = np.zeros(n), np.zeros(n), np.zeros(n)
     for k in rv.kinds:
         c = costs[k]
@@ -242,7 +269,7 @@ def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile
     loss_mem = LOSS_BYTES_PER_LOGIT * logits / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
     fwd = fwd + np.where(rv.has_out, out_gemm + loss_mem, 0.0)
     bwd = bwd + np.where(rv.has_out, GEMM_BWD_PER_FWD * out_gemm + loss_mem, 0.0)
-    return {"fwd": fwd, "bwd": bwd, "rec": rec, "act": act, "transient": transient, "logits": logits}
+    return {"fwd": fwd, "bwd": bwd, "rec": rec, "act": act, "transient": transient, "logits": logits, "gemm": gemm}
 
 
 def _bubble(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb):
@@ -269,16 +296,20 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     ga = b.grad_accum.astype(float)
     M = ga * b.n_micro  # microbatches per step per rank
     cm = C.rank_comm(spec, b, sh, hw, rv)
-    per_mb_exposed = cm["per_microbatch_exposed_s"]  # TP, CP, EP by axis (fwd + bwd + recompute)
+    per_mb_exposed = dict(cm["per_microbatch_exposed_s"])  # TP, CP, EP by axis (fwd + bwd + recompute)
+    tp_ratio = _async_tp_exposed_fraction(b, hw, per_mb_exposed["tp"], c["gemm"])
+    per_mb_exposed["tp"] = per_mb_exposed["tp"] * tp_ratio
     t_mb = c["fwd"] + c["bwd"] + c["rec"] + sum(per_mb_exposed.values())
     fsdp_exposed = _fsdp_exposed(b, hw, cm, c["fwd"], c["bwd"] + c["rec"], rv.n_layers)
-    _set_exposed(cm["ledger"], fsdp_exposed, cm["fsdp_ag_total_s"] + cm["fsdp_red_total_s"])
-    opt = p_shard * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
+    _set_exposed(cm["ledger"], fsdp_exposed, cm["fsdp_ag_total_s"] + cm["fsdp_red_total_s"], tp_ratio)
+    p_opt = p_shard / np.where(b.dist_opt, b.dp_replicate, 1)  # parameters whose optimizer step this rank runs
+    opt = p_opt * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
     tb = {"compute_forward": M * c["fwd"], "compute_backward": M * c["bwd"], "recompute": M * c["rec"],
           "pp_bubble": _bubble(b, hw, M, ga, c["fwd"] + c["bwd"] + c["rec"], t_mb), "optimizer": opt}
     for axis, tt in cm["ledger"].exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
         tb["comm_" + axis] = tt
-    phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard)
+    tb["comm_interference"] = _interference(hw, cm["ledger"])
+    phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard, p_opt)
     n, z = len(b), np.zeros(len(b))
     totals = {k: sum(v.values()) for k, v in phases.items()}
     names = list(phases)
@@ -289,15 +320,42 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
             "mb": mb, "phase": which, "ledger": cm["ledger"]}
 
 
+def _async_tp_exposed_fraction(b: PlanBatch, hw: HardwareProfile, tp_s, gemm_s) -> np.ndarray:
+    """Fraction of the TP collectives' time left exposed. Async TP (torchtitan's micro-pipelined TP, Megatron's
+    tp_comm_overlap) splits each SP all-gather / reduce-scatter into chunks that run while the matmul consuming or
+    producing them works on the previous chunk, so a microbatch's TP time hides behind its GEMM time: exposed =
+    max(0, TP - GEMM) [derived]. What hides still slows the GEMMs (``_interference``). Without async TP, or where
+    collectives block the rank (gloo), everything is exposed."""
+    if not hw.comm_overlap:
+        return np.ones(len(b))
+    hidden = np.maximum(np.asarray(tp_s, dtype=float) - gemm_s, 0.0)
+    frac = np.where(tp_s > 0, hidden / np.where(tp_s > 0, tp_s, 1.0), 1.0)
+    return np.where(b.async_tp, frac, 1.0)
+
+
+def _interference(hw: HardwareProfile, ledger) -> np.ndarray:
+    """Compute slowed by the collectives that run beside it: ``comm_interference`` x the hidden collective time
+    (raw - exposed). NCCL kernels occupy SMs and HBM bandwidth while a GEMM runs: overlapped compute slows by 18.9%
+    of its time on average and 40% at most on A100/H100 (arXiv 2507.03114); per second of hidden collective the
+    loss is of the same order. Profiles carry it as ``corrections.comm_interference`` (spec-sheet: the public
+    average, then fitted by `parsim calibrate`); 0 where collectives block the rank (gloo on CPU)."""
+    k = float(hw.corrections.get("comm_interference", 0.0))
+    hidden = sum((r.time_s - r.exposed_s for r in ledger.records), np.zeros(ledger.n))
+    return k * np.maximum(hidden, 0.0)
+
+
 def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, ne_local,
-                   ex_local, p_shard) -> dict:
-    """The four moments of the step, each itemized by MEMORY_KEYS (see the module docstring)."""
+                   ex_local, p_shard, p_opt) -> dict:
+    """The four moments of the step, each itemized by MEMORY_KEYS (see the module docstring). The distributed
+    optimizer (Megatron, ZeRO-1) keeps the fp32 master weights and AdamW states of ``p_opt`` parameters (its
+    1/dp_replicate share), the whole model in param_dtype and the whole gradient (main grads) in reduce_dtype."""
     V, d = spec.vocab_size, spec.d_model
     pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
     ga, m_pass = b.grad_accum.astype(float), b.n_micro.astype(float)
     emb_local, out_local, has_emb = rv.emb_local, rv.out_local, rv.has_emb
     inflight = _inflight(b, rank)
-    base = {"parameters": p_shard * 4.0, "optimizer_states": p_shard * 8.0}
+    dist = b.dist_opt & (b.dp_replicate > 1)
+    base = {"parameters": p_opt * 4.0, "optimizer_states": p_opt * 8.0}
     # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
     # earlier passes; with PP, once the schedule reaches its steady state (more microbatches than in flight,
     # 1F1B / interleaved, or any schedule with ga > 1) the unsharded grads accumulated in reduce_dtype — the
@@ -314,8 +372,9 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     sharded = (b.fsdp > 1) | (b.efsdp > 1) | (b.dp_replicate > 1)
     layer_w = (ne_local + ex_local - emb_local - out_local) / np.maximum(rv.n_layers, 1.0)  # one block's weights
     keep_all = (ne_local + ex_local) * pb  # reshard_after_forward off: the whole stage stays unsharded
-    unsh_fwd = np.where(sharded, np.where(b.raf, out_local * pb, keep_all), 0.0)
-    unsh_bwd = np.where(sharded, np.where(b.raf, (out_local + 2.0 * layer_w) * pb, keep_all), 0.0)
+    unsh_fwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, out_local * pb, keep_all), 0.0))
+    unsh_bwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, (out_local + 2.0 * layer_w) * pb,
+                                                                   keep_all), 0.0))
     acts = inflight * c["act"]
     # the loss: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the end of forward under loss
     # parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the log-softmax output,
@@ -339,7 +398,8 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
                                                          np.maximum(grads_prev, p_shard * 4.0)),
                                 fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),
                                 fsdp_grad_buffers=emb_grad, activations=np.maximum(inflight - 1.0, 0.0) * c["act"]),
-        "optimizer step": dict(base, gradients=p_shard * 4.0, optimizer_temporaries=p_shard * 4.0),
+        "optimizer step": dict(base, gradients=p_shard * 4.0, optimizer_temporaries=p_opt * 4.0,
+                               fsdp_unsharded_params=np.where(dist, keep_all, 0.0)),
     }
 
 
@@ -399,12 +459,17 @@ def _fsdp_exposed(b: PlanBatch, hw: HardwareProfile, cm: dict, fwd, bwd, n_layer
     return ga * (exp_fwd + exp_bwd)
 
 
-def _set_exposed(ledger, fsdp_exposed, fsdp_total) -> None:
-    """Exposed seconds of every record: TP/CP/EP/PP records are exposed as they are; the FSDP family shares
-    ``fsdp_exposed`` in proportion to its records' raw times."""
+def _set_exposed(ledger, fsdp_exposed, fsdp_total, tp_ratio) -> None:
+    """Exposed seconds of every record: CP/EP/PP records are exposed as they are, TP's per-microbatch records by
+    ``tp_ratio`` (async TP); the FSDP family shares ``fsdp_exposed`` in proportion to its records' raw times."""
     safe = np.where(fsdp_total > 0, fsdp_total, 1.0)
     for r in ledger.records:
-        r.exposed_s = fsdp_exposed * r.time_s / safe if r.overlap in C.FSDP_OVERLAPS else r.time_s
+        if r.overlap in C.FSDP_OVERLAPS:
+            r.exposed_s = fsdp_exposed * r.time_s / safe
+        elif r.axis == "tp" and r.phase != "step":
+            r.exposed_s = r.time_s * tp_ratio
+        else:
+            r.exposed_s = r.time_s
 
 
 def _g(d, k, n):
