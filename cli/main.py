@@ -204,6 +204,8 @@ def search(
     execute: int = typer.Option(0, "--execute", help="run the top K plans with the executor on this machine"),
     execute_out: Optional[str] = typer.Option(None, "--execute-out", help="write predictions and measurements "
                                               "of --execute to this JSON"),
+    wide: bool = typer.Option(False, "--wide", help="the top table with every field spelled out (needs ~190 "
+                              "columns)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
 ):
     """Search every plan for a model on N GPUs and rank them by predicted step time. Every plan flag given pins
@@ -228,7 +230,7 @@ def search(
 
     run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,
                    emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json, execute=execute,
-                   model_arg=flags["model"], execute_out=execute_out)
+                   model_arg=flags["model"], execute_out=execute_out, wide=wide)
 
 
 def _measurement_summary(m, title: str) -> None:

@@ -14,10 +14,59 @@ def _order_str(plan) -> str:
     return ">".join(axes) or "-"
 
 
+SHORT_AXES = {"pp": "pp", "dp_replicate": "dpr", "dp_shard": "fsdp", "cp": "cp", "tp": "tp"}
+SHORT_AC = {"none": "-", "full": "full", "selective-op": "sel"}
+SHORT_DOMINANT = {"compute_backward": "bwd", "compute_forward": "fwd", "recompute": "recomp", "pp_bubble": "bubble",
+                  "optimizer": "optim", "comm_interference": "interf"}
+WRAPPER_LETTERS = {"pp": "P", "tp": "T", "ac": "A", "compile": "C", "fsdp": "F"}
+
+
+def short_degrees(plan) -> str:
+    """Degrees in device order (outermost first; axes of degree 1 left out, as they place no rank), short names:
+    ``pp4 dpr2 fsdp8 tp4 ep8`` (``ep8d``: EP borrowed from dp_replicate)."""
+    parts = [f"{SHORT_AXES[a]}{getattr(plan, a)}" for a in plan.mesh_order if getattr(plan, a) > 1]
+    if plan.ep > 1:
+        parts.append(f"ep{plan.ep}" + (f"/{plan.etp}" if plan.etp > 1 else "")
+                     + ("d" if plan.ep_from == "dp_replicate" else ""))
+    return " ".join(parts) or "1 GPU"
+
+
+def short_options(plan) -> str:
+    """compile (C), float8 (F8, rowwise r / gw_hp g), reshard never/always (R-/R+), async TP (aTP), distributed
+    optimizer (ZeRO1), a wrapper order other than PP>TP>AC>compile>FSDP (its letters)."""
+    from parsim.plan import DEFAULT_ORDER
+
+    out = []
+    if plan.compile:
+        out.append("C")
+    if plan.float8:
+        out.append("F8" + {"tensorwise": "", "rowwise": "r", "rowwise_with_gw_hp": "g"}[plan.float8_recipe])
+    if plan.fsdp_reshard_after_forward != "default":
+        out.append("R-" if plan.fsdp_reshard_after_forward == "never" else "R+")
+    if plan.async_tp:
+        out.append("aTP")
+    if plan.distributed_optimizer:
+        out.append("ZeRO1")
+    if tuple(plan.wrapper_order) != DEFAULT_ORDER:
+        out.append("".join(WRAPPER_LETTERS[w] for w in plan.wrapper_order))
+    return " ".join(out) or "-"
+
+
+def short_batch(plan) -> str:
+    """local/micro batch, and the gradient-accumulation steps when more than one (``4/1 ga2``)."""
+    ga = plan.grad_accum_steps
+    return f"{plan.local_batch_size}/{plan.micro_batch_size}" + (f" ga{ga}" if ga > 1 else "")
+
+
+def short_ac(ac: str) -> str:
+    return SHORT_AC.get(ac, ac.replace("layer:", "L"))
+
+
 def _sched_str(plan) -> str:
     if plan.pp == 1:
         return "-"
-    return plan.pp_schedule + (f"/v{plan.pp_stages_per_rank}" if plan.pp_stages_per_rank > 1 else "")
+    name = "I1F1B" if plan.pp_schedule == "Interleaved1F1B" else plan.pp_schedule
+    return name + (f"/v{plan.pp_stages_per_rank}" if plan.pp_stages_per_rank > 1 else "")
 
 
 class CsvSink:
@@ -62,7 +111,8 @@ class CsvSink:
 
 
 def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torchtitan, csv_path, as_json,
-                   execute=0, model_arg=None, execute_out=None):
+                   execute=0, model_arg=None, execute_out=None, wide=False):
+    from rich import box
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
@@ -111,7 +161,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
             d["executed"] = executed
         emit_json(d)
         return
-    con.print(f"[bold]{spec.name}[/bold] on {gpus} x {hw.device_name} [{hw.name}], global batch "
+    con.print(f"[bold]{spec.name}[/bold] on {gpus} x {hw.device_name} ({hw.name}), global batch "
               f"{space.global_batch_size} x seq {space.seq_len}: {res.considered:,} plans considered, "
               f"{res.evaluated:,} evaluated, {res.fitting:,} fit, {res.pruned_memory:,} pruned for memory "
               f"(usable {res.usable_memory_bytes / GiB:.1f} GiB) in {res.wall_s:.2f} s "
@@ -130,27 +180,16 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         else:
             con.print("[red]no valid plan[/red]: every degree combination was structurally invalid (see above)")
         return
-    t = Table(title=f"top {min(top, len(res.top))} plans (per GPU)")
-    for col, just in (("#", "right"), ("degrees", "left"), ("device order", "left"), ("pp sched", "left"),
-                      ("lbs/mbs", "right"), ("AC", "left"), ("compile", "left"), ("fp8", "left"),
-                      ("reshard", "left"), ("step ms", "right"), ("90% interval", "right"), ("tok/s/GPU", "right"),
-                      ("MFU", "right"),
-                      ("mem GiB", "right"), ("dominant", "left")):
-        t.add_column(col, justify=just)
     q = math.exp(hw.interval_log_halfwidth)
-    for i, (plan, step, mem, tps, mfu, dom) in enumerate(res.top[:top], 1):
-        t.add_row(str(i), plan.describe(), _order_str(plan), _sched_str(plan),
-                  f"{plan.local_batch_size}/{plan.micro_batch_size}", plan.ac, "y" if plan.compile else "n",
-                  "y" if plan.float8 else "n", plan.fsdp_reshard_after_forward, f"{step / MS:.1f}",
-                  f"{step / q / MS:.0f}-{step * q / MS:.0f}", f"{tps:,.0f}",
-                  f"{mfu * 100:.1f}%", f"{mem / GiB:.1f}", dom)
-    con.print(t)
-    pt = Table(title=f"Pareto front: step time vs memory ({len(res.pareto)} plans)")
-    for col in ("step ms", "mem GiB", "degrees", "AC", "lbs/mbs"):
-        pt.add_column(col)
-    for plan, step, mem in res.pareto[:12]:
-        pt.add_row(f"{step / MS:.1f}", f"{mem / GiB:.1f}", plan.describe(), plan.ac,
-                   f"{plan.local_batch_size}/{plan.micro_batch_size}")
+    con.print(_top_table(res, top, q, wide, con.width))
+    pt = Table(title=f"Pareto front: step time vs memory ({len(res.pareto)} plans)", box=box.SIMPLE_HEAD,
+               padding=(0, 0), show_edge=False)
+    for col, just in (("step ms", "right"), ("GiB", "right"), ("degrees", "left"), ("sched", "left"),
+                      ("batch", "left"), ("AC", "left"), ("options", "left")):
+        pt.add_column(col, justify=just, no_wrap=True)
+    for plan, step, mem in res.pareto:
+        pt.add_row(f"{step / MS:.1f}", f"{mem / GiB:.1f}", short_degrees(plan), _sched_str(plan),
+                   short_batch(plan), short_ac(plan.ac), short_options(plan))
     con.print(pt)
     if explain:
         _print_explain(con, spec, hw, res, explain)
@@ -160,6 +199,49 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         con.print(f"wrote plan #1 ({best.plan_id}) to {emit_plan}")
     if emit_torchtitan:
         con.print(f"wrote torchtitan config for plan #1 to {emit_torchtitan}")
+
+
+def _top_table(res, top: int, q: float, wide: bool, width: int = 100):
+    """The ranked plans: short by default (fits 100 columns: degrees in device order, options as letters, the
+    90% interval in the caption since it is the same factor for every plan), every field spelled out with
+    ``--wide``."""
+    from rich import box
+    from rich.table import Table
+
+    n = min(top, len(res.top))
+    if wide:
+        t = Table(title=f"top {n} plans (per GPU)")
+        cols = (("#", "right"), ("degrees", "left"), ("device order", "left"), ("pp sched", "left"),
+                ("lbs/mbs", "right"), ("grad accum", "right"), ("AC", "left"), ("compile", "left"),
+                ("fp8", "left"), ("reshard", "left"), ("wrapper order", "left"), ("step ms", "right"),
+                ("90% interval", "right"), ("tok/s/GPU", "right"), ("MFU", "right"), ("mem GiB", "right"),
+                ("dominant", "left"))
+    else:
+        t = Table(title=f"top {n} plans", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False,
+                  caption=f"Per GPU. 90% interval of every step time: x/÷ {q:.2f}. degrees in device order, outermost "
+                          "first. batch: local/micro (ga: gradient accumulation). options: C compile, F8 float8, "
+                          "R- / R+ reshard never / always, aTP async TP, ZeRO1 distributed optimizer, letters: a "
+                          "wrapper order other than PTACF. --wide: every field")
+        cols = (("#", "right"), ("degrees", "left"), ("sched", "left"), ("batch", "left"), ("AC", "left"),
+                ("options", "left"), ("step ms", "right"), ("tok/s", "right"), ("MFU", "right"),
+                ("GiB", "right"), ("bound", "left"))
+        if width < 90:  # what the step time is bound by goes first on a narrow terminal
+            cols = cols[:-1]
+    for col, just in cols:
+        t.add_column(col, justify=just, no_wrap=not wide)
+    for i, (plan, step, mem, tps, mfu, dom) in enumerate(res.top[:top], 1):
+        if wide:
+            t.add_row(str(i), plan.describe(), _order_str(plan), _sched_str(plan),
+                      f"{plan.local_batch_size}/{plan.micro_batch_size}", str(plan.grad_accum_steps), plan.ac,
+                      "y" if plan.compile else "n", "y" if plan.float8 else "n", plan.fsdp_reshard_after_forward,
+                      ">".join(plan.wrapper_order), f"{step / MS:.1f}", f"{step / q / MS:.0f}-{step * q / MS:.0f}",
+                      f"{tps:,.0f}", f"{mfu * 100:.1f}%", f"{mem / GiB:.1f}", dom)
+        else:
+            row = [str(i), short_degrees(plan), _sched_str(plan), short_batch(plan), short_ac(plan.ac),
+                   short_options(plan), f"{step / MS:.1f}", f"{tps:,.0f}", f"{mfu * 100:.1f}%",
+                   f"{mem / GiB:.1f}", SHORT_DOMINANT.get(dom, dom.replace("comm_", ""))]
+            t.add_row(*row[:len(cols)])
+    return t
 
 
 def _explain_dict(spec, hw, res, n):
