@@ -26,7 +26,6 @@ def _progress():
 def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | None, rounds: int, steps: int,
                       max_plans: int, timeout_s: float) -> dict:
     from parsim import validate as V
-    from parsim.hardware import load_profile
     from parsim.spec import load_model
 
     if nproc < 1 or nproc > 64:
@@ -37,7 +36,9 @@ def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | No
     plans = V.measured_plans(spec, nproc)
     if max_plans:
         plans = plans[:max_plans]
-    hw = load_profile(profile or f"cpu-gloo-{nproc}")  # checked before anything runs
+    from cli.main import profile_for_this_machine
+
+    hw = profile_for_this_machine(profile or f"cpu-gloo-{nproc}")  # checked before anything runs
     out = Path(out_dir)
     with _progress() as prog:
         task = prog.add_task(f"{model} on {nproc} ranks", total=len(plans) * rounds)

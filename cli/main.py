@@ -113,18 +113,29 @@ def _one_line(msg: str) -> str:
     return " ".join(msg.split())
 
 
+def profile_for_this_machine(name: str):
+    """Load a profile; a measured CPU profile from another machine gets one warning line on stderr."""
+    from parsim.hardware import load_profile
+    from parsim.machine import warning
+
+    hw = load_profile(name)
+    w = warning(hw)
+    if w:
+        print(w, file=sys.stderr)
+    return hw
+
+
 def build_plan(flags: dict):
     """(ModelSpec, Plan, HardwareProfile) from the shared flags: every given flag checked (parsim.flags), then
     either the plan file (``--plan``; other plan flags beside it are refused) or the flags with their defaults."""
     from parsim.errors import ParsimError
     from parsim.flags import check_flags, given_plan_flags, plan_from_given
-    from parsim.hardware import load_profile
     from parsim.plan import Plan
     from parsim.spec import load_model
 
     check_flags(flags)
     spec = load_model(flags["model"])
-    hw = load_profile(flags["profile"])
+    hw = profile_for_this_machine(flags["profile"])
     if flags.get("plan_file"):
         from parsim.jsonio import read_json
 
@@ -211,7 +222,6 @@ def search(
     """Search every plan for a model on N GPUs and rank them by predicted step time. Every plan flag given pins
     its dimension (--tp 8, --ac full, --no-compile, --mesh-order tp,dp_shard ...)."""
     from parsim.flags import check_int, search_space
-    from parsim.hardware import load_profile
     from parsim.jsonio import check_output_path
     from parsim.spec import load_model
 
@@ -225,7 +235,7 @@ def search(
         if path is not None:
             check_output_path(path)
     spec = load_model(flags["model"])
-    hw = load_profile(flags["profile"])
+    hw = profile_for_this_machine(flags["profile"])
     from cli.views import run_search_cli
 
     run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,

@@ -42,10 +42,10 @@ from .spec import ModelSpec, load_model
 # collective in a training step is not more than twice as fast as the isolated benchmark the profile holds (lower
 # would stand for overlap the model does not have) [assumed]
 PARAMETERS = {
-    "gemm_eff_max": ("gemm_efficiency.eff_max (capped at 1)", 0.2, 5.0),
+    "gemm_eff_max": ("gemm_efficiency.eff_max (capped at 1)", 0.2, 1.0),
     "attention_eff_max": ("attention_efficiency.eff_max and attention_keys_efficiency.eff_max (capped at 1)",
                           0.2, 5.0),
-    "float8_eff_max": ("float8_gemm_efficiency.eff_max (capped at 1)", 0.2, 5.0),
+    "float8_eff_max": ("float8_gemm_efficiency.eff_max (capped at 1)", 0.2, 1.0),
     "comm_interference": ("compute slowdown per second of hidden collective time (corrections.comm_interference)",
                           0.0, 5.0),
     "memory_efficiency": ("memory_efficiency (capped at 1)", 0.2, 5.0),

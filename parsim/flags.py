@@ -128,6 +128,10 @@ def plan_from_given(given: dict) -> Plan:
     sched = f["pp_schedule"]
     spr = f["pp_stages_per_rank"] or (2 if sched == "Interleaved1F1B" and f["pp"] > 1 else 1)
     mesh_order, left_out = parse_mesh_order(f["mesh_order"])
+    shard = f["dp_shard"] if f["dp_shard"] != -1 else gpus // max(1, f["dp_replicate"] * f["tp"] * f["pp"] * f["cp"])
+    if given.get("ep_from") is None and f["ep"] > 1 and f["dp_replicate"] % f["ep"] == 0 and (
+            shard * f["cp"] * f["tp"]) % (f["ep"] * f["etp"]):
+        f["ep_from"] = "dp_replicate"  # dp2ep cannot take ep from dp_shard x cp x tp; DDP-style EP can: picked
     plan = plan_from_flags(
         gpus, dp_replicate=f["dp_replicate"], dp_shard=f["dp_shard"], tp=f["tp"], pp=f["pp"], cp=f["cp"],
         ep=f["ep"], etp=f["etp"], ep_from=f["ep_from"], local_batch_size=f["local_batch_size"],

@@ -247,10 +247,26 @@ def plan_from_flags(
                 f"{dp_replicate} x {tp} x {pp} x {cp} = {rest}"
             )
         dp_shard = n_gpus // rest
+    kw = _megatron_batch_words(pp, dp_replicate * dp_shard, kw)
     plan = Plan(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, **kw)
     if plan.world_size != n_gpus:
         raise ParsimError(_world_msg(plan, n_gpus))
     return plan
+
+
+def _megatron_batch_words(pp: int, dp: int, kw: dict) -> dict:
+    """Without PP, a micro batch smaller than the local batch is gradient accumulation, as Megatron and NeMo users
+    write it: ``local 8, micro 4`` runs passes of 4 sequences per rank and steps the optimizer every 8 (parsim's
+    own words: local batch 4, global batch 8 x dp). With PP the micro batch splits the local batch into pipeline
+    microbatches in one step (torchtitan's meaning), unchanged."""
+    lbs, mbs = kw.get("local_batch_size", 1), kw.get("micro_batch_size", 0)
+    if pp > 1 or not mbs or mbs >= lbs:
+        return kw
+    if lbs % mbs:
+        raise ParsimError(f"local batch {lbs} is not a multiple of micro batch {mbs} (gradient accumulation "
+                          "without PP runs local / micro passes)")
+    gbs = kw.get("global_batch_size") or lbs * dp
+    return {**kw, "local_batch_size": mbs, "micro_batch_size": mbs, "global_batch_size": gbs}
 
 
 def _world_msg(plan: Plan, n_gpus: int) -> str:

@@ -17,10 +17,13 @@ def print_prediction(pred: Prediction, spec, plan) -> None:
 
     con = _console()
     con.print(f"[bold]{spec.name}[/bold] ({spec.n_params / 1e9:.2f}B params) on {pred.n_gpus} GPUs "
-              f"[{pred.profile}]  plan {plan.describe()}  id {pred.plan_id}")
+              f"({pred.profile})  plan {plan.describe()}  id {pred.plan_id}")
+    extras = [f"float8 {plan.float8_recipe}" if plan.float8 else "", "async TP" if plan.async_tp else "",
+              "distributed optimizer" if plan.distributed_optimizer else ""]
     con.print(f"seq {plan.seq_len}, local batch {plan.local_batch_size}, micro batch {plan.micro_batch_size}, "
-              f"global batch {plan.global_batch_size}, AC {plan.ac}, compile {plan.compile}, "
-              f"order {'>'.join(plan.wrapper_order)}")
+              f"global batch {plan.global_batch_size} (gradient accumulation {plan.grad_accum_steps}), "
+              f"AC {plan.ac}, compile {plan.compile}, order {'>'.join(plan.wrapper_order)}"
+              + "".join(f", {e}" for e in extras if e))
     mem = Table(title=f"memory per GPU, peak on {pred.peak_rank} at the {pred.peak_phase}", show_footer=True)
     mem.add_column("component", footer="peak")
     mem.add_column("GiB", justify="right", footer=f"{pred.peak_memory_bytes / GiB:.2f}")

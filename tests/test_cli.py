@@ -84,3 +84,20 @@ def test_an_emitted_plan_carries_its_model(tmp_path):
     assert r.exit_code == 0 and json.loads(r.stdout)["model"] == "tiny", r.output
     r = runner.invoke(app, ["predict", "--plan", str(f), "--model", "llama3-8b"])
     assert r.exit_code == 2 and "made for model tiny" in r.stderr
+
+
+def test_measured_profile_from_another_machine_warns(tmp_path):
+    from parsim.machine import this_machine
+
+    d = json.loads(open("profiles/cpu-gloo-2.json").read())
+    here = this_machine()
+    assert d["provenance"]["machine"]["cpu_flags"] == here["cpu_flags"]  # the committed profile is from here
+    r = _run("predict", "--model", "tiny", "--gpus", "2", "--seq-len", "256", "--profile", "cpu-gloo-2", "--json")
+    assert r.exit_code == 0 and "warning" not in r.stderr
+    d["provenance"]["machine"] = dict(here, cpu_flags=here["cpu_flags"] + ["amx_bf16"], cpu_cores=64)
+    p = tmp_path / "other.json"
+    p.write_text(json.dumps(d))
+    r = _run("predict", "--model", "tiny", "--gpus", "2", "--seq-len", "256", "--profile", str(p), "--json")
+    assert r.exit_code == 0
+    assert "may not describe this machine" in r.stderr and "amx_bf16" in r.stderr
+    json.loads(r.stdout)  # the JSON document stays pure

@@ -96,3 +96,24 @@ def test_hardware_variant_profile_from_the_hardware_column():
     assert var.gemm_efficiency.eff_max == pytest.approx(H100.gemm_efficiency.eff_max * 585 / 794.5)
     assert var.memory_bandwidth_bytes_per_s == pytest.approx(2.4e12)
     assert math.isclose(var.memory_bytes, 96 * 2**30)
+
+
+def test_megatron_batch_words_mean_gradient_accumulation_without_pp():
+    from parsim.flags import plan_from_given
+
+    p = plan_from_given({"model": "llama3-8b", "gpus": 8, "local_batch_size": 8, "micro_batch_size": 2})
+    assert (p.local_batch_size, p.micro_batch_size, p.global_batch_size, p.grad_accum_steps) == (2, 2, 64, 4)
+    # with PP the micro batch splits the local batch into pipeline microbatches, one optimizer step
+    q = plan_from_given({"model": "llama3-8b", "gpus": 8, "pp": 2, "local_batch_size": 8, "micro_batch_size": 2})
+    assert (q.local_batch_size, q.micro_batch_size, q.n_microbatches, q.grad_accum_steps) == (8, 2, 4, 1)
+    with pytest.raises(Exception, match="not a multiple of micro batch 3"):
+        plan_from_given({"model": "llama3-8b", "gpus": 8, "local_batch_size": 8, "micro_batch_size": 3})
+
+
+def test_ddp_style_ep_is_picked_when_only_it_is_valid():
+    from parsim.flags import plan_from_given
+
+    p = plan_from_given({"model": "qwen3-30b-a3b", "gpus": 64, "dp_replicate": 16, "tp": 4, "ep": 8})
+    assert p.ep_from == "dp_replicate" and p.dp_shard == 1
+    q = plan_from_given({"model": "qwen3-30b-a3b", "gpus": 64, "dp_shard": 16, "tp": 4, "ep": 8})
+    assert q.ep_from == "dp_shard"

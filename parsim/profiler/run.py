@@ -23,6 +23,7 @@ from pathlib import Path
 from ..errors import ParsimError
 from ..hardware import COLLECTIVE_OPS, PROFILES_DIR, EfficiencyCurve, HardwareProfile, Topology
 from ..jsonio import atomic_write_json, atomic_write_text, check_output_path, read_json
+from ..machine import this_machine
 from ..procs import check_timeout, run_tree
 from .fit import fit_collective, fit_throughput
 
@@ -241,7 +242,8 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
             "cuda": torch.version.cuda, "nccl": coll.get("nccl"), "backend": coll.get("backend"),
             "gloo": "bundled with torch " + torch.__version__ if coll.get("backend") == "gloo" else None,
             "compute_threads": comp.get("threads"), "wall_s": wall_s, "collectives_wall_s": coll_wall_s,
-            "python": platform.python_version()},
+            "python": platform.python_version(),
+            "machine": this_machine(torch.cuda.get_device_name(0) if dev.type == "cuda" else None)},
     )
     return hw, rows
 

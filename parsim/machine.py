@@ -1,0 +1,52 @@
+"""What machine this is, as far as step-time predictions care (torch-free): CPU model, cores, the instruction-set
+flags that change GEMM speed by an order of magnitude (AVX-512 BF16 and AMX: a bf16 GEMM runs at ~2 GFLOP/s on a
+CPU without them and at hundreds with them), the GPU model. `parsim profile` records it in the profile's
+provenance; the commands that predict or run on this machine with a measured profile warn when it differs."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+# the CPU flags that move GEMM throughput (fp32: AVX2/AVX-512 FMA; bf16: AVX-512 BF16, AMX)
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def this_machine(gpu_name: str | None = None) -> dict:
+    """{"cpu_model", "cpu_cores", "cpu_flags" (the SPEED_FLAGS present), "arch", "gpu" (or None)}."""
+    model, flags = platform.processor() or "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model.strip():
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu_model": model.strip() or platform.machine(), "cpu_cores": os.cpu_count() or 1,
+            "cpu_flags": [f for f in SPEED_FLAGS if f in flags], "arch": platform.machine(), "gpu": gpu_name}
+
+
+def mismatch(provenance: dict, here: dict | None = None) -> str | None:
+    """Why a measured profile may not describe this machine (None when it does, as far as recorded)."""
+    rec = provenance.get("machine")
+    if not isinstance(rec, dict):
+        return "it does not record the machine it was measured on"
+    here = here or this_machine()
+    diffs = [f"{k} {rec.get(k)!r} there, {here.get(k)!r} here" for k in ("cpu_model", "cpu_cores", "cpu_flags")
+             if rec.get(k) != here.get(k)]
+    return "; ".join(diffs) or None
+
+
+def warning(hw) -> str | None:
+    """One line for stderr when a measured CPU profile was not measured on this machine (spec sheets and GPU
+    profiles describe hardware elsewhere: no warning)."""
+    if hw.source != "measured" or hw.provenance.get("device", "cpu") != "cpu":
+        return None
+    why = mismatch(hw.provenance)
+    if why is None:
+        return None
+    return (f"warning: profile {hw.name} may not describe this machine ({why}); its timings can be off by an order "
+            f"of magnitude here. Re-measure: parsim profile --nproc-per-node N --out NAME")
