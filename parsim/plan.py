@@ -266,6 +266,9 @@ def _megatron_batch_words(pp: int, dp: int, kw: dict) -> dict:
         raise ParsimError(f"local batch {lbs} is not a multiple of micro batch {mbs} (gradient accumulation "
                           "without PP runs local / micro passes)")
     gbs = kw.get("global_batch_size") or lbs * dp
+    if gbs % (lbs * dp):
+        raise ParsimError(f"global batch {gbs} is not a multiple of local batch x dp = {lbs} x {dp} = {lbs * dp} "
+                          f"(a local batch of {lbs} in micro batches of {mbs} without PP is gradient accumulation)")
     return {**kw, "local_batch_size": mbs, "micro_batch_size": mbs, "global_batch_size": gbs}
 
 

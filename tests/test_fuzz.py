@@ -171,6 +171,12 @@ def check_plan_honours(plan: dict, flags: dict) -> None:
             assert plan[key] == v
         elif f == "--ac":
             assert plan["ac"] == v
+        elif f == "--local-batch-size" and plan["pp"] == 1 and plan["micro_batch_size"] < (_as_int(v) or 0):
+            # Megatron's words: without PP a smaller micro batch is gradient accumulation; passes of the micro
+            # batch, an optimizer step every local batch
+            dp = plan["dp_replicate"] * plan["dp_shard"]
+            assert plan["local_batch_size"] == plan["micro_batch_size"], plan
+            assert plan["global_batch_size"] % (_as_int(v) * dp) == 0, (plan, v)
         else:
             assert plan[key] == _as_int(v), (f, v, plan[key])
 
