@@ -210,7 +210,9 @@ def search(
     explain: Optional[int] = typer.Option(None, "--explain", help="why plan N (1-based) beats the next ones"),
     emit_plan: Optional[str] = typer.Option(None, "--emit-plan", help="write the best plan as parsim plan JSON"),
     emit_torchtitan: Optional[str] = typer.Option(None, "--emit-torchtitan", help="write the best plan as a "
-                                                  "torchtitan TOML job config"),
+                                                  "torchtitan config (see --torchtitan-format)"),
+    torchtitan_format: str = typer.Option("python", "--torchtitan-format", help="python: torchtitan 0.3.0 "
+                                          "(Trainer.Config module) | toml: the v0.2.x job config"),
     csv: Optional[str] = typer.Option(None, "--csv", help="write every evaluated plan to this CSV"),
     execute: int = typer.Option(0, "--execute", help="run the top K plans with the executor on this machine"),
     execute_out: Optional[str] = typer.Option(None, "--execute-out", help="write predictions and measurements "
@@ -231,6 +233,10 @@ def search(
         check_int("--explain", explain, 1, top)
     gpus, space = search_space(flags, no_pp=no_pp, no_cp=no_cp, max_tp=max_tp, max_pp=max_pp, ac_modes=ac_modes,
                                default_mesh_order=fixed_order, headroom=headroom, max_plans=max_plans)
+    if torchtitan_format not in ("python", "toml"):
+        from parsim.errors import ParsimError
+
+        raise ParsimError(f"--torchtitan-format takes python or toml, got {torchtitan_format!r}")
     for path in (emit_plan, emit_torchtitan, csv, execute_out):  # fail now, not after the search
         if path is not None:
             check_output_path(path)
@@ -240,7 +246,8 @@ def search(
 
     run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,
                    emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json, execute=execute,
-                   model_arg=flags["model"], execute_out=execute_out, wide=wide)
+                   model_arg=flags["model"], execute_out=execute_out, wide=wide,
+                   torchtitan_format=torchtitan_format)
 
 
 def _measurement_summary(m, title: str) -> None:

@@ -111,15 +111,16 @@ class CsvSink:
 
 
 def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torchtitan, csv_path, as_json,
-                   execute=0, model_arg=None, execute_out=None, wide=False):
+                   execute=0, model_arg=None, execute_out=None, wide=False, torchtitan_format="python"):
     from rich import box
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
+    from parsim.emit import to_torchtitan_python, to_torchtitan_toml
     from parsim.errors import ParsimError
     from parsim.jsonio import atomic_write_json, atomic_write_text
-    from parsim.search import result_to_dict, search, to_torchtitan_toml
+    from parsim.search import result_to_dict, search
 
     err = Console(stderr=True)
     con = Console()
@@ -147,7 +148,12 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         atomic_write_json(emit_plan, {"model": model_arg or spec.name, "plan_id": best.plan_id,
                                       "plan": best.to_dict()})
     if emit_torchtitan and best:
-        atomic_write_text(emit_torchtitan, to_torchtitan_toml(best, spec))
+        _, step, mem, tps, mfu, _ = res.top[0]
+        q = math.exp(hw.interval_log_halfwidth)
+        said = (f"step {step:.3f} s (90% interval {step / q:.3f}-{step * q:.3f} s), {tps:,.0f} tokens/s/GPU, "
+                f"MFU {100 * mfu:.1f}%, peak {mem / GiB:.1f} GiB per GPU on {hw.name}")
+        emit = to_torchtitan_python if torchtitan_format == "python" else to_torchtitan_toml
+        atomic_write_text(emit_torchtitan, emit(best, spec, said))
     executed = _execute(spec, hw, res, execute, model_arg or spec.name, err) if execute else []
     if execute_out and executed:
         atomic_write_json(execute_out, executed)
@@ -198,7 +204,8 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     if emit_plan:
         con.print(f"wrote plan #1 ({best.plan_id}) to {emit_plan}")
     if emit_torchtitan:
-        con.print(f"wrote torchtitan config for plan #1 to {emit_torchtitan}")
+        con.print(f"wrote the torchtitan {'0.3.0 Python' if torchtitan_format == 'python' else 'v0.2 TOML'} config "
+                  f"of plan #1 to {emit_torchtitan}")
 
 
 def _top_table(res, top: int, q: float, wide: bool, width: int = 100):

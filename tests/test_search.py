@@ -5,8 +5,9 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from parsim.costmodel import predict
+from parsim.emit import to_torchtitan_toml
 from parsim.hardware import load_profile
-from parsim.search import SearchSpace, search, to_torchtitan_toml
+from parsim.search import SearchSpace, search
 from parsim.spec import PRESETS
 
 H100 = load_profile("h100-sxm-spec")
@@ -74,7 +75,7 @@ def test_moe_search_uses_expert_parallel():
 
 
 def test_cli_search_json_and_emitted_files(tmp_path):
-    plan_f, tt_f = tmp_path / "plan.json", tmp_path / "job.toml"
+    plan_f, tt_f = tmp_path / "plan.json", tmp_path / "job.py"
     r = runner.invoke(app, ["search", "--model", "llama3-8b", "--gpus", "16", "--global-batch-size", "32",
                             "--seq-len", "4096", "--top", "3", "--json", "--emit-plan", str(plan_f),
                             "--emit-torchtitan", str(tt_f), "--explain", "1"])
@@ -85,8 +86,9 @@ def test_cli_search_json_and_emitted_files(tmp_path):
     plan = emitted["plan"]
     assert emitted["model"] == "llama3-8b" and emitted["plan_id"] == d["top"][0]["plan_id"]
     assert plan["dp_shard"] * plan["tp"] * plan["pp"] * plan["cp"] * plan["dp_replicate"] == 16
-    toml = tt_f.read_text()
-    assert "data_parallel_shard_degree" in toml and "[activation_checkpoint]" in toml
+    py = tt_f.read_text()
+    compile(py, str(tt_f), "exec")  # a Python module
+    assert "data_parallel_shard_degree=" in py and "def parsim_plan():" in py and "parsim predicted: step" in py
     r2 = runner.invoke(app, ["predict", "--plan", str(plan_f), "--json"])
     assert r2.exit_code == 0 and json.loads(r2.stdout)["plan_id"] == d["top"][0]["plan_id"]
 
