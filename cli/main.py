@@ -573,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     """The ``parsim`` entry point. Usage errors (an unknown flag, a value of the wrong type) print one line and
     exit 2, like ParsimError; Ctrl-C exits 130 after the commands have ended what they started."""
     usage_errors, aborts = _click_exceptions()
+    _warnings_as_lines()
     try:
         code = app(args=argv, standalone_mode=False, prog_name="parsim")
     except usage_errors as e:
@@ -588,6 +589,23 @@ def main(argv: list[str] | None = None) -> int:
     if code == 130:  # Ctrl-C: raised here, or turned into 130 by the click that newer typer versions vendor
         typer.echo("interrupted: everything the command started has been ended", err=True)
     return _exit(code if isinstance(code, int) else 0, argv)
+
+
+def _warnings_as_lines() -> None:
+    """parsim's warnings (ParsimWarning) as one ``warning: ...`` line on stderr, never on stdout (--json stays
+    pure)."""
+    import warnings
+
+    from parsim.errors import ParsimWarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ParsimWarning):
+            print(f"warning: {message}", file=sys.stderr)
+        else:
+            _default_show(message, category, filename, lineno, file, line)
+
+    _default_show = warnings.showwarning
+    warnings.showwarning = show
 
 
 def _exit(code: int, argv) -> int:

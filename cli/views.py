@@ -134,7 +134,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
             def progress(done, total):
                 prog.update(task, completed=done, total=total)
 
-            res = search(spec, hw, gpus, space, top_k=max(top, (explain or 0) + 3), progress=progress,
+            res = search(spec, hw, gpus, space, top_k=top, progress=progress,
                          csv_writer=sink)
         ok = True
     finally:
@@ -162,7 +162,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
 
         d = result_to_dict(res, spec, hw, gpus, space, top)
         if explain:
-            d["explain"] = _explain_dict(spec, hw, res, explain)
+            d["explain"] = _explain_dict(spec, hw, res, explain, top)
         if executed:
             d["executed"] = executed
         emit_json(d)
@@ -198,7 +198,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
                    short_batch(plan), short_ac(plan.ac), short_options(plan))
     con.print(pt)
     if explain:
-        _print_explain(con, spec, hw, res, explain)
+        _print_explain(con, spec, hw, res, explain, top)
     if executed:
         _print_executed(con, executed)
     if emit_plan:
@@ -251,27 +251,30 @@ def _top_table(res, top: int, q: float, wide: bool, width: int = 100):
     return t
 
 
-def _explain_dict(spec, hw, res, n):
+def _explain_dict(spec, hw, res, n, top):
+    """Plan ``n`` against up to three other plans the table shows: the next ones, or the ones before the last."""
     from parsim.costmodel import predict
 
-    preds = [predict(spec, p[0], hw) for p in res.top[n - 1:n + 3]]
-    base = preds[0]
+    shown = min(top, len(res.top))
+    ranks = list(range(n + 1, min(n + 3, shown) + 1)) or list(range(max(1, n - 3), n))
+    base = predict(spec, res.top[n - 1][0], hw)
+    preds = [predict(spec, res.top[r - 1][0], hw) for r in ranks]
     return {"plan": base.to_dict(), "versus": [
-        {"rank": n + 1 + i, "plan_id": p.plan_id, "describe": res.top[n + i][0].describe(),
+        {"rank": r, "plan_id": p.plan_id, "describe": res.top[r - 1][0].describe(),
          "step_time_delta_s": p.step_time_s - base.step_time_s,
          "time_delta_s": {k: p.time_breakdown_s.get(k, 0.0) - base.time_breakdown_s.get(k, 0.0)
                           for k in sorted(set(p.time_breakdown_s) | set(base.time_breakdown_s))},
          "memory_delta_bytes": {k: p.memory_breakdown_bytes[k] - base.memory_breakdown_bytes[k]
-                                for k in base.memory_breakdown_bytes}} for i, p in enumerate(preds[1:])]}
+                                for k in base.memory_breakdown_bytes}} for r, p in zip(ranks, preds, strict=True)]}
 
 
-def _print_explain(con, spec, hw, res, n):
+def _print_explain(con, spec, hw, res, n, top):
     from rich.table import Table
 
-    d = _explain_dict(spec, hw, res, n)
+    d = _explain_dict(spec, hw, res, n, top)
     base = d["plan"]
     plan_n = res.top[n - 1][0]
-    t = Table(title=f"why plan #{n} ({plan_n.describe()}, AC {plan_n.ac}) beats the next ones: "
+    t = Table(title=f"plan #{n} ({plan_n.describe()}, AC {plan_n.ac}) against the other shown plans: "
                     "time components, ms (others minus #{n})".replace("#{n}", f"#{n}"))
     t.add_column("component")
     t.add_column(f"#{n}", justify="right")
@@ -289,8 +292,8 @@ def _print_explain(con, spec, hw, res, n):
     con.print(t)
     diffs = []
     for v in d["versus"]:
-        worst = max(v["time_delta_s"], key=lambda k: v["time_delta_s"][k])
-        diffs.append(f"#{v['rank']} loses most on {worst} (+{v['time_delta_s'][worst] / MS:.1f} ms)")
+        most = max(v["time_delta_s"], key=lambda k: abs(v["time_delta_s"][k]))
+        diffs.append(f"#{v['rank']} differs most on {most} ({v['time_delta_s'][most] / MS:+.1f} ms)")
     con.print("; ".join(diffs))
 
 

@@ -9,6 +9,10 @@ class ParsimError(ValueError):
     """Invalid model, plan, profile or file; the message says what and shows the arithmetic."""
 
 
+class ParsimWarning(UserWarning):
+    """Something parsim reads but does not model (printed by the CLI as one ``warning:`` line on stderr)."""
+
+
 def check_number(where: str, v, low: float = 0.0, high: float = math.inf, *, low_open: bool = False,
                  integer: bool = False) -> None:
     """One ParsimError line unless ``v`` is a finite number (an int when ``integer``) within [low, high]

@@ -418,19 +418,65 @@ def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
     )
 
 
+# ModelSpec field -> the Hugging Face config.json name users know (for errors about an HF config)
+HF_NAMES = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
+            "n_kv_heads": "num_key_value_heads", "d_ff": "intermediate_size", "head_dim": "head_dim",
+            "vocab_size": "vocab_size", "n_experts": "num_experts / num_local_experts / n_routed_experts",
+            "top_k": "num_experts_per_tok", "d_ff_expert": "moe_intermediate_size"}
+HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "n_embd", "architectures")
+
+
+def hf_unmodelled(cfg: dict) -> list[str]:
+    """What a Hugging Face config sets that changes cost and that parsim does not model (one line each)."""
+    out = []
+    window, max_pos = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
+    if cfg.get("use_sliding_window", window is not None) and window and (not max_pos or window < max_pos):
+        out.append(f"sliding_window {window} is ignored: attention is costed as full causal attention over the "
+                   "whole sequence (an over-estimate of attention time at sequences longer than the window)")
+    if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]):
+        out.append("layer_types with non-full attention layers are ignored: every layer is costed as full attention")
+    if cfg.get("rope_scaling"):
+        out.append("rope_scaling is ignored (it does not change FLOPs or memory: informational)")
+    return out
+
+
+def _hf_error(e: ParsimError, p: Path) -> ParsimError:
+    msg = str(e)
+    for ours, theirs in HF_NAMES.items():
+        msg = msg.replace(f"ModelSpec.{ours}", theirs).replace(f"{ours} ", f"{theirs} ", 1) if ours in msg else msg
+    return ParsimError(f"{p}: {msg}")
+
+
 def load_model(name_or_path: str) -> ModelSpec:
-    """A preset name, a HF ``config.json`` path, or a parsim ModelSpec JSON path."""
+    """A preset name, a Hugging Face model folder (its ``config.json``) or ``config.json`` path, or a parsim
+    ModelSpec JSON path. HF settings that change cost but are not modelled are reported as ParsimWarning."""
+    import warnings
+
+    from .errors import ParsimWarning
+
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     p = Path(name_or_path)
     if not p.exists():
         raise ParsimError(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) and no such file")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ParsimError(f"model folder {p} has no config.json (a Hugging Face model folder holds one)")
+        p = p / "config.json"
     cfg = read_json(p, "cannot read model config")
     if not isinstance(cfg, dict):
         raise ParsimError(f"model config {p} is not a JSON object")
+    if "model_type" not in cfg and any(k in cfg for k in HF_KEYS):
+        raise ParsimError(f"{p} looks like a Hugging Face config but has no model_type (parsim reads llama, "
+                          "mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, gpt_neox, gpt2)")
     try:
         if "model_type" in cfg:
-            return from_hf_config(cfg, name=p.parent.name if p.name == "config.json" else p.stem)
+            for w in hf_unmodelled(cfg):
+                warnings.warn(f"{p}: {w}", ParsimWarning, stacklevel=2)
+            try:
+                return from_hf_config(cfg, name=p.parent.name if p.name == "config.json" else p.stem)
+            except ParsimError as e:
+                raise _hf_error(e, p) from None
         return ModelSpec.from_dict(cfg)
     except ParsimError:
         raise

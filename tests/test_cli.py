@@ -101,3 +101,32 @@ def test_measured_profile_from_another_machine_warns(tmp_path):
     assert r.exit_code == 0
     assert "may not describe this machine" in r.stderr and "amx_bf16" in r.stderr
     json.loads(r.stdout)  # the JSON document stays pure
+
+
+def test_hf_model_folders_names_and_unmodelled_features(tmp_path):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "Mistral-7B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "sliding_window": 4096,
+        "max_position_embeddings": 32768}))
+    # a real process: the warning goes to stderr as one line, the JSON document on stdout stays pure
+    r = subprocess.run([sys.executable, "-m", "cli", "predict", "--model", str(folder), "--gpus", "8", "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"] == "Mistral-7B"
+    assert r.stderr.startswith("warning: ") and "sliding_window 4096 is ignored" in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                               "num_hidden_layers": 32, "num_attention_heads": 30, "vocab_size": 32000}))
+    r = _run("predict", "--model", str(bad), "--gpus", "8")
+    assert r.exit_code == 2 and "hidden_size 4096 is not divisible by num_attention_heads 30" in r.output
+    nomt = tmp_path / "nomt.json"
+    nomt.write_text(json.dumps({"hidden_size": 4096, "num_hidden_layers": 2}))
+    r = _run("predict", "--model", str(nomt), "--gpus", "8")
+    assert r.exit_code == 2 and "no model_type" in r.output
+    r = _run("predict", "--model", str(tmp_path), "--gpus", "8")
+    assert r.exit_code == 2 and "has no config.json" in r.output
