@@ -153,6 +153,14 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         said = (f"step {step:.3f} s (90% interval {step / q:.3f}-{step * q:.3f} s), {tps:,.0f} tokens/s/GPU, "
                 f"MFU {100 * mfu:.1f}%, peak {mem / GiB:.1f} GiB per GPU on {hw.name}")
         emit = to_torchtitan_python if torchtitan_format == "python" else to_torchtitan_toml
+        if torchtitan_format == "python" and best.float8 and best.float8_recipe == "tensorwise":
+            import dataclasses
+
+            from parsim.costmodel import predict
+
+            rw = predict(spec, dataclasses.replace(best, float8_recipe="rowwise"), hw)  # what 0.3.0 will run
+            said += (f"; as emitted (float8 rowwise): step {rw.step_time_s:.3f} s, "
+                     f"{rw.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {100 * rw.mfu:.1f}%")
         atomic_write_text(emit_torchtitan, emit(best, spec, said))
     executed = _execute(spec, hw, res, execute, model_arg or spec.name, err) if execute else []
     if execute_out and executed:
