@@ -213,6 +213,8 @@ def search(
                                                   "torchtitan config (see --torchtitan-format)"),
     torchtitan_format: str = typer.Option("python", "--torchtitan-format", help="python: torchtitan 0.3.0 "
                                           "(Trainer.Config module) | toml: the v0.2.x job config"),
+    emit_megatron: Optional[str] = typer.Option(None, "--emit-megatron", help="write the best plan as Megatron-LM "
+                                                "arguments (a bash array; what Megatron cannot express is said)"),
     csv: Optional[str] = typer.Option(None, "--csv", help="write every evaluated plan to this CSV"),
     execute: int = typer.Option(0, "--execute", help="run the top K plans with the executor on this machine"),
     execute_out: Optional[str] = typer.Option(None, "--execute-out", help="write predictions and measurements "
@@ -237,7 +239,7 @@ def search(
         from parsim.errors import ParsimError
 
         raise ParsimError(f"--torchtitan-format takes python or toml, got {torchtitan_format!r}")
-    for path in (emit_plan, emit_torchtitan, csv, execute_out):  # fail now, not after the search
+    for path in (emit_plan, emit_torchtitan, emit_megatron, csv, execute_out):  # fail now, not after the search
         if path is not None:
             check_output_path(path)
     spec = load_model(flags["model"])
@@ -247,7 +249,7 @@ def search(
     run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,
                    emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json, execute=execute,
                    model_arg=flags["model"], execute_out=execute_out, wide=wide,
-                   torchtitan_format=torchtitan_format)
+                   torchtitan_format=torchtitan_format, emit_megatron=emit_megatron)
 
 
 def _measurement_summary(m, title: str) -> None:

@@ -111,13 +111,14 @@ class CsvSink:
 
 
 def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torchtitan, csv_path, as_json,
-                   execute=0, model_arg=None, execute_out=None, wide=False, torchtitan_format="python"):
+                   execute=0, model_arg=None, execute_out=None, wide=False, torchtitan_format="python",
+                   emit_megatron=None):
     from rich import box
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from parsim.emit import to_torchtitan_python, to_torchtitan_toml
+    from parsim.emit import to_megatron_args, to_torchtitan_python, to_torchtitan_toml
     from parsim.errors import ParsimError
     from parsim.jsonio import atomic_write_json, atomic_write_text
     from parsim.search import result_to_dict, search
@@ -162,6 +163,10 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
             said += (f"; as emitted (float8 rowwise): step {rw.step_time_s:.3f} s, "
                      f"{rw.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {100 * rw.mfu:.1f}%")
         atomic_write_text(emit_torchtitan, emit(best, spec, said))
+    if emit_megatron and best:
+        _, step, mem, tps, mfu, _ = res.top[0]
+        said_m = f"step {step:.3f} s, {tps:,.0f} tokens/s/GPU, peak {mem / GiB:.1f} GiB per GPU on {hw.name}"
+        atomic_write_text(emit_megatron, to_megatron_args(best, spec, said_m))
     executed = _execute(spec, hw, res, execute, model_arg or spec.name, err) if execute else []
     if execute_out and executed:
         atomic_write_json(execute_out, executed)
@@ -211,6 +216,8 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         _print_executed(con, executed)
     if emit_plan:
         con.print(f"wrote plan #1 ({best.plan_id}) to {emit_plan}")
+    if emit_megatron:
+        con.print(f"wrote the Megatron-LM arguments of plan #1 to {emit_megatron}")
     if emit_torchtitan:
         con.print(f"wrote the torchtitan {'0.3.0 Python' if torchtitan_format == 'python' else 'v0.2 TOML'} config "
                   f"of plan #1 to {emit_torchtitan}")

@@ -182,3 +182,72 @@ def to_torchtitan_toml(plan: Plan, spec: ModelSpec, prediction: str = "") -> str
                   f"precompute_float8_dynamic_scale_for_fsdp = {b(tw and plan.dp_shard * plan.cp > 1)}",
                   'filter_fqns = ["output"]', ""]
     return "\n".join(lines)
+
+
+def to_megatron_args(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
+    """The plan as Megatron-LM ``pretrain_gpt.py`` arguments (a shell snippet), where Megatron can express it.
+
+    Megatron's data parallelism is DDP (optionally with its distributed optimizer): parsim's dp_replicate. FSDP
+    (dp_shard > 1) maps to Megatron's ``--use-torch-fsdp2`` only roughly (no HSDP mesh, no reshard choice), and CP
+    is Megatron's ring attention; what has no Megatron flag is written at the top. Megatron words: micro batch =
+    sequences per forward/backward pass, global batch = sequences per optimizer step (gradient accumulation and
+    pipeline microbatches are both implied by global / (micro x dp))."""
+    gaps = []
+    if plan.dp_shard > 1:
+        gaps.append(f"FSDP over {plan.dp_shard} ranks: emitted as --use-torch-fsdp2 (Megatron's FSDP2 wrapper); "
+                    "parsim's reshard and HSDP choices have no Megatron flag")
+    if tuple(plan.mesh_order) != AXES:
+        gaps.append("device order: Megatron orders its groups tp-cp-ep-dp-pp (--use-tp-pp-dp-mapping changes "
+                    "it); parsim's order is not emitted")
+    if tuple(plan.wrapper_order) != TORCHTITAN_ORDER:
+        gaps.append("wrapper order: no Megatron equivalent")
+    if plan.compile:
+        gaps.append("torch.compile: Megatron uses fused kernels (TE, apex) instead; no flag emitted")
+    mode, every = parse_ac(plan.ac)
+    if mode == "selective-op":
+        gaps.append("per-op selective AC: emitted as Megatron's --recompute-granularity selective (core attention "
+                    "only), which saves more than torchtitan's per-op policy")
+    if plan.ep > 1 and plan.ep_from == "dp_shard" and plan.tp > 1:
+        gaps.append("EP borrowed from dp_shard x cp x tp (dp2ep): Megatron's EP comes from the data-parallel ranks "
+                    "(and --expert-tensor-parallel-size); the EP degree is emitted")
+    mb = plan.micro_batch_size
+    args = [f"--tensor-model-parallel-size {plan.tp}", f"--pipeline-model-parallel-size {plan.pp}",
+            f"--context-parallel-size {plan.cp}", f"--micro-batch-size {mb}",
+            f"--global-batch-size {plan.global_batch_size}", f"--seq-length {plan.seq_len}", "--bf16"]
+    if plan.tp > 1 and plan.sequence_parallel:
+        args.append("--sequence-parallel")
+    if plan.async_tp and plan.tp > 1:
+        args.append("--tp-comm-overlap")
+    if plan.pp > 1 and plan.pp_schedule == "Interleaved1F1B" and plan.pp_stages_per_rank > 1:
+        args.append(f"--num-virtual-stages-per-pipeline-rank {plan.pp_stages_per_rank}")
+    elif plan.pp > 1 and plan.pp_schedule == "GPipe":
+        gaps.append("GPipe schedule: Megatron runs 1F1B (the same bubble, less activation memory)")
+    if plan.ep > 1:
+        args.append(f"--expert-model-parallel-size {plan.ep}")
+    if plan.etp > 1:
+        args.append(f"--expert-tensor-parallel-size {plan.etp}")
+    if mode in ("full", "layer"):
+        n = 1 if mode == "full" else every
+        args += ["--recompute-granularity full", "--recompute-method uniform", f"--recompute-num-layers {n}"]
+        if mode == "layer":
+            gaps.append(f"AC of one layer in {every}: emitted as uniform full recompute of blocks of {every} layers "
+                        "(Megatron checkpoints a block's input and recomputes the block)")
+    elif mode == "selective-op":
+        args.append("--recompute-granularity selective")
+    if plan.distributed_optimizer or plan.dp_replicate > 1:
+        args.append("--use-distributed-optimizer" if plan.distributed_optimizer else "# DDP without optimizer sharding")
+    if plan.dp_shard > 1:
+        args.append("--use-torch-fsdp2")
+    if plan.float8:
+        recipe = {"tensorwise": "tensorwise", "rowwise": "blockwise", "rowwise_with_gw_hp": "blockwise"}
+        args += ["--fp8-format hybrid", f"--fp8-recipe {recipe[plan.float8_recipe]}"]
+        if plan.float8_recipe != "tensorwise":
+            gaps.append(f"float8 {plan.float8_recipe}: Megatron/TE has tensorwise (delayed / current scaling), "
+                        "blockwise and mxfp8, not torchao's rowwise: blockwise emitted")
+    if plan.reduce_dtype == "float32":
+        args.append("--accumulate-allreduce-grads-in-fp32")
+    head = _header(plan, spec, plan.world_size, prediction, [], "# ")
+    head[-1] = "# Megatron-LM arguments (pretrain_gpt.py); model size flags (--num-layers ...) are yours to add."
+    lines = [*head, *(["# What Megatron cannot express of this plan:"] + [f"# - {g}" for g in gaps] if gaps else []),
+             "MEGATRON_PARALLEL_ARGS=(", *[f"  {a}" for a in args if not a.startswith("#")], ")"]
+    return "\n".join(lines) + "\n"

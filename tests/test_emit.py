@@ -155,3 +155,20 @@ def test_torchtitan_022_job_config_accepts_the_emitted_toml(name, tmp_path_facto
     stages = plan.pp * plan.pp_stages_per_rank
     if plan.pp_stages_per_rank > 1 and spec.n_layers % stages == 0:
         assert p.pipeline_parallel_layers_per_stage == spec.n_layers // stages
+
+
+def test_megatron_arguments_of_a_megatron_style_plan_and_what_they_cannot_say():
+    from parsim.emit import to_megatron_args
+
+    plan = Plan(pp=8, dp_replicate=2, tp=4, seq_len=8192, local_batch_size=64, micro_batch_size=1,
+                global_batch_size=128, pp_schedule="Interleaved1F1B", pp_stages_per_rank=5, float8=True,
+                distributed_optimizer=True, async_tp=True)
+    out = to_megatron_args(plan, PRESETS["llama3-70b"])
+    for a in ("--tensor-model-parallel-size 4", "--pipeline-model-parallel-size 8", "--micro-batch-size 1",
+              "--global-batch-size 128", "--num-virtual-stages-per-pipeline-rank 5", "--use-distributed-optimizer",
+              "--sequence-parallel", "--tp-comm-overlap", "--fp8-format hybrid"):
+        assert f"\n  {a}\n" in out
+    assert "cannot express" not in out  # everything of this plan is a Megatron flag
+    fsdp = to_megatron_args(Plan(dp_shard=8, seq_len=4096, ac="selective-op", compile=True), PRESETS["llama3-8b"])
+    assert "--use-torch-fsdp2" in fsdp and "torch.compile: Megatron uses fused kernels" in fsdp
+    assert "per-op selective AC" in fsdp
