@@ -182,9 +182,9 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         return
     con.print(f"[bold]{spec.name}[/bold] on {gpus} x {hw.device_name} ({hw.name}), global batch "
               f"{space.global_batch_size} x seq {space.seq_len}: {res.considered:,} plans considered, "
-              f"{res.evaluated:,} evaluated, {res.fitting:,} fit, {res.pruned_memory:,} pruned for memory "
-              f"(usable {res.usable_memory_bytes / GiB:.1f} GiB) in {res.wall_s:.2f} s "
-              f"({res.evaluated / max(res.wall_s, 1e-9):,.0f} plans/s)")
+              f"{res.fitting:,} fit, {res.pruned_memory:,} do not fit (usable {res.usable_memory_bytes / GiB:.1f} "
+              f"GiB), {res.pruned_dominated:,} dominated; {res.evaluated:,} evaluated in full "
+              f"(+{res.screened:,} memory screens) in {res.wall_s:.2f} s")
     if res.pruned_structural:
         con.print("structurally invalid (degree combinations / batch splits): "
                   + "; ".join(f"{k}: {v}" for k, v in sorted(res.pruned_structural.items())))

@@ -98,6 +98,9 @@ class SearchSpace:
     async_tp: bool = False
     distributed_optimizer: bool = False
     max_plans: int = MAX_PLANS  # 0: no limit
+    # skip what provably cannot be in the top list or on the Pareto front: options dominated by a kept one (AC
+    # wrapping compile: the same memory, the recompute twice) and plans whose memory class does not fit
+    prune: bool = True
 
     def __post_init__(self):
         from .plan import parse_ac
@@ -149,6 +152,8 @@ class SearchResult:
     fitting: int = 0
     pruned_structural: dict = field(default_factory=dict)  # reason -> degree combinations (or batch splits)
     pruned_memory: int = 0
+    screened: int = 0  # (degrees x batch split x memory class) rows whose memory was computed before evaluation
+    pruned_dominated: int = 0  # plans skipped as no faster and no smaller than a kept plan
     top: list = field(default_factory=list)  # [(Plan, step_time_s, peak_memory_bytes, tokens/s/GPU, mfu, dominant)]
     pareto: list = field(default_factory=list)  # [(Plan, step_time_s, peak_memory_bytes)] time asc, memory desc
     closest: tuple | None = None  # (Plan, peak_memory_bytes) when nothing fits
@@ -304,7 +309,11 @@ def _raf_mode(choice: np.ndarray, pp: np.ndarray) -> np.ndarray:
 
 def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace, gpn: int | None) -> PlanBatch:
     """Plans ``lo..hi`` of the space (base row x option row) as a batch."""
-    idx = np.arange(lo, hi, dtype=np.int64)
+    return _batch_at(base, opts, np.arange(lo, hi, dtype=np.int64), sp, gpn)
+
+
+def _batch_at(base: dict, opts: np.ndarray, idx: np.ndarray, sp: SearchSpace, gpn: int | None) -> PlanBatch:
+    """The plans of global indices ``idx`` (base row x option row) as a batch."""
     bi, oi = idx // len(opts), idx % len(opts)
     c = base["combos"][base["combo"][bi]]
     o = opts[oi]
@@ -317,6 +326,40 @@ def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace
             "f8_recipe": FLOAT8_RECIPES.index(sp.float8_recipe), "async_tp": sp.async_tp & (c[:, 4] > 1),
             "dist_opt": sp.distributed_optimizer & (c[:, 1] > 1)}
     return batch_of(cols, tuple(base["perms"]), tuple(base["orders"]), gpn)
+
+
+def _undominated(opts: np.ndarray) -> tuple[np.ndarray, int]:
+    """Option rows without those dominated by a kept row: AC wrapping compile (compile applied before AC) has the
+    same memory as the default order and recomputes twice (``ac_wraps_compile``), so it is never faster and never
+    smaller than its twin with the same AC, compile, float8 and reshard [derived from the cost model]. Returns the
+    kept rows and how many were dropped (none when no twin exists, e.g. an order pinned by the user)."""
+    twins = {tuple(o[:5]) for o in opts.tolist() if not o[5]}
+    keep = np.array([not (o[5] and tuple(o[:5]) in twins) for o in opts.tolist()], dtype=bool)
+    return opts[keep], int((~keep).sum())
+
+
+def _memory_classes(opts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(class of every option, one representative option per class): peak memory depends on the options only
+    through AC mode, AC period and reshard-after-forward (compile, float8 and the wrapper order change time, not
+    what is held) — ``tests/test_search.py`` checks the pruned search against the exhaustive one."""
+    keys = [(o[0], o[1], o[4]) for o in opts.tolist()]
+    uniq = list(dict.fromkeys(keys))
+    cls = np.array([uniq.index(k) for k in keys], dtype=np.int64)
+    rep = np.array([keys.index(k) for k in uniq], dtype=np.int64)
+    return cls, rep
+
+
+def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, gpn: int, limit: float, chunk: int):
+    """Peak memory of every (base row, memory class): a (rows x classes) array, from one representative option
+    per class."""
+    cls, rep = _memory_classes(opts)
+    nb, nc = len(base["combo"]), len(rep)
+    mem = np.empty(nb * nc)
+    for lo in range(0, nb * nc, chunk):
+        idx = np.arange(lo, min(nb * nc, lo + chunk), dtype=np.int64)
+        gidx = (idx // nc) * len(opts) + rep[idx % nc]
+        mem[lo:lo + len(idx)] = evaluate(spec, _batch_at(base, opts, gidx, sp, gpn), hw)["peak_memory_bytes"]
+    return mem.reshape(nb, nc), cls, rep
 
 
 def plan_of(base: dict, opts: np.ndarray, gi: int, sp: SearchSpace) -> Plan:
@@ -345,15 +388,20 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     res = SearchResult(usable_memory_bytes=hw.usable_memory_bytes * (1.0 - sp.headroom))
     base = _base_rows(spec, n_gpus, sp, gpn, res.pruned_structural)
     opts, base["orders"] = _options(sp, hw)
-    total = len(base.get("combo", ())) * len(opts)
-    res.considered = total
+    nb = len(base.get("combo", ()))
+    res.considered = nb * len(opts)
+    prune = sp.prune and csv_writer is None  # a CSV of every plan needs every plan evaluated
+    if prune:
+        opts, dropped = _undominated(opts)
+        res.pruned_dominated = nb * dropped
+    total = nb * len(opts)
     if total == 0:
         why = "; ".join(f"{k}: {v}" for k, v in sorted(res.pruned_structural.items()))
         raise ParsimError(f"no plan of {spec.name} on {n_gpus} GPUs satisfies the pins and the model's structure"
                           + (f" ({why})" if why else ""))
-    if sp.max_plans and total > sp.max_plans:
-        raise ParsimError(f"the space holds {total:,} plans, more than --max-plans {sp.max_plans:,}: pin degrees, "
-                          "AC or batch sizes, or raise --max-plans (0 = no limit)")
+    if sp.max_plans and res.considered > sp.max_plans:
+        raise ParsimError(f"the space holds {res.considered:,} plans, more than --max-plans {sp.max_plans:,}: pin "
+                          "degrees, AC or batch sizes, or raise --max-plans (0 = no limit)")
     cand_t: list[np.ndarray] = []
     cand_m: list[np.ndarray] = []
     cand_i: list[np.ndarray] = []
@@ -365,14 +413,27 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     par_i: list[np.ndarray] = []
     closest = (np.inf, -1)
     limit = res.usable_memory_bytes
+    if prune:  # memory of every (row, memory class) first: only plans that fit are evaluated in full
+        mem_cls, cls, rep = _screen(spec, hw, base, opts, sp, gpn, limit, chunk)
+        res.screened = mem_cls.size
+        fit_cls = mem_cls <= limit
+        if not fit_cls.any():
+            j = int(np.argmin(mem_cls))
+            closest = (float(mem_cls.flat[j]), int((j // mem_cls.shape[1]) * len(opts) + rep[j % mem_cls.shape[1]]))
     for lo in range(0, total, chunk):
         hi = min(total, lo + chunk)
-        b = _chunk_batch(base, opts, lo, hi, sp, gpn)
-        r = evaluate(spec, b, hw)
         gid = np.arange(lo, hi, dtype=np.int64)
+        if prune:
+            gid = gid[fit_cls[gid // len(opts), cls[gid % len(opts)]]]
+            if not len(gid):
+                if progress:
+                    progress(hi, total)
+                continue
+        b = _batch_at(base, opts, gid, sp, gpn)
+        r = evaluate(spec, b, hw)
         mem, step = r["peak_memory_bytes"], r["step_time_s"]
         fits = mem <= limit
-        res.evaluated += hi - lo
+        res.evaluated += len(gid)
         res.fitting += int(fits.sum())
         if csv_writer is not None:
             csv_writer(b, r, fits)
@@ -392,7 +453,7 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
                 acc.append(arr[pf])
         if progress:
             progress(hi, total)
-    res.pruned_memory = res.evaluated - res.fitting
+    res.pruned_memory = total - res.fitting
     if cand_t:
         t, m, i = np.concatenate(cand_t), np.concatenate(cand_m), np.concatenate(cand_i)
         tps, mfu, dom = np.concatenate(cand_tps), np.concatenate(cand_mfu), np.concatenate(cand_dom)
@@ -422,6 +483,7 @@ def result_to_dict(res: SearchResult, spec: ModelSpec, hw: HardwareProfile, n_gp
     out = {"model": spec.name, "profile": hw.name, "n_gpus": n_gpus, "global_batch_size": sp.global_batch_size,
            "seq_len": sp.seq_len, "considered": res.considered, "evaluated": res.evaluated, "fitting": res.fitting,
            "pruned_structural": res.pruned_structural, "pruned_memory": res.pruned_memory,
+           "pruned_dominated": res.pruned_dominated, "screened": res.screened,
            "usable_memory_bytes": res.usable_memory_bytes, "wall_s": res.wall_s,
            "top": [row(*t) for t in res.top[:top]], "pareto": [row(*p) for p in res.pareto]}
     if res.closest:

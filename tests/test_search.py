@@ -23,8 +23,8 @@ def _small(**kw):
 
 def test_best_plan_fits_and_matches_predict():
     res = search(L8, H100, 16, _small())
-    assert res.evaluated == res.considered > 0 and res.fitting > 0
-    assert res.pruned_memory == res.evaluated - res.fitting
+    assert res.considered > 0 and res.fitting > 0
+    assert res.pruned_memory + res.fitting + res.pruned_dominated == res.considered
     for plan, step, mem, *_ in res.top:
         assert mem <= res.usable_memory_bytes
         pred = predict(L8, plan, H100)  # the scalar path agrees with the vectorized search
@@ -233,3 +233,27 @@ def test_ddp_style_expert_parallel_is_searched():
     only_tt = search(spec, hw, 8, SearchSpace(global_batch_size=8, seq_len=256, ep_from=("dp_shard",)))
     both = search(spec, hw, 8, SearchSpace(global_batch_size=8, seq_len=256))
     assert both.considered > only_tt.considered
+
+
+@pytest.mark.parametrize("model,gpus,kw", [
+    ("llama3-8b", 16, dict(global_batch_size=64, seq_len=4096)),
+    ("llama3-70b", 32, dict(global_batch_size=64, seq_len=8192)),
+    ("tiny-moe", 8, dict(global_batch_size=16, seq_len=512)),
+    ("llama3-70b", 8, dict(global_batch_size=8, seq_len=8192)),  # nothing fits: the closest plan is the same
+])
+def test_pruned_search_returns_the_exhaustive_best_plan_and_pareto_front(model, gpus, kw):
+    import dataclasses
+
+    spec, hw = PRESETS[model], load_profile("h100-sxm-spec-cal")
+    sp = SearchSpace(**kw)
+    full = search(spec, hw, gpus, dataclasses.replace(sp, prune=False), top_k=5)
+    fast = search(spec, hw, gpus, sp, top_k=5)
+    assert full.considered == fast.considered and fast.evaluated + fast.screened < full.evaluated
+    assert [(p.plan_id, t, m) for p, t, m, *_ in fast.top] == [(p.plan_id, t, m) for p, t, m, *_ in full.top]
+    assert [(p.plan_id, t, m) for p, t, m in fast.pareto] == [(p.plan_id, t, m) for p, t, m in full.pareto]
+    if not full.top:
+        assert fast.closest is not None and full.closest is not None
+        assert fast.closest[1] == pytest.approx(full.closest[1]) and fast.closest[0].plan_id == full.closest[0].plan_id
+    # the counts account for every plan of the space; dominated plans are among the exhaustive search's fits or not
+    assert fast.fitting + fast.pruned_memory + fast.pruned_dominated == fast.considered
+    assert full.fitting - fast.pruned_dominated <= fast.fitting <= full.fitting
