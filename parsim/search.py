@@ -329,12 +329,20 @@ def _batch_at(base: dict, opts: np.ndarray, idx: np.ndarray, sp: SearchSpace, gp
 
 
 def _undominated(opts: np.ndarray) -> tuple[np.ndarray, int]:
-    """Option rows without those dominated by a kept row: AC wrapping compile (compile applied before AC) has the
-    same memory as the default order and recomputes twice (``ac_wraps_compile``), so it is never faster and never
-    smaller than its twin with the same AC, compile, float8 and reshard [derived from the cost model]. Returns the
-    kept rows and how many were dropped (none when no twin exists, e.g. an order pinned by the user)."""
-    twins = {tuple(o[:5]) for o in opts.tolist() if not o[5]}
-    keep = np.array([not (o[5] and tuple(o[:5]) in twins) for o in opts.tolist()], dtype=bool)
+    """Option rows without those dominated by a kept row [derived from the cost model]:
+
+    * AC wrapping compile (compile applied before AC) has the memory of the default order and recomputes twice
+      (``ac_wraps_compile``): never faster, never smaller than its twin with the same AC, compile, float8, reshard;
+    * compile off has the memory of compile on and its memory-bound kernels take 1 / ``compile_memory_bound_factor``
+      (>= 1, checked by the profile) times as long, nothing else: never faster than its compiled twin.
+
+    Returns the kept rows and how many were dropped (none without a twin, e.g. when the user pins --no-compile or
+    one wrapper order). Columns: ac, ac_every, compile, float8, reshard, ac wraps compile, wrapper order."""
+    rows = [tuple(o) for o in opts.tolist()]
+    plain = {r[:5] for r in rows if not r[5]}
+    compiled = {(r[0], r[1], r[3], r[4], r[5], r[6]) for r in rows if r[2]}
+    keep = np.array([not ((r[5] and r[:5] in plain) or (not r[2] and (r[0], r[1], r[3], r[4], r[5], r[6])
+                                                            in compiled)) for r in rows], dtype=bool)
     return opts[keep], int((~keep).sum())
 
 

@@ -249,11 +249,13 @@ def test_pruned_search_returns_the_exhaustive_best_plan_and_pareto_front(model, 
     full = search(spec, hw, gpus, dataclasses.replace(sp, prune=False), top_k=5)
     fast = search(spec, hw, gpus, sp, top_k=5)
     assert full.considered == fast.considered and fast.evaluated + fast.screened < full.evaluated
-    assert [(p.plan_id, t, m) for p, t, m, *_ in fast.top] == [(p.plan_id, t, m) for p, t, m, *_ in full.top]
+    # the best plan and the Pareto front are the exhaustive ones; lower ranks may differ by dominated twins (a plan
+    # without compile ranked just below its compiled twin is no longer listed)
+    assert [(p.plan_id, t, m) for p, t, m, *_ in fast.top[:1]] == [(p.plan_id, t, m) for p, t, m, *_ in full.top[:1]]
     assert [(p.plan_id, t, m) for p, t, m in fast.pareto] == [(p.plan_id, t, m) for p, t, m in full.pareto]
-    if not full.top:
+    if not full.top:  # nothing fits: the closest plan needs the same memory (ties may be another plan)
         assert fast.closest is not None and full.closest is not None
-        assert fast.closest[1] == pytest.approx(full.closest[1]) and fast.closest[0].plan_id == full.closest[0].plan_id
+        assert fast.closest[1] == pytest.approx(full.closest[1])
     # the counts account for every plan of the space; dominated plans are among the exhaustive search's fits or not
     assert fast.fitting + fast.pruned_memory + fast.pruned_dominated == fast.considered
     assert full.fitting - fast.pruned_dominated <= fast.fitting <= full.fitting
