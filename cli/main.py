@@ -207,7 +207,9 @@ def search(
     headroom: float = typer.Option(0.0, "--headroom", help="fraction of usable GPU memory to keep free"),
     max_plans: Optional[int] = typer.Option(None, "--max-plans", help="refuse spaces larger than this "
                                             "(default 50,000,000; 0 = no limit)"),
-    explain: Optional[int] = typer.Option(None, "--explain", help="why plan N (1-based) beats the next ones"),
+    explain: Optional[int] = typer.Option(None, "--explain", help="plan N (1-based) against the other shown plans"),
+    max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="stop after this long with the best "
+                                                "plans of the part searched (said in the output)"),
     emit_plan: Optional[str] = typer.Option(None, "--emit-plan", help="write the best plan as parsim plan JSON"),
     emit_torchtitan: Optional[str] = typer.Option(None, "--emit-torchtitan", help="write the best plan as a "
                                                   "torchtitan config (see --torchtitan-format)"),
@@ -235,6 +237,10 @@ def search(
         check_int("--explain", explain, 1, top)
     gpus, space = search_space(flags, no_pp=no_pp, no_cp=no_cp, max_tp=max_tp, max_pp=max_pp, ac_modes=ac_modes,
                                default_mesh_order=fixed_order, headroom=headroom, max_plans=max_plans)
+    if max_seconds is not None:
+        import dataclasses
+
+        space = dataclasses.replace(space, max_seconds=max_seconds)
     if torchtitan_format not in ("python", "toml"):
         from parsim.errors import ParsimError
 

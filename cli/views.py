@@ -185,6 +185,9 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
               f"{res.fitting:,} fit, {res.pruned_memory:,} do not fit (usable {res.usable_memory_bytes / GiB:.1f} "
               f"GiB), {res.pruned_dominated:,} dominated; {res.evaluated:,} evaluated in full "
               f"(+{res.screened:,} memory screens) in {res.wall_s:.2f} s")
+    if res.stopped_at is not None:
+        con.print(f"[yellow]stopped by --max-seconds after {100 * res.stopped_at:.0f}% of the space[/yellow]: the "
+                  "plans below are the best of the part searched, not of the whole space")
     if res.pruned_structural:
         con.print("structurally invalid (degree combinations / batch splits): "
                   + "; ".join(f"{k}: {v}" for k, v in sorted(res.pruned_structural.items())))

@@ -101,6 +101,7 @@ class SearchSpace:
     # skip what provably cannot be in the top list or on the Pareto front: options dominated by a kept one (AC
     # wrapping compile: the same memory, the recompute twice) and plans whose memory class does not fit
     prune: bool = True
+    max_seconds: float | None = None  # stop after this long with the best of what was searched (None: no limit)
 
     def __post_init__(self):
         from .plan import parse_ac
@@ -119,6 +120,8 @@ class SearchSpace:
                 check_number("--" + name.replace("_", "-"), getattr(self, name), 1, MAX_GPUS, integer=True)
         check_number("max local batch", self.max_local_batch_size, 1, MAX_BATCH, integer=True)
         check_number("max plans", self.max_plans, 0, 2**62, integer=True)
+        if self.max_seconds is not None:
+            check_number("--max-seconds", self.max_seconds, 0.0, 1e7, low_open=True)
         if not (isinstance(self.headroom, (int, float)) and math.isfinite(self.headroom)
                 and 0.0 <= self.headroom < 1.0):
             raise ParsimError(f"headroom must be in [0, 1), got {self.headroom}")
@@ -154,6 +157,7 @@ class SearchResult:
     pruned_memory: int = 0
     screened: int = 0  # (degrees x batch split x memory class) rows whose memory was computed before evaluation
     pruned_dominated: int = 0  # plans skipped as no faster and no smaller than a kept plan
+    stopped_at: float | None = None  # fraction of the space searched when --max-seconds stopped the search
     top: list = field(default_factory=list)  # [(Plan, step_time_s, peak_memory_bytes, tokens/s/GPU, mfu, dominant)]
     pareto: list = field(default_factory=list)  # [(Plan, step_time_s, peak_memory_bytes)] time asc, memory desc
     closest: tuple | None = None  # (Plan, peak_memory_bytes) when nothing fits
@@ -357,13 +361,18 @@ def _memory_classes(opts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return cls, rep
 
 
-def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, gpn: int, limit: float, chunk: int):
+def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, gpn: int, limit: float, chunk: int,
+            deadline: float = math.inf):
     """Peak memory of every (base row, memory class): a (rows x classes) array, from one representative option
-    per class."""
+    per class (rows not screened by ``deadline`` (perf_counter) are left at infinity: not searched)."""
+    import time
+
     cls, rep = _memory_classes(opts)
     nb, nc = len(base["combo"]), len(rep)
-    mem = np.empty(nb * nc)
+    mem = np.full(nb * nc, np.inf)
     for lo in range(0, nb * nc, chunk):
+        if time.perf_counter() > deadline:
+            break
         idx = np.arange(lo, min(nb * nc, lo + chunk), dtype=np.int64)
         gidx = (idx // nc) * len(opts) + rep[idx % nc]
         mem[lo:lo + len(idx)] = evaluate(spec, _batch_at(base, opts, gidx, sp, gpn), hw)["peak_memory_bytes"]
@@ -421,14 +430,22 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     par_i: list[np.ndarray] = []
     closest = (np.inf, -1)
     limit = res.usable_memory_bytes
+    deadline = t0 + sp.max_seconds if sp.max_seconds else math.inf
     if prune:  # memory of every (row, memory class) first: only plans that fit are evaluated in full
-        mem_cls, cls, rep = _screen(spec, hw, base, opts, sp, gpn, limit, chunk)
-        res.screened = mem_cls.size
+        # with a time limit, screening may take 40% of it, full evaluation the rest
+        screen_deadline = t0 + 0.4 * sp.max_seconds if sp.max_seconds else math.inf
+        mem_cls, cls, rep = _screen(spec, hw, base, opts, sp, gpn, limit, chunk, screen_deadline)
+        res.screened = int(np.isfinite(mem_cls).sum())
         fit_cls = mem_cls <= limit
-        if not fit_cls.any():
+        if np.isinf(mem_cls).any() and res.stopped_at is None:
+            res.stopped_at = float(np.isfinite(mem_cls).mean())  # screening ran out of time
+        if not fit_cls.any() and np.isfinite(mem_cls).any():
             j = int(np.argmin(mem_cls))
             closest = (float(mem_cls.flat[j]), int((j // mem_cls.shape[1]) * len(opts) + rep[j % mem_cls.shape[1]]))
     for lo in range(0, total, chunk):
+        if time.perf_counter() > deadline:
+            res.stopped_at = (res.stopped_at if res.stopped_at is not None else 1.0) * lo / total
+            break
         hi = min(total, lo + chunk)
         gid = np.arange(lo, hi, dtype=np.int64)
         if prune:
@@ -461,7 +478,7 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
                 acc.append(arr[pf])
         if progress:
             progress(hi, total)
-    res.pruned_memory = total - res.fitting
+    res.pruned_memory = total - res.fitting if res.stopped_at is None else res.evaluated - res.fitting
     if cand_t:
         t, m, i = np.concatenate(cand_t), np.concatenate(cand_m), np.concatenate(cand_i)
         tps, mfu, dom = np.concatenate(cand_tps), np.concatenate(cand_mfu), np.concatenate(cand_dom)
@@ -491,7 +508,7 @@ def result_to_dict(res: SearchResult, spec: ModelSpec, hw: HardwareProfile, n_gp
     out = {"model": spec.name, "profile": hw.name, "n_gpus": n_gpus, "global_batch_size": sp.global_batch_size,
            "seq_len": sp.seq_len, "considered": res.considered, "evaluated": res.evaluated, "fitting": res.fitting,
            "pruned_structural": res.pruned_structural, "pruned_memory": res.pruned_memory,
-           "pruned_dominated": res.pruned_dominated, "screened": res.screened,
+           "pruned_dominated": res.pruned_dominated, "screened": res.screened, "stopped_at": res.stopped_at,
            "usable_memory_bytes": res.usable_memory_bytes, "wall_s": res.wall_s,
            "top": [row(*t) for t in res.top[:top]], "pareto": [row(*p) for p in res.pareto]}
     if res.closest:

@@ -259,3 +259,13 @@ def test_pruned_search_returns_the_exhaustive_best_plan_and_pareto_front(model, 
     # the counts account for every plan of the space; dominated plans are among the exhaustive search's fits or not
     assert fast.fitting + fast.pruned_memory + fast.pruned_dominated == fast.considered
     assert full.fitting - fast.pruned_dominated <= fast.fitting <= full.fitting
+
+
+def test_max_seconds_stops_and_says_so():
+    spec, hw = PRESETS["llama3-70b"], load_profile("h100-sxm-spec-cal")
+    res = search(spec, hw, 256, SearchSpace(global_batch_size=512, seq_len=8192, max_seconds=1e-6))
+    assert res.stopped_at is not None and 0.0 <= res.stopped_at < 1.0
+    whole = search(PRESETS["tiny"], hw, 8, SearchSpace(global_batch_size=16, seq_len=512, max_seconds=600.0))
+    assert whole.stopped_at is None and whole.top
+    with pytest.raises(Exception, match="max-seconds"):
+        SearchSpace(global_batch_size=8, seq_len=512, max_seconds=0.0)
