@@ -375,7 +375,8 @@ def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, gpn: int, l
             break
         idx = np.arange(lo, min(nb * nc, lo + chunk), dtype=np.int64)
         gidx = (idx // nc) * len(opts) + rep[idx % nc]
-        mem[lo:lo + len(idx)] = evaluate(spec, _batch_at(base, opts, gidx, sp, gpn), hw)["peak_memory_bytes"]
+        mem[lo:lo + len(idx)] = evaluate(spec, _batch_at(base, opts, gidx, sp, gpn), hw,
+                                         memory_only=True)["peak_memory_bytes"]
     return mem.reshape(nb, nc), cls, rep
 
 

@@ -187,3 +187,13 @@ def test_predict_explain_cli_shows_ledger_compute_and_saved_tensors():
         < sum(x["bytes"] for x in saved if x["kept_none"])
     r = CliRunner().invoke(app, ["predict", "--model", "tiny", "--gpus", "4", "--explain"])
     assert r.exit_code == 0 and "collective ledger" in r.stdout and "saves per microbatch" in r.stdout
+
+
+def test_memory_only_evaluation_equals_the_full_one():
+    from parsim.codec import encode
+    from parsim.costmodel.step import evaluate
+
+    for spec, kw in PLANS:
+        b = encode([Plan(**{"seq_len": 4096, **kw})], H100.gpus_per_node)
+        full, mem = evaluate(spec, b, H100), evaluate(spec, b, H100, memory_only=True)
+        assert mem["peak_memory_bytes"][0] == full["peak_memory_bytes"][0]

@@ -213,10 +213,12 @@ def _inflight(b: PlanBatch, rank: int) -> np.ndarray:
     return np.where(pp == 1, 1.0, out).astype(float)
 
 
-def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = False) -> dict:
+def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = False,
+             memory_only: bool = False) -> dict:
     """Evaluate every plan of ``b``. Returns arrays: step_time_s, peak_memory_bytes, fits, tokens_per_s_per_gpu,
     mfu, peak_rank (0 = first stage, 1 = last), and with ``detail`` the breakdowns, comm bytes and times, and the
-    two ranks' ledgers."""
+    two ranks' ledgers. ``memory_only``: only peak_memory_bytes, without the collectives and step time (what
+    search's memory screen needs; the same numbers as the full evaluation)."""
     sh = Shapes(spec, b)
     layers = rank_layers(spec, b.pp, b.v)
     kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
@@ -226,8 +228,25 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
     per_rank = []
     for rank in (FIRST, LAST):
         rv = _rank_view(spec, b, rank, layers, kinds, plocal)
-        per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
+        if memory_only:
+            c = _rank_compute(spec, b, sh, hw, rv, costs)
+            ne_local, ex_local, p_shard, p_opt = _rank_params(b, rv)
+            phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard, p_opt)
+            per_rank.append(np.max(np.stack([sum(v.values()) for v in phases.values()]), axis=0))
+        else:
+            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
+    if memory_only:
+        return {"peak_memory_bytes": np.maximum(per_rank[0], per_rank[1])}
     return _combine(spec, b, hw, per_rank, detail)
+
+
+def _rank_params(b: PlanBatch, rv: C.RankView) -> tuple:
+    """(non-expert and expert parameters held before FSDP sharding, parameters per rank after sharding, and those
+    whose optimizer step the rank runs: 1/dp_replicate of them under the distributed optimizer)."""
+    ne_local = rv.emb_local + rv.out_local + sum(rv.n_of[k] * rv.plocal[k][0] for k in rv.kinds)
+    ex_local = sum(rv.n_of[k] * rv.plocal[k][1] for k in rv.kinds)
+    p_shard = ne_local / b.fsdp + ex_local / b.efsdp
+    return ne_local, ex_local, p_shard, p_shard / np.where(b.dist_opt, b.dp_replicate, 1)
 
 
 def _rank_view(spec: ModelSpec, b: PlanBatch, rank: int, layers: dict, kinds: list, plocal: dict) -> C.RankView:
@@ -290,9 +309,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
                    costs: dict) -> dict:
     """Step time (itemized) and peak memory (itemized, the largest of four moments) of one rank."""
     c = _rank_compute(spec, b, sh, hw, rv, costs)
-    ne_local = rv.emb_local + rv.out_local + sum(rv.n_of[k] * rv.plocal[k][0] for k in rv.kinds)
-    ex_local = sum(rv.n_of[k] * rv.plocal[k][1] for k in rv.kinds)
-    p_shard = ne_local / b.fsdp + ex_local / b.efsdp
+    ne_local, ex_local, p_shard, p_opt = _rank_params(b, rv)
     ga = b.grad_accum.astype(float)
     M = ga * b.n_micro  # microbatches per step per rank
     cm = C.rank_comm(spec, b, sh, hw, rv)
@@ -302,7 +319,6 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     t_mb = c["fwd"] + c["bwd"] + c["rec"] + sum(per_mb_exposed.values())
     fsdp_exposed = _fsdp_exposed(b, hw, cm, c["fwd"], c["bwd"] + c["rec"], rv.n_layers)
     _set_exposed(cm["ledger"], fsdp_exposed, cm["fsdp_ag_total_s"] + cm["fsdp_red_total_s"], tp_ratio)
-    p_opt = p_shard / np.where(b.dist_opt, b.dp_replicate, 1)  # parameters whose optimizer step this rank runs
     opt = p_opt * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
     tb = {"compute_forward": M * c["fwd"], "compute_backward": M * c["bwd"], "recompute": M * c["rec"],
           "pp_bubble": _bubble(b, hw, M, ga, c["fwd"] + c["bwd"] + c["rec"], t_mb), "optimizer": opt}
