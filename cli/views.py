@@ -148,25 +148,25 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         # the plan with the model it was searched for (`predict --plan F` then needs no --model)
         atomic_write_json(emit_plan, {"model": model_arg or spec.name, "plan_id": best.plan_id,
                                       "plan": best.to_dict()})
-    if emit_torchtitan and best:
+    if best:  # what parsim predicted for the plan it writes out
         _, step, mem, tps, mfu, _ = res.top[0]
         q = math.exp(hw.interval_log_halfwidth)
         said = (f"step {step:.3f} s (90% interval {step / q:.3f}-{step * q:.3f} s), {tps:,.0f} tokens/s/GPU, "
                 f"MFU {100 * mfu:.1f}%, peak {mem / GiB:.1f} GiB per GPU on {hw.name}")
+    if emit_torchtitan and best:
         emit = to_torchtitan_python if torchtitan_format == "python" else to_torchtitan_toml
+        said_tt = said
         if torchtitan_format == "python" and best.float8 and best.float8_recipe == "tensorwise":
             import dataclasses
 
             from parsim.costmodel import predict
 
             rw = predict(spec, dataclasses.replace(best, float8_recipe="rowwise"), hw)  # what 0.3.0 will run
-            said += (f"; as emitted (float8 rowwise): step {rw.step_time_s:.3f} s, "
-                     f"{rw.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {100 * rw.mfu:.1f}%")
-        atomic_write_text(emit_torchtitan, emit(best, spec, said))
+            said_tt += (f"; as emitted (float8 rowwise): step {rw.step_time_s:.3f} s, "
+                        f"{rw.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {100 * rw.mfu:.1f}%")
+        atomic_write_text(emit_torchtitan, emit(best, spec, said_tt))
     if emit_megatron and best:
-        _, step, mem, tps, mfu, _ = res.top[0]
-        said_m = f"step {step:.3f} s, {tps:,.0f} tokens/s/GPU, peak {mem / GiB:.1f} GiB per GPU on {hw.name}"
-        atomic_write_text(emit_megatron, to_megatron_args(best, spec, said_m))
+        atomic_write_text(emit_megatron, to_megatron_args(best, spec, said))
     executed = _execute(spec, hw, res, execute, model_arg or spec.name, err) if execute else []
     if execute_out and executed:
         atomic_write_json(execute_out, executed)

@@ -102,6 +102,11 @@ class PlanBatch:
         return _DTYPE_BYTES[self.reduce_dtype]
 
     @cached_property
+    def zero1(self):
+        """The distributed optimizer in effect: asked for and with dp_replicate ranks to shard the state over."""
+        return self.dist_opt & (self.dp_replicate > 1)
+
+    @cached_property
     def dp(self):
         return self.dp_replicate * self.dp_shard
 
@@ -260,6 +265,10 @@ def group_rpn(b: PlanBatch, order: tuple[str, ...], gpus_per_node: int) -> dict:
 # ---- rules ------------------------------------------------------------------------------------------------------
 
 
+# the rule DDP-style EP is the way around (flags pick it when the user did not choose where EP comes from)
+DP2EP_RULE = "dp_shard x cp x tp not divisible by ep x etp"
+
+
 class RuleError(ParsimError):
     """A plan that breaks a structural rule; ``rule`` is the key search counts its pruned plans under."""
 
@@ -325,7 +334,7 @@ RULES: tuple[Rule, ...] = (
     Rule("etp neither 1 nor tp", False,
          lambda b, s: _uses_ep(b) & (b.etp != 1) & (b.etp != b.tp),
          lambda p, s: f"etp must be 1 or tp={p.tp}, got {p.etp}"),
-    Rule("dp_shard x cp x tp not divisible by ep x etp", False,
+    Rule(DP2EP_RULE, False,
          lambda b, s: _uses_ep(b) & ~b.ep_ddp & ((b.dp_shard * b.cp * b.tp) % (b.ep * b.etp) != 0),
          lambda p, s: f"dp2ep needs dp_shard x cp x tp = {p.dp_shard} x {p.cp} x {p.tp} = "
                       f"{p.dp_shard * p.cp * p.tp} divisible by ep x etp = {p.ep} x {p.etp} = {p.ep * p.etp}"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .codec import DP2EP_RULE, RuleError
 from .errors import ParsimError, check_number
 from .plan import (
     AXES,
@@ -128,12 +129,8 @@ def plan_from_given(given: dict) -> Plan:
     sched = f["pp_schedule"]
     spr = f["pp_stages_per_rank"] or (2 if sched == "Interleaved1F1B" and f["pp"] > 1 else 1)
     mesh_order, left_out = parse_mesh_order(f["mesh_order"])
-    shard = f["dp_shard"] if f["dp_shard"] != -1 else gpus // max(1, f["dp_replicate"] * f["tp"] * f["pp"] * f["cp"])
-    if given.get("ep_from") is None and f["ep"] > 1 and f["dp_replicate"] % f["ep"] == 0 and (
-            shard * f["cp"] * f["tp"]) % (f["ep"] * f["etp"]):
-        f["ep_from"] = "dp_replicate"  # dp2ep cannot take ep from dp_shard x cp x tp; DDP-style EP can: picked
-    plan = plan_from_flags(
-        gpus, dp_replicate=f["dp_replicate"], dp_shard=f["dp_shard"], tp=f["tp"], pp=f["pp"], cp=f["cp"],
+    kw = dict(
+        dp_replicate=f["dp_replicate"], dp_shard=f["dp_shard"], tp=f["tp"], pp=f["pp"], cp=f["cp"],
         ep=f["ep"], etp=f["etp"], ep_from=f["ep_from"], local_batch_size=f["local_batch_size"],
         micro_batch_size=f["micro_batch_size"] or 0, global_batch_size=f["global_batch_size"] or 0,
         seq_len=f["seq_len"], pp_schedule=sched, pp_stages_per_rank=spr, ac=f["ac"], compile=f["compile"],
@@ -142,6 +139,17 @@ def plan_from_given(given: dict) -> Plan:
         fsdp_reshard_after_forward=f["fsdp_reshard_after_forward"], mesh_order=mesh_order,
         wrapper_order=parse_wrapper_order(f["order"]),
     )
+    try:
+        plan = plan_from_flags(gpus, **kw)
+    except RuleError as e:
+        # dp2ep cannot take EP from dp_shard x cp x tp: DDP-style EP (from dp_replicate) is picked when the user
+        # left --ep-from out and the plan is valid with it; otherwise the dp2ep refusal stands
+        if given.get("ep_from") is not None or e.rule != DP2EP_RULE:
+            raise
+        try:
+            plan = plan_from_flags(gpus, **{**kw, "ep_from": "dp_replicate"})
+        except ParsimError:
+            raise e from None
     check_left_out_axes(plan.degrees, left_out)
     return plan
 

@@ -373,8 +373,11 @@ def constant_mfu_rule(work_s: np.ndarray, measured_s: np.ndarray, kind: np.ndarr
     kind = np.zeros(len(mfu), dtype=int) if kind is None else np.asarray(kind)
     out = np.empty(len(mfu))
     for i in range(len(mfu)):
-        others = np.delete(mfu[kind == kind[i]], np.nonzero(np.nonzero(kind == kind[i])[0] == i)[0])
-        out[i] = work_s[i] / np.median(others if len(others) else np.delete(mfu, i) if len(mfu) > 1 else mfu)
+        others = kind == kind[i]
+        others[i] = False
+        if not others.any():  # the only run of its kind: the median of all the others (or its own, alone)
+            others = np.arange(len(mfu)) != i if len(mfu) > 1 else np.ones(1, bool)
+        out[i] = work_s[i] / np.median(mfu[others])
     return out
 
 

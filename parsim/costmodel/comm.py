@@ -276,7 +276,7 @@ def _fsdp_records(led: Ledger, spec, b, rv: RankView) -> None:
                 rpn, "backward", "fsdp_reduce", on)
         expert = grp == "efsdp"
         dense_dp = on & (~b.ep_ddp if expert else True)
-        dist = b.dist_opt & (b.dp_replicate > 1)
+        dist = b.zero1
         led.add(f"HSDP all-reduce of sharded gradients: {name}", "all_reduce", "dp_replicate", params / div * rb,
                 ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce", dense_dp & ~dist)
         # distributed optimizer: the all-reduce becomes a reduce-scatter of the gradients and, after the step, an

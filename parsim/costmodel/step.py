@@ -229,9 +229,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
     for rank in (FIRST, LAST):
         rv = _rank_view(spec, b, rank, layers, kinds, plocal)
         if memory_only:
-            c = _rank_compute(spec, b, sh, hw, rv, costs)
-            ne_local, ex_local, p_shard, p_opt = _rank_params(b, rv)
-            phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard, p_opt)
+            phases, _ = _rank_memory(spec, b, sh, rank, rv, _rank_compute(spec, b, sh, hw, rv, costs))
             per_rank.append(np.max(np.stack([sum(v.values()) for v in phases.values()]), axis=0))
         else:
             per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
@@ -240,13 +238,15 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
     return _combine(spec, b, hw, per_rank, detail)
 
 
-def _rank_params(b: PlanBatch, rv: C.RankView) -> tuple:
-    """(non-expert and expert parameters held before FSDP sharding, parameters per rank after sharding, and those
-    whose optimizer step the rank runs: 1/dp_replicate of them under the distributed optimizer)."""
+def _rank_memory(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict) -> tuple:
+    """(the four memory moments of one rank, the parameters whose optimizer step it runs). Parameters held before
+    FSDP sharding (non-expert, expert), per rank after it, and 1/dp_replicate of those under the distributed
+    optimizer."""
     ne_local = rv.emb_local + rv.out_local + sum(rv.n_of[k] * rv.plocal[k][0] for k in rv.kinds)
     ex_local = sum(rv.n_of[k] * rv.plocal[k][1] for k in rv.kinds)
     p_shard = ne_local / b.fsdp + ex_local / b.efsdp
-    return ne_local, ex_local, p_shard, p_shard / np.where(b.dist_opt, b.dp_replicate, 1)
+    p_opt = p_shard / np.where(b.zero1, b.dp_replicate, 1)
+    return _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard, p_opt), p_opt
 
 
 def _rank_view(spec: ModelSpec, b: PlanBatch, rank: int, layers: dict, kinds: list, plocal: dict) -> C.RankView:
@@ -309,7 +309,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
                    costs: dict) -> dict:
     """Step time (itemized) and peak memory (itemized, the largest of four moments) of one rank."""
     c = _rank_compute(spec, b, sh, hw, rv, costs)
-    ne_local, ex_local, p_shard, p_opt = _rank_params(b, rv)
+    phases, p_opt = _rank_memory(spec, b, sh, rank, rv, c)
     ga = b.grad_accum.astype(float)
     M = ga * b.n_micro  # microbatches per step per rank
     cm = C.rank_comm(spec, b, sh, hw, rv)
@@ -325,7 +325,6 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     for axis, tt in cm["ledger"].exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
         tb["comm_" + axis] = tt
     tb["comm_interference"] = _interference(hw, cm["ledger"])
-    phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard, p_opt)
     n, z = len(b), np.zeros(len(b))
     totals = {k: sum(v.values()) for k, v in phases.items()}
     names = list(phases)
@@ -370,7 +369,7 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     ga, m_pass = b.grad_accum.astype(float), b.n_micro.astype(float)
     emb_local, out_local, has_emb = rv.emb_local, rv.out_local, rv.has_emb
     inflight = _inflight(b, rank)
-    dist = b.dist_opt & (b.dp_replicate > 1)
+    dist = b.zero1
     base = {"parameters": p_opt * 4.0, "optimizer_states": p_opt * 8.0}
     # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
     # earlier passes; with PP, once the schedule reaches its steady state (more microbatches than in flight,
