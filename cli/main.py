@@ -445,6 +445,38 @@ def profile(
 
 @app.command()
 @guarded
+def redistribute(
+    mesh: str = typer.Option(..., "--mesh", help="mesh sizes, outer axis first, e.g. 2x2 or 8x8x4"),
+    shape: str = typer.Option(..., "--shape", help="global tensor shape, e.g. 4096x4096"),
+    src: str = typer.Option(..., "--src", help='source placements, one per mesh axis: R, P, S(d) (torch notation, '
+                            'S(d)[k] gives the shard order), e.g. "S(0)S(1)"'),
+    dst: str = typer.Option(..., "--dst", help='target placements, e.g. "S(1)S(1)"'),
+    src_order: Optional[str] = typer.Option(None, "--src-order", help="shard order of the source, tensor_dim:mesh "
+                                            "axes outer first;... e.g. 1:1,0 [ascending mesh axes]"),
+    dst_order: Optional[str] = typer.Option(None, "--dst-order", help="shard order of the target"),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="float32 | bfloat16 | float16 | float8"),
+    profile: str = typer.Option("h100-sxm-spec-cal", "--profile", help="profile whose collective times cost the "
+                                "steps"),
+    ranks_per_node: Optional[int] = typer.Option(None, "--ranks-per-node", help="[the profile's GPUs per node]"),
+    no_flatten: bool = typer.Option(False, "--no-flatten", help="one mesh axis per collective"),
+    no_torch: bool = typer.Option(False, "--no-torch", help="skip torch's planner (no torch import)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
+):
+    """Plan a DTensor redistribution: parsim's cheapest path (Dijkstra over layouts with shard orders, edge costs
+    from the profile), beside torch's own planner's path costed the same way."""
+    from cli.views import print_redistribution
+    from parsim.redistribute import redistribution
+
+    doc = redistribution(mesh, shape, src, dst, src_order, dst_order, dtype, profile_for_this_machine(profile),
+                         ranks_per_node, flatten=not no_flatten, with_torch=not no_torch)
+    if as_json:
+        emit_json(doc)
+        return
+    print_redistribution(doc)
+
+
+@app.command()
+@guarded
 def validate(
     model: str = typer.Option("tiny", "--model", help="measured tier: preset to run"),
     nproc_per_node: int = typer.Option(2, "--nproc-per-node", help="measured tier: CPU ranks (gloo)"),

@@ -354,3 +354,34 @@ def _print_executed(con, executed):
                   f"{p['peak_memory_bytes'] / GiB:.3f}", f"{mm / GiB:.3f}" if mm else "-",
                   f"{100 * (p['peak_memory_bytes'] - mm) / mm:+.1f}%" if mm else "-")
     con.print(t)
+
+
+def print_redistribution(doc: dict) -> None:
+    """`parsim redistribute`: each path as a table of steps with the predicted time of each."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    mesh = "x".join(map(str, doc["mesh"]))
+    con.print(f"{doc['src']['text']} -> {doc['dst']['text']}   tensor {'x'.join(map(str, doc['shape']))} "
+              f"{doc['dtype']} on mesh {mesh} ({doc['ranks_per_node']} ranks per node), profile {doc['profile']}")
+    for name in ("parsim", "torch"):
+        path = doc[name]
+        if path is None:
+            continue
+        t = Table(title=f"{name}: {path['time_s'] / MS:.3f} ms predicted, {path['collectives']} collectives",
+                  box=box.SIMPLE_HEAD, title_justify="left")
+        for c in ("#", "op", "axes", "group", "MiB in", "ms", "layout after"):
+            t.add_column(c, justify="right" if c in ("#", "group", "MiB in", "ms") else "left",
+                         no_wrap=c in ("op", "layout after"))
+        for i, s in enumerate(path["steps"], 1):
+            t.add_row(str(i), s["op"], ",".join(map(str, s["mesh_axes"])),
+                      f"{s['group_size']}{'' if s['ranks_per_node'] >= s['group_size'] else ' x-node'}",
+                      f"{s['input_bytes'] / 2**20:.2f}", f"{s['time_s'] / MS:.3f}",
+                      s["dst"]["text"])
+        if not path["steps"]:
+            t.add_row("", "(nothing to do)", "", "", "", "0", doc["dst"]["text"])
+        con.print(t)
+    rec = doc["recommended"]
+    con.print(f"use: {rec['path']} ({rec['why']})")

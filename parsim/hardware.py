@@ -209,7 +209,8 @@ class HardwareProfile:
         if not isinstance(self.corrections, dict):
             raise ParsimError(f"corrections must be an object, got {self.corrections!r}")
         for k, v in self.corrections.items():
-            check_number(f"corrections.{k}", v, 0.0, 1e6, low_open=k.endswith("_scale"))
+            check_number(f"corrections.{k}", v, 0.0, 1e15 if k.endswith("_per_s") else 1e6,
+                         low_open=k.endswith(("_scale", "_per_s")))
         if not isinstance(self.calibration, dict):
             raise ParsimError(f"calibration must be an object, got {self.calibration!r}")
         if "interval_log_halfwidth" in self.calibration:
