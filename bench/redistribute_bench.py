@@ -95,7 +95,7 @@ def run(cases: dict | None, repeats: int, timeout_s: float) -> dict:
 
 
 def summarize(rows: list[dict], res: dict) -> tuple[pd.DataFrame, dict]:
-    for row, r in zip(rows, res["results"]):
+    for row, r in zip(rows, res["results"], strict=True):
         row["parsim_correct"], row["torch_correct"] = r["ok"]["parsim"], r["ok"]["torch"]
         for n in ("parsim", "torch"):
             t = r["times"][n]
@@ -118,7 +118,8 @@ def summarize(rows: list[dict], res: dict) -> tuple[pd.DataFrame, dict]:
         "max_speedup": float((1 / d.ratio).max()) if len(d) else None,
         "geomean_speedup_over_different_paths": float((1 / d.ratio).prod() ** (1 / len(d))) if len(d) else None,
         "prediction_spearman_over_timed_paths": float(spearmanr(timed.p, timed.m).statistic) if len(timed) else None,
-        "prediction_median_abs_error_pct": float(((timed.p / timed.m - 1).abs() * 100).median()) if len(timed) else None,
+        "prediction_median_abs_error_pct": float(((timed.p / timed.m - 1).abs() * 100).median()) if len(timed)
+        else None,
         "recommended_parsim": len(rec),
         "recommended_slower_by_more_than_5pct": int((rec.ratio > 1.05).sum()),
         "recommended_faster_by_more_than_5pct": int((rec.ratio < 1 / 1.05).sum()),

@@ -53,7 +53,7 @@ def _group(c, axes, mesh):
     out = []
     for vals in itertools.product(*[range(mesh[a]) for a in axes]):
         g = list(c)
-        for a, v in zip(axes, vals):
+        for a, v in zip(axes, vals, strict=True):
             g[a] = v
         out.append(tuple(g))
     return out

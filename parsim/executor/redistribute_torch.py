@@ -72,6 +72,8 @@ def torch_path(mesh, shape: tuple[int, ...], src: dict, dst: dict) -> list[dict]
     """Torch's planner's path from ``src`` to ``dst`` (each {'placements', 'shard_order'}): a list of steps
     {'op', 'mesh_axes', 'dst'} after the source, one per collective or local op torch would run (a merged,
     flattened collective is one step over several axes)."""
+    import logging
+
     from torch.distributed.tensor._redistribute import (
         DTensorRedistributePlanner,
         _FlattenedTransformInfo,
@@ -79,8 +81,6 @@ def torch_path(mesh, shape: tuple[int, ...], src: dict, dst: dict) -> list[dict]
         _optimize_transform_infos,
         _update_shard_order_and_placements,
     )
-
-    import logging
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # its "suboptimal" notes
     a = spec_of(mesh, src["placements"], src["shard_order"], shape)
