@@ -24,6 +24,12 @@ PARITY = [
     ("tiny", dict(dp_shard=4, local_batch_size=2, ac="full")),
     ("tiny", dict(dp_shard=4, local_batch_size=2, ac="selective-op")),
     ("tiny", dict(dp_shard=2, local_batch_size=4, compile=True)),
+    # device orders other than the default (issue 12): TP outer of FSDP, PP innermost, EP inside a reversed mesh
+    ("tiny", dict(dp_shard=2, tp=2, local_batch_size=4, mesh_order=("pp", "dp_replicate", "cp", "tp", "dp_shard"))),
+    ("tiny", dict(pp=2, dp_shard=2, local_batch_size=4, micro_batch_size=2,
+                  mesh_order=("dp_replicate", "cp", "tp", "dp_shard", "pp"))),
+    ("tiny-moe", dict(dp_replicate=2, dp_shard=2, ep=2, local_batch_size=2,
+                      mesh_order=("tp", "cp", "dp_shard", "dp_replicate", "pp"))),
 ]
 
 
@@ -100,6 +106,13 @@ def _assert_trace_matches_prediction(spec, plan, mem_tol):
 def test_trace_64_rank_fsdp_tp_matches_the_model():
     # llama3-8b, FSDP 8 x TP 8 on 64 fake ranks, in this one process
     _assert_trace_matches_prediction(PRESETS["llama3-8b"], Plan(dp_shard=8, tp=8, seq_len=2048), 0.01)
+
+
+def test_trace_with_another_device_order_matches_the_model():
+    # the issue's example order at full scale: TP outer of FSDP (FSDP groups strided, TP groups contiguous)
+    _assert_trace_matches_prediction(PRESETS["llama3-8b"], Plan(dp_shard=8, tp=8, seq_len=2048,
+                                                                mesh_order=("pp", "dp_replicate", "cp", "tp",
+                                                                            "dp_shard")), 0.01)
 
 
 @pytest.mark.slow

@@ -25,11 +25,16 @@ from ..plan import AXES, Plan, parse_ac
 
 class Meshes:
     def __init__(self, plan: Plan, device_type: str):
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
 
         self.plan = plan
+        # ranks laid out row-major in the plan's device order (the last axis fastest), then viewed in parsim's
+        # canonical axis order: every sub-mesh below is sliced in ascending canonical order, whatever the device
+        # order (DeviceMesh refuses non-ascending slices of a mesh built in device order)
         shape = tuple(getattr(plan, a) for a in plan.mesh_order)
-        self.world = init_device_mesh(device_type, shape, mesh_dim_names=tuple(plan.mesh_order))
+        grid = torch.arange(plan.world_size).reshape(shape)
+        canon = grid.permute(*[plan.mesh_order.index(a) for a in AXES])  # (pp, dpr, dps, cp, tp)
+        self.world = DeviceMesh(device_type, canon.contiguous(), mesh_dim_names=AXES)
         w = self.world
         self.tp = w["tp"] if plan.tp > 1 else None
         self.pp = w["pp"] if plan.pp > 1 else None
@@ -43,8 +48,6 @@ class Meshes:
         else:
             self.fsdp = shard
         self.use_fsdp = plan.dp_replicate * plan.dp_shard * plan.cp > 1
-        # the ranks grid in canonical axis order, for the EP mesh
-        canon = w.mesh.permute(*[plan.mesh_order.index(a) for a in AXES])  # (pp, dpr, dps, cp, tp)
         self.ep = self.efsdp = None
         if plan.ep > 1:
             if plan.cp > 1 or plan.tp > 1 or plan.ep_from != "dp_shard":

@@ -168,7 +168,7 @@ def _run(args, device, rank, world) -> dict:
     expert_ids = {id(p) for m in parts for mod in m.modules() if isinstance(mod, GroupedExperts)
                   for p in mod.parameters()}
 
-    coord = dict(zip(plan.mesh_order, meshes.world.get_coordinate(), strict=True))
+    coord = dict(zip(meshes.world.mesh_dim_names, meshes.world.get_coordinate(), strict=True))
     dp_rank = coord["dp_replicate"] * plan.dp_shard + coord["dp_shard"]
     lbs, ga, seq = plan.local_batch_size, plan.grad_accum_steps, plan.seq_len
     n_global = plan.global_batch_size * seq
