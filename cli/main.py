@@ -467,8 +467,13 @@ def redistribute(
     from cli.views import print_redistribution
     from parsim.redistribute import redistribution
 
+    def torch_planner(mesh_shape, tensor_shape, a, b):  # torch imported only when its path is asked for
+        from parsim.executor.redistribute_torch import fake_mesh, torch_path
+
+        return torch_path(fake_mesh(mesh_shape), tensor_shape, a, b)
+
     doc = redistribution(mesh, shape, src, dst, src_order, dst_order, dtype, profile_for_this_machine(profile),
-                         ranks_per_node, flatten=not no_flatten, with_torch=not no_torch)
+                         ranks_per_node, flatten=not no_flatten, torch_planner=None if no_torch else torch_planner)
     if as_json:
         emit_json(doc)
         return

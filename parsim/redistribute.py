@@ -44,6 +44,7 @@ import heapq
 import itertools
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import ParsimError
@@ -52,7 +53,6 @@ from .hardware import HardwareProfile
 # [assumed] host cost of one DTensor redistribute step on a GPU (Python dispatch and a kernel launch, typically
 # 10-50 us in eager PyTorch); profiles measured with bench/redistribute_bench.py --measure-overhead carry their own
 DEFAULT_STEP_OVERHEAD_S = 20e-6
-OPS = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter", "chunk", "partition")
 _TOKEN = re.compile(r"\s*(R|P|S\((\d+)\)(?:\[(\d+)\])?)")
 
 
@@ -288,8 +288,7 @@ class Path:
 def _moves(x: Layout, allow_partial: bool, flatten: bool):
     """(op, axes, next layout) for every move out of ``x`` (see the module docstring)."""
     for d, order in enumerate(x.shard_order):
-        ks = range(1, len(order) + 1) if flatten else range(1, min(1, len(order)) + 1)
-        for k in ks:
+        for k in range(1, (len(order) if flatten else min(1, len(order))) + 1):
             suffix = order[len(order) - k:]
             if k > 1 and list(suffix) != sorted(suffix):
                 continue
@@ -303,10 +302,9 @@ def _moves(x: Layout, allow_partial: bool, flatten: bool):
     subsets = [c for k in range(1, len(p) + 1) for c in itertools.combinations(p, k)] if flatten else \
         [(a,) for a in p]
     for axes in subsets:
-        rest = tuple(a for a in p if a not in axes)
-        yield "all_reduce", axes, Layout(x.mesh_shape, x.shard_order, rest)
+        y = Layout(x.mesh_shape, x.shard_order, tuple(a for a in p if a not in axes))
+        yield "all_reduce", axes, y
         for d in range(x.n_dims):
-            y = Layout(x.mesh_shape, x.shard_order, rest)
             yield "reduce_scatter", axes, y.with_order(d, y.shard_order[d] + axes)
     for a in x.replicated_axes():
         for d in range(x.n_dims):
@@ -407,9 +405,10 @@ def recommend(ours: Path, theirs: Path | None, costs: Costs) -> tuple[Path, str]
 
 def redistribution(mesh: str, shape: str, src: str, dst: str, src_order: str | None, dst_order: str | None,
                    dtype: str, profile: HardwareProfile, ranks_per_node: int | None, flatten: bool = True,
-                   with_torch: bool = True) -> dict:
+                   torch_planner: Callable[..., list[dict]] | None = None) -> dict:
     """What `parsim redistribute` shows: parsim's path, torch's planner's path (costed by parsim) and the one to
-    use. Torch is imported only for its path (``with_torch``)."""
+    use. ``torch_planner(mesh_shape, tensor_shape, src, dst)`` gives torch's steps as plain data (the CLI passes
+    ``executor.redistribute_torch``'s; this module never imports torch)."""
     from .units import DTYPE_BYTES
 
     mesh_shape, tensor_shape = mesh_shape_of(mesh), mesh_shape_of(shape)
@@ -419,9 +418,10 @@ def redistribution(mesh: str, shape: str, src: str, dst: str, src_order: str | N
     b = parse_layout(dst, mesh_shape, len(tensor_shape), dst_order)
     for x in (a, b):
         for d, order in enumerate(x.shard_order):
-            if tensor_shape[d] % math.prod(mesh_shape[m] for m in order):
+            ways = math.prod(mesh_shape[m] for m in order)
+            if tensor_shape[d] % ways:
                 raise ParsimError(f"{x.text()}: dim {d} of size {tensor_shape[d]} does not split evenly over "
-                                  f"{math.prod(mesh_shape[m] for m in order)} ranks")
+                                  f"{ways} ranks")
     costs = Costs(profile, mesh_shape, ranks_per_node or profile.gpus_per_node, flatten=flatten)
     full_bytes = float(math.prod(tensor_shape) * DTYPE_BYTES[dtype])
     ours = plan_path(a, b, full_bytes, costs)
@@ -429,11 +429,9 @@ def redistribution(mesh: str, shape: str, src: str, dst: str, src_order: str | N
            "ranks_per_node": costs.ranks_per_node, "step_overhead_s": costs.step_overhead_s,
            "src": a.to_dict(), "dst": b.to_dict(), "parsim": ours.to_dict(), "torch": None}
     theirs = None
-    if with_torch:
-        from .executor.redistribute_torch import fake_mesh, torch_path
-
-        steps = torch_path(fake_mesh(mesh_shape), tensor_shape, a.to_dict(), b.to_dict())
-        theirs = path_of_steps(a, steps, costs, full_bytes)
+    if torch_planner is not None:
+        theirs = path_of_steps(a, torch_planner(mesh_shape, tensor_shape, a.to_dict(), b.to_dict()), costs,
+                               full_bytes)
         doc["torch"] = theirs.to_dict()
     chosen, why = recommend(ours, theirs, costs)
     doc["recommended"] = {"path": "parsim" if chosen is ours else "torch", "why": why,

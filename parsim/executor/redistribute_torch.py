@@ -13,6 +13,7 @@ first} — so this module imports nothing of parsim's core.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 import torch
@@ -48,9 +49,7 @@ def fake_mesh(mesh_shape: tuple[int, ...]):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    world = 1
-    for n in mesh_shape:
-        world *= n
+    world = math.prod(mesh_shape)
     if dist.is_initialized() and dist.get_world_size() != world:
         dist.destroy_process_group()
     if not dist.is_initialized():
@@ -100,11 +99,16 @@ def torch_path(mesh, shape: tuple[int, ...], src: dict, dst: dict) -> list[dict]
     return steps
 
 
+def _dst(placements: list[str], order: dict) -> dict:
+    """A layout as plain data: placement strings and {tensor dim: mesh axes outer first}."""
+    return {"placements": list(placements), "shard_order": {str(d): list(v) for d, v in order.items() if v}}
+
+
 def _state(placements, order: dict) -> dict:
     from torch.distributed.tensor import Partial, Shard
 
-    names = [f"S({p.dim})" if isinstance(p, Shard) else "P" if isinstance(p, Partial) else "R" for p in placements]
-    return {"placements": names, "shard_order": {str(d): list(v) for d, v in order.items() if v}}
+    return _dst([f"S({p.dim})" if isinstance(p, Shard) else "P" if isinstance(p, Partial) else "R"
+                 for p in placements], order)
 
 
 def step_transforms(mesh, shape: tuple[int, ...], src: dict, op: str, axes: list[int], dst: dict) -> list:
@@ -170,17 +174,11 @@ def merged_count(mesh, shape: tuple[int, ...], src: dict, step: dict) -> int:
     """How many ops torch runs for one step given its transforms (1 when a flattened step really merges)."""
     from torch.distributed.tensor._redistribute import _optimize_transform_infos
 
-    infos = step_transforms(mesh, shape, src, step["op"], step["mesh_axes"], step["dst"])
-    a = spec_of(mesh, src["placements"], src["shard_order"], shape)
-    b = spec_of(mesh, step["dst"]["placements"], step["dst"]["shard_order"], shape)
+    ((a, b, infos),) = prepare_steps(mesh, shape, src, [step])
     return len(_optimize_transform_infos(infos, mesh, a.placements, b.placements))
 
 
 # ---- the benchmark worker (under torchrun) -------------------------------------------------------------------------
-def _dst(placements: list[str], order: dict) -> dict:
-    return {"placements": list(placements), "shard_order": {str(d): list(v) for d, v in order.items() if v}}
-
-
 def steps_from_replicated(x: dict) -> list[dict]:
     """Local steps from a replicated tensor to layout x: a partition per partial axis, then chunks in order."""
     n = len(x["placements"])
@@ -247,33 +245,26 @@ def _one_case(case: dict, full, mesh, shape, repeats: int) -> dict:
 def _local_step_s(mesh, shape: tuple[int, ...], dim: int, repeats: int) -> float:
     """Median time of one local redistribute step R -> S(dim) on the last mesh axis of a tensor of ``shape``."""
     import statistics
-    import time
 
     last = mesh.ndim - 1
     src = {"placements": ["R"] * mesh.ndim, "shard_order": {}}
     dst = {"placements": ["R"] * last + [f"S({dim})"], "shard_order": {str(dim): [last]}}
     prepared = prepare_steps(mesh, shape, src, [{"op": "chunk", "mesh_axes": [last], "dst": dst}])
     x = torch.randn(shape)
-    ts = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        run_prepared(x, prepared)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return statistics.median(_time_path(x, prepared) for _ in range(repeats))
 
 
 def step_costs(mesh) -> dict:
     """What DTensor costs per step beyond the collective, measured with every rank of the mesh busy:
     ``step_overhead_s`` = a local R -> S step of an 8x8 tensor (spec checks, transform lookup, launch, allocation);
     ``copy_bytes_per_s`` = bytes written per second by R -> S steps of a 2048x2048 float32 tensor (8 MiB out),
-    along dim 0 and dim 1 (median of the two), after the fixed cost."""
+    along dim 0 and dim 1 (their mean), after the fixed cost."""
     overhead = _local_step_s(mesh, (8, 8), 0, 200)
     n = mesh.size(mesh.ndim - 1)
     big = (2048, 2048)
     out_bytes = 4 * big[0] * big[1] / n
     rates = [out_bytes / max(_local_step_s(mesh, big, d, 15) - overhead, 1e-9) for d in (0, 1)]
-    return {"step_overhead_s": overhead, "copy_bytes_per_s": min(rates) + (max(rates) - min(rates)) / 2}
+    return {"step_overhead_s": overhead, "copy_bytes_per_s": sum(rates) / len(rates)}
 
 
 def main(argv=None) -> None:
