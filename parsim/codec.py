@@ -267,6 +267,10 @@ def group_rpn(b: PlanBatch, order: tuple[str, ...], gpus_per_node: int) -> dict:
 
 # the rule DDP-style EP is the way around (flags pick it when the user did not choose where EP comes from)
 DP2EP_RULE = "dp_shard x cp x tp not divisible by ep x etp"
+# torchtitan's dp2ep borrows *all* of cp (and of tp when etp = 1) for EP and the rest from dp_shard
+# (ParallelDims: "EP would borrow all cp and tp and some dp_shard degree"); the executor builds its EP mesh the same way
+DP2EP_BORROW_RULE = "ep not a multiple of cp x tp (etp 1) / cp (etp tp)"
+DP2EP_RULES = (DP2EP_RULE, DP2EP_BORROW_RULE)
 
 
 class RuleError(ParsimError):
@@ -338,6 +342,10 @@ RULES: tuple[Rule, ...] = (
          lambda b, s: _uses_ep(b) & ~b.ep_ddp & ((b.dp_shard * b.cp * b.tp) % (b.ep * b.etp) != 0),
          lambda p, s: f"dp2ep needs dp_shard x cp x tp = {p.dp_shard} x {p.cp} x {p.tp} = "
                       f"{p.dp_shard * p.cp * p.tp} divisible by ep x etp = {p.ep} x {p.etp} = {p.ep * p.etp}"),
+    Rule(DP2EP_BORROW_RULE, False,
+         lambda b, s: (b.ep > 1) & ~b.ep_ddp & (b.ep % (b.cp * np.where(b.etp == 1, b.tp, 1)) != 0),
+         lambda p, s: f"dp2ep borrows all of cp{' x tp' if p.etp == 1 else ''} for EP: ep {p.ep} is not a multiple "
+                      f"of {p.cp * (p.tp if p.etp == 1 else 1)}"),
     Rule("dp_replicate not divisible by ep (DDP-style EP)", False,
          lambda b, s: _uses_ep(b) & b.ep_ddp & (b.dp_replicate % b.ep != 0),
          lambda p, s: f"DDP-style EP needs dp_replicate {p.dp_replicate} divisible by ep {p.ep}"),

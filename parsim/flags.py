@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .codec import DP2EP_RULE, RuleError
+from .codec import DP2EP_RULES, RuleError
 from .errors import ParsimError, check_number
 from .plan import (
     AXES,
@@ -144,7 +144,7 @@ def plan_from_given(given: dict) -> Plan:
     except RuleError as e:
         # dp2ep cannot take EP from dp_shard x cp x tp: DDP-style EP (from dp_replicate) is picked when the user
         # left --ep-from out and the plan is valid with it; otherwise the dp2ep refusal stands
-        if given.get("ep_from") is not None or e.rule != DP2EP_RULE:
+        if given.get("ep_from") is not None or e.rule not in DP2EP_RULES:
             raise
         try:
             plan = plan_from_flags(gpus, **{**kw, "ep_from": "dp_replicate"})

@@ -30,6 +30,11 @@ PARITY = [
                   mesh_order=("dp_replicate", "cp", "tp", "dp_shard", "pp"))),
     ("tiny-moe", dict(dp_replicate=2, dp_shard=2, ep=2, local_batch_size=2,
                       mesh_order=("tp", "cp", "dp_shard", "dp_replicate", "pp"))),
+    # EP with TP (issue 12): EP borrowed from tp (ep2) and from dp_shard x tp (ep4), with PP, experts TP-sharded
+    ("tiny-moe", dict(dp_shard=2, tp=2, ep=2, local_batch_size=4)),
+    ("tiny-moe", dict(dp_shard=2, tp=2, ep=4, local_batch_size=4)),
+    ("tiny-moe", dict(pp=2, tp=2, ep=2, local_batch_size=8, micro_batch_size=2)),
+    ("tiny-moe", dict(dp_shard=2, tp=2, local_batch_size=4, sequence_parallel=False)),
 ]
 
 
@@ -126,6 +131,21 @@ def test_trace_moe_ep_matches_the_model():
     # a few-million-parameter model: fixed costs the model does not itemize weigh more, hence 8%
     _assert_trace_matches_prediction(PRESETS["tiny-moe"], Plan(dp_shard=8, ep=4, seq_len=256,
                                                                local_batch_size=2), 0.08)
+
+
+@pytest.mark.slow
+def test_trace_mixtral_pp_tp_fsdp_ep_matches_the_model():
+    """Issue 12's plan: mixtral-8x7b PP 4 x TP 2 x FSDP 8 x EP 2 on 64 ranks (EP borrowed from tp, experts FSDP
+    over 8 sharded on dim 1). Peak in the backward of a later microbatch, beside the accumulated gradients."""
+    _assert_trace_matches_prediction(PRESETS["mixtral-8x7b"], Plan(pp=4, dp_shard=8, tp=2, ep=2, seq_len=4096,
+                                                                   local_batch_size=4, micro_batch_size=1), 0.01)
+
+
+@pytest.mark.slow
+def test_trace_qwen3_moe_tp_ep_matches_the_model():
+    # qwen3-30b-a3b FSDP 32 x TP 2 with EP 32 (from dp_shard x tp) on 64 ranks: q/k norms, 128 experts top-8
+    _assert_trace_matches_prediction(PRESETS["qwen3-30b-a3b"], Plan(dp_shard=32, tp=2, ep=32, seq_len=2048,
+                                                                    local_batch_size=2), 0.01)
 
 
 def test_trace_interleaved_full_ac_matches_the_model():

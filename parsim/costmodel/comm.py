@@ -215,6 +215,19 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> Non
     norm_bytes = d * np.where(b.pp > 1, b.reduce_bytes, b.param_bytes).astype(float)
     led.add("SP all-reduce of norm-weight gradients", "all_reduce", "tp", norm_bytes,
             b.grad_accum.astype(float) * norm_calls, g, r, "backward", "exposed", tp_on & sp)
+    if spec.qk_norm:
+        # [derived] Qwen3's q/k norm weights (head_dim each) are replicated over tp, each rank normalizing its own
+        # heads: partial gradients, all-reduced once per pass like the router's below (executor: HeadNorm)
+        led.add("TP all-reduce of q/k-norm weight gradients", "all_reduce", "tp",
+                2.0 * spec.head_dim * np.where(b.pp > 1, b.reduce_bytes, b.param_bytes).astype(float),
+                b.grad_accum.astype(float) * L, g, r, "backward", "exposed", tp_on)
+    if True in rv.kinds and spec.moe is not None:
+        # [derived] the router weight is replicated over tp but each TP rank routes only its share of the tokens
+        # (EP with TP) or combines partial expert outputs (TP-sharded experts): its gradient is a partial sum,
+        # all-reduced once per pass like an SP norm weight's (executor: MoE._tp_forward), with or without SP
+        led.add("TP all-reduce of router-weight gradients", "all_reduce", "tp",
+                d * spec.moe.n_experts * np.where(b.pp > 1, b.reduce_bytes, b.param_bytes).astype(float),
+                b.grad_accum.astype(float) * rv.n_of[True], g, r, "backward", "exposed", tp_on)
 
 
 def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac) -> None:

@@ -80,8 +80,10 @@ class Shapes:
         self.ep = b.ep.astype(float)
         m = spec.moe
         if m is not None:
-            # tokens entering the MoE part on this rank: sequence-split over tp unless experts are TP-sharded
-            t_moe = np.where(b.etp_eff == 1, self.T / self.sp_div, self.T)
+            # routed tokens on this rank: split over tp when experts are whole (etp = 1: each TP rank routes a
+            # contiguous 1/tp of the gathered tokens, with or without SP, executor: MoE._tp_forward), all of them
+            # when experts are TP-sharded (etp = tp, or ep = 1 under TP)
+            t_moe = np.where(b.etp_eff == 1, self.T / self.t, self.T)
             self.Tr = t_moe * m.top_k * m.capacity_factor  # routed (token, expert) pairs computed on this rank
 
 
@@ -145,6 +147,12 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     if spec.mla:
         out += [("wq_b.out" if spec.mla.q_lora_rank else "wq.out", T * spec.q_dim / t * b2, "mm"),
                 ("wkv_b.out", T * spec.n_heads * (spec.mla.qk_nope_head_dim + spec.mla.v_head_dim) / t * b2, "mm")]
+    if spec.qk_norm:
+        # Qwen3: q and k are RMS-normalized per head before RoPE: the norms keep their input (the mm outputs above)
+        # and a fp32 1/rms per head and token; the rotated q and k (new tensors) are what attention keeps
+        hq, hk, hd = spec.n_heads / t, spec.n_kv_heads / t, spec.head_dim
+        out += [("q_norm.rstd", T * hq * b4, "other"), ("k_norm.rstd", T * hk * b4, "other"),
+                ("q.rotated", T * hq * hd * b2, "other"), ("k.rotated", T * hk * hd * b2, "other")]
     rope_dim = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
     out += [
         ("rope.cos_sin", T * rope_dim * b2, "other"),  # the bf16 cos and sin (hd/2 each) the rotation keeps
@@ -185,11 +193,13 @@ def kept_by_ac_mode(items: list[tuple]) -> list[dict[str, bool]]:
 
     The saved output of wo / w2 is counted only when it is not immediately consumed by a residual add (it is
     the input of nothing that saves it) — so under no AC it is dropped; selective AC stores it when its mm is
-    odd-numbered, as the policy does."""
+    odd-numbered, as the policy does. The routed experts' output is the exception: it is multiplied by the
+    routing weights, which keeps it for the router's gradient (executor trace of mixtral-8x7b: one T x top_k x d
+    tensor per MoE layer and microbatch; torchtitan's MoE multiplies its routed output by the scores too)."""
     out = []
     mm_count = 0
     for name, _nbytes, kind in items:
-        residual_out = name.endswith("wo.out") or name.endswith("w2.out")
+        residual_out = name.endswith("wo.out") or (name.endswith("w2.out") and not name.startswith("experts."))
         if kind == "mm":
             mm_count += 1
         out.append({"none": not residual_out and kind != "rs", "full": kind == "input",
@@ -211,7 +221,7 @@ def layer_params_local(spec: ModelSpec, b, moe: bool) -> tuple[np.ndarray, np.nd
     t = b.tp.astype(float)
     i = next(j for j in range(spec.n_layers) if spec.is_moe_layer(j) == moe)
     p = spec.layer_params(i)
-    replicated = p["norms"]
+    replicated = p["norms"] + (2 * spec.head_dim if spec.qk_norm else 0)  # q/k norms are not TP-sharded
     if spec.mla:
         replicated += sum(k * n for name, (k, n) in spec.attention_matrices().items() if name in ("wq_a", "wkv_a"))
         replicated += spec.mla.kv_lora_rank + spec.mla.q_lora_rank

@@ -24,9 +24,10 @@ Time model (sums exactly to ``step_time_s``):
   overheads of ``block_overheads`` (one real block timed by the profiler minus the model's time for it: dispatch,
   autograd and small-kernel costs) is added per layer and microbatch (selective AC recomputes half of it).
 
-Memory (sums exactly to ``peak_memory_bytes``): the largest of four moments of the step, each itemized:
+Memory (sums exactly to ``peak_memory_bytes``): the largest of five moments of the step, each itemized:
 end of forward (activations of the in-flight microbatches, logits and loss), backward of the last layer (FSDP
-unsharded params of two blocks and one block's gradient buffers, the recompute transient), end of backward (the
+unsharded params of two blocks and one block's gradient buffers, the recompute transient), with PP the backward
+of a later microbatch (beside the gradients the first one accumulated), end of backward (the
 embedding's dense full-vocabulary gradient on the first stage) and the optimizer step (one fp32 temporary per
 parameter, foreach AdamW). All hold the sharded fp32 params and AdamW states.
 """
@@ -75,7 +76,8 @@ MEMORY_BWD_PER_FWD = 2.0
 ROWWISE_KERNEL_SPEED = 0.9
 # [derived] the loss's fp32 traffic per logit: read bf16 logits, write / read the fp32 copy and log-softmax (16 B)
 LOSS_BYTES_PER_LOGIT = 16.0
-PHASES = ("end of forward", "backward of the last layer", "end of backward", "optimizer step")
+PHASES = ("end of forward", "backward of the last layer", "backward of a later microbatch", "end of backward",
+          "optimizer step")
 SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
 
 
@@ -239,7 +241,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
 
 
 def _rank_memory(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict) -> tuple:
-    """(the four memory moments of one rank, the parameters whose optimizer step it runs). Parameters held before
+    """(the memory moments of one rank, the parameters whose optimizer step it runs). Parameters held before
     FSDP sharding (non-expert, expert), per rank after it, and 1/dp_replicate of those under the distributed
     optimizer."""
     ne_local = rv.emb_local + rv.out_local + sum(rv.n_of[k] * rv.plocal[k][0] for k in rv.kinds)
@@ -307,7 +309,7 @@ def _bubble(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb):
 
 def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rank: int, rv: C.RankView,
                    costs: dict) -> dict:
-    """Step time (itemized) and peak memory (itemized, the largest of four moments) of one rank."""
+    """Step time (itemized) and peak memory (itemized, the largest of five moments) of one rank."""
     c = _rank_compute(spec, b, sh, hw, rv, costs)
     phases, p_opt = _rank_memory(spec, b, sh, rank, rv, c)
     ga = b.grad_accum.astype(float)
@@ -361,7 +363,7 @@ def _interference(hw: HardwareProfile, ledger) -> np.ndarray:
 
 def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, ne_local,
                    ex_local, p_shard, p_opt) -> dict:
-    """The four moments of the step, each itemized by MEMORY_KEYS (see the module docstring). The distributed
+    """The moments of the step, each itemized by MEMORY_KEYS (see the module docstring). The distributed
     optimizer (Megatron, ZeRO-1) keeps the fp32 master weights and AdamW states of ``p_opt`` parameters (its
     1/dp_replicate share), the whole model in param_dtype and the whole gradient (main grads) in reduce_dtype."""
     V, d = spec.vocab_size, spec.d_model
@@ -391,6 +393,8 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     unsh_bwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, (out_local + 2.0 * layer_w) * pb,
                                                                    keep_all), 0.0))
     acts = inflight * c["act"]
+    m_all = ga * m_pass
+    later = (b.pp > 1) & (m_all > 1)
     # the loss: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the end of forward under loss
     # parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the log-softmax output,
     # the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read off the live
@@ -409,6 +413,16 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
         "backward of the last layer": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_bwd,
                                            fsdp_grad_buffers=layer_w * (pb + rb), activations=acts,
                                            recompute_transient=c["transient"]),
+        # PP: a later microbatch's backward starts beside the gradients the first one accumulated (fp32, the
+        # embedding's at full vocabulary), the activations of the microbatches still in flight (the schedule's
+        # window, or all that remain when every forward ran first) and its last layer's new gradients in
+        # param_dtype, added into the accumulated ones in place (mixtral-8x7b PP4 x TP2 x EP2 trace: the MoE
+        # block's expert gradients, 1.3 GiB, set the peak there) [derived, trace]
+        "backward of a later microbatch": dict(base, gradients=np.where(later, accumulated, 0.0),
+                                               fsdp_unsharded_params=np.where(later, unsh_bwd, 0.0),
+                                               fsdp_grad_buffers=np.where(later, layer_w * pb, 0.0),
+                                               activations=np.where(later, np.minimum(inflight, m_all - 1.0), 0.0)
+                                               * c["act"]),
         "end of backward": dict(base, gradients=np.where(b.pp > 1, accumulated - np.where(has_emb, V * d * rb, 0.0),
                                                          np.maximum(grads_prev, p_shard * 4.0)),
                                 fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),

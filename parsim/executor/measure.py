@@ -120,7 +120,7 @@ class PeakTracker(TorchDispatchMode):
         self._op = "start"
         import os
 
-        self.debug = bool(os.environ.get("PARSIM_DEBUG"))
+        self.debug = os.environ.get("PARSIM_DEBUG", "")
         self.origin: dict[int, str] = {}
         self.peak_live = []
         for cat, tensors in (baseline or {}).items():
@@ -157,9 +157,10 @@ class PeakTracker(TorchDispatchMode):
             if self.debug:
                 agg = {}
                 for k, (n, c) in self.live.items():
-                    o = self.origin.get(k, "").split(" ")[0] + " " + c
+                    origin = self.origin.get(k, "")  # PARSIM_DEBUG=2: by op, shape and dtype; else by op
+                    o = (origin if self.debug == "2" else origin.split(" ")[0]) + " " + c
                     agg[o] = agg.get(o, 0) + n
-                self.peak_live = sorted(((n, "", o) for o, n in agg.items()), reverse=True)[:14]
+                self.peak_live = sorted(((n, "", o) for o, n in agg.items()), reverse=True)[:30]
             if self.watched:
                 self.at_peak["fsdp_unsharded_params"] = unsharded
 

@@ -80,6 +80,20 @@ class RMSNorm(nn.Module):
         return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
+class HeadNorm(RMSNorm):
+    """Qwen3's RMSNorm of q and k per head (over head_dim). Under TP the weight is a DTensor replicated over tp
+    (``parallelize.apply_tp``) while each rank normalizes only its heads: its gradient is a partial sum, declared
+    as such (``grad_placements=Partial``) and all-reduced over tp with the FSDP / optimizer machinery."""
+
+    def forward(self, x):
+        w = self.weight
+        if hasattr(w, "to_local"):
+            from torch.distributed.tensor import Partial
+
+            w = w.to_local(grad_placements=[Partial()])
+        return _RMSNormFn.apply(x, w, self.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -89,6 +103,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d, spec.n_kv_heads * spec.head_dim, bias=spec.bias)
         self.wv = nn.Linear(d, spec.n_kv_heads * spec.head_dim, bias=spec.bias)
         self.wo = nn.Linear(spec.n_heads * spec.head_dim, d, bias=spec.bias)
+        self.q_norm = HeadNorm(spec.head_dim) if spec.qk_norm else None
+        self.k_norm = HeadNorm(spec.head_dim) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -96,6 +112,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                            enable_gqa=q.shape[2] != k.shape[2])
@@ -117,6 +135,39 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
+class _GroupedMM(torch.autograd.Function):
+    """y[rows of expert e] = x[rows of e] @ w[e], with one output tensor and, in backward, one gradient tensor
+    per operand, as a grouped GEMM kernel (torch._grouped_mm on CUDA) writes them. (A Python loop over ``w[e]``
+    would make autograd materialize a zero-filled full-size weight gradient per expert and add them up; over
+    ``w.unbind(0)`` it keeps every expert's gradient beside their stacked copy: transients of E x, then 2 x the
+    weights that a grouped kernel does not have.)"""
+
+    @staticmethod
+    def forward(ctx, x, w, counts):
+        ctx.save_for_backward(x, w)
+        ctx.counts = counts
+        y, start = None, 0
+        for e, n in enumerate(counts):
+            r = x[start:start + n] @ w[e]  # the dtype autocast picks, if any
+            if y is None:
+                y = r.new_empty(x.shape[0], w.shape[2])
+            y[start:start + n] = r
+            start += n
+        return y if y is not None else x.new_empty(0, w.shape[2])
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx, gw = torch.empty_like(x), torch.empty_like(w)
+        start = 0
+        for e, n in enumerate(ctx.counts):
+            ge = g[start:start + n].to(w.dtype)
+            gx[start:start + n] = ge @ w[e].t()
+            gw[e] = x[start:start + n].to(w.dtype).t() @ ge
+            start += n
+        return gx, gw, None
+
+
 class GroupedExperts(nn.Module):
     """``n_local`` experts as stacked weights (E, d, ff): grouped compute, one matmul per local expert."""
 
@@ -129,13 +180,10 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: tokens sorted by local expert; counts: tokens per local expert."""
         w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
-        outs = []
-        start = 0
-        for e, n in enumerate(counts):
-            xe = x[start:start + n]
-            outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
-            start += n
-        return torch.cat(outs, dim=0) if outs else x[:0]
+        if not counts:
+            return x[:0]
+        h = F.silu(_GroupedMM.apply(x, w1, counts)) * _GroupedMM.apply(x, w3, counts)
+        return _GroupedMM.apply(h, w2, counts)
 
 
 class MoE(nn.Module):
@@ -151,14 +199,24 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(spec, m.d_ff_expert * m.n_shared_experts) if m.n_shared_experts else None
         self.ep_group = None  # set by apply_ep
         self.ep_size = 1
+        self.tp_mesh = None  # set by apply_tp (parallelize._tp_moe)
+        self.tp_split = False  # routed tokens split over the TP ranks (EP with TP, etp = 1)
         # traces (fake tensors) cannot follow data-dependent routing: route a balanced, static share instead
         # (tokens x top_k / n_experts per expert, the capacity-factor-1 case the cost model assumes)
         self.static_routing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_mesh is not None:
+            return self._tp_forward(x)
         b, s, d = x.shape
-        h = x.reshape(-1, d)
-        scores = F.softmax(self.router(h).float(), dim=-1)
+        y = self._routed(x.reshape(-1, d), self.router.weight).view(b, s, d)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    def _routed(self, h: torch.Tensor, w_router: torch.Tensor) -> torch.Tensor:
+        """Routed experts on tokens h (n, d): top-k routing, dispatch (over EP), experts, weighted combine."""
+        scores = F.softmax(F.linear(h, w_router).float(), dim=-1)
         top_w, top_i = scores.topk(self.top_k, dim=-1)
         top_w = (top_w / top_w.sum(-1, keepdim=True)).to(h.dtype)
         n_routed = h.shape[0] * self.top_k
@@ -175,12 +233,46 @@ class MoE(nn.Module):
             out = self._ep_forward(tokens, counts)
         else:
             out = self.experts(tokens, counts)
-        combined = torch.zeros_like(h).index_add_(0, order // self.top_k,
-                                                  out * top_w.reshape(-1)[order].unsqueeze(-1))
-        y = combined.view(b, s, d)
+        # combine: weight, put every (token, slot) pair back in place, sum the top_k slots of each token. (An
+        # index_add_ into zeros would keep the weighted outputs for its backward, one more routed-size tensor.)
+        weighted = out * top_w.reshape(-1)[order].unsqueeze(-1)
+        pairs = torch.empty_like(weighted).index_put_((order,), weighted)
+        return pairs.view(h.shape[0], self.top_k, h.shape[1]).sum(1)
+
+    def _tp_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MoE under TP, with torchtitan's communication (``apply_moe_ep_tp``, etp = 1): the block input
+        (sequence-sharded under SP) is all-gathered over tp; with EP each TP rank takes a contiguous 1/tp of the
+        tokens (torchtitan's ReordererSequenceParallel), so the EP all-to-alls carry T x top_k / tp tokens per
+        rank and are not duplicated across TP ranks; the routed output, zero outside the rank's share, is a partial
+        sum over tp, as is the shared experts' row-parallel output; their sum is reduce-scattered back to the
+        sequence shard (all-reduced without SP). Backward mirrors it: the gradient of the gathered input is a partial
+        sum on every TP rank (``grad_placements=Partial``) and is reduce-scattered; the router weight's gradient,
+        partial too, is all-reduced over tp (as an SP norm weight's). Without EP the experts are TP-sharded on their
+        hidden dimension and every TP rank routes all tokens through its slice (etp = tp).
+        One difference from torchtitan, which computes the router replicated on all tokens: here it runs on the
+        rank's share only (1/tp of the router FLOPs and of its saved scores), what the cost model assumes."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        mesh = self.tp_mesh
+        xd = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        layout = xd.placements
+        hd = xd.redistribute(mesh, [Replicate()])
+        h = hd.to_local(grad_placements=[Partial()])
+        b, s, d = h.shape
+        flat = h.reshape(-1, d)
+        w = self.router.weight
+        w = w.to_local(grad_placements=[Partial()]) if isinstance(w, DTensor) else w
+        if self.tp_split:
+            t, r = mesh.size(), mesh.get_local_rank()
+            base, extra = divmod(flat.shape[0], t)
+            lo, n = r * base + min(r, extra), base + (1 if r < extra else 0)
+            y = F.pad(self._routed(flat[lo:lo + n], w), (0, 0, lo, flat.shape[0] - lo - n))
+        else:
+            y = self._routed(flat, w)
+        y = y.view(b, s, d)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+            y = y + self.shared_experts(hd)
+        return DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, layout).to_local()
 
     def _ep_forward(self, tokens, counts: list[int]):
         import torch.distributed as dist

@@ -8,8 +8,8 @@ records it as the measurement's error.
 TP plan = torchtitan's Llama plan (ColwiseParallel wq/wk/wv/w1/w3, RowwiseParallel wo/w2, SequenceParallel norms,
 PrepareModuleInput gathering the sequence before attention and FFN), loss parallel on vocab-sharded logits.
 EP (dp2ep): the routed experts of a MoE layer are split over the innermost ``ep`` ranks of dp_shard and wrapped
-by their own FSDP over the remaining ``efsdp`` ranks (torchtitan's dp_shard_mod_ep); the executor supports EP
-with cp = tp = 1.
+by their own FSDP over the remaining ``efsdp`` ranks (torchtitan's dp_shard_mod_ep); with TP, EP also takes all
+of cp x tp (etp = 1) and the MoE runs as ``model.MoE._tp_forward`` describes.
 """
 
 from __future__ import annotations
@@ -50,14 +50,23 @@ class Meshes:
         self.use_fsdp = plan.dp_replicate * plan.dp_shard * plan.cp > 1
         self.ep = self.efsdp = None
         if plan.ep > 1:
-            if plan.cp > 1 or plan.tp > 1 or plan.ep_from != "dp_shard":
-                raise ParsimError("the executor supports expert parallel with cp = tp = 1, EP taken from dp_shard")
-            e = plan.efsdp
-            grid = canon.reshape(plan.pp, plan.dp_replicate, e, plan.ep, 1, 1)
-            ep_mesh = DeviceMesh(device_type, grid.reshape(plan.pp, plan.dp_replicate, e, plan.ep),
-                                 mesh_dim_names=("pp_e", "dp_replicate_e", "efsdp", "ep"))
+            if plan.ep_from != "dp_shard" or plan.etp != 1:
+                raise ParsimError("the executor runs dp2ep with etp = 1 (EP borrowed from dp_shard x cp x tp); "
+                                  "DDP-style EP and expert tensor parallel (etp = tp) are not implemented")
+            # torchtitan's dp2ep: EP takes all of cp x tp and the innermost ep / (cp x tp) ranks of dp_shard
+            # (dp_shard_in_ep), the routed experts' FSDP the rest of dp_shard (dp_shard_mod_ep = efsdp). In the
+            # canonical grid (pp, dpr, dps, cp, tp) that is a reshape of the last three axes to (efsdp, ep).
+            ep_grid = canon.reshape(plan.pp, plan.dp_replicate, plan.efsdp, plan.ep)
+            ep_mesh = DeviceMesh(device_type, ep_grid, mesh_dim_names=("pp_e", "dp_replicate_e", "efsdp", "ep"))
             self.ep = ep_mesh["ep"]
             self.efsdp = ep_mesh[("dp_replicate_e", "efsdp")] if plan.dp_replicate > 1 else ep_mesh["efsdp"]
+
+    def expert_norm_group(self):
+        """The group over which routed-expert gradients hold different slices (their norms add up): EP, or TP
+        when the experts are TP-sharded without EP; None when every rank holds all of them."""
+        if self.ep is not None:
+            return self.ep.get_group()
+        return self.tp.get_group() if self.tp is not None else None
 
     def axis_of_group(self) -> dict[str, tuple[str, ...]]:
         """process-group name -> the parsim axes it serves, for the collective counter. One group can serve
@@ -85,7 +94,7 @@ class Meshes:
 def apply_tp(parts: list[nn.Module], plan: Plan, meshes: Meshes):
     if plan.tp == 1:
         return
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -109,21 +118,58 @@ def apply_tp(parts: list[nn.Module], plan: Plan, meshes: Meshes):
         if top:
             parallelize_module(m, meshes.tp, top)
         for block in m.layers.values():
-            if block.is_moe:
-                raise ParsimError("the executor applies TP to dense blocks only (MoE blocks need tp = 1)")
             lp = {
                 "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
                 "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
                 "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
-                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
             }
-            if block.feed_forward.gated:
-                lp["feed_forward.w3"] = ColwiseParallel()
+            if not block.is_moe:
+                lp.update({
+                    "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                    "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+                })
+                if block.feed_forward.gated:
+                    lp["feed_forward.w3"] = ColwiseParallel()
+            elif block.moe.shared_experts is not None:
+                # shared experts: Megatron TP on the gathered tokens, partial sums out (added to the routed part)
+                lp.update({"moe.shared_experts.w1": ColwiseParallel(), "moe.shared_experts.w3": ColwiseParallel(),
+                           "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial())})
             if sp:
                 lp["attention_norm"] = SequenceParallel()
                 lp["ffn_norm"] = SequenceParallel()
             parallelize_module(block, meshes.tp, lp)
+            if block.attention.q_norm is not None:
+                for norm in (block.attention.q_norm, block.attention.k_norm):
+                    norm.weight = _replicated(norm.weight, meshes.tp)
+            if block.is_moe:
+                _tp_moe(block.moe, plan, meshes)
+
+
+def _replicated(w: nn.Parameter, mesh) -> nn.Parameter:
+    """A weight every TP rank holds whole but uses on its own share (heads, tokens): a DTensor replicated over tp,
+    identical on every rank (same init), so from_local without a broadcast (works on meta tensors for traces)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return nn.Parameter(DTensor.from_local(w.detach(), mesh, [Replicate()], run_check=False))
+
+
+def _tp_moe(moe, plan: Plan, meshes: Meshes) -> None:
+    """The MoE under TP (see ``MoE._tp_forward``): the router weight becomes a DTensor replicated over tp (its
+    gradient, a partial sum over the TP ranks' token shares, is all-reduced like an SP norm weight's); without EP
+    the routed experts are TP-sharded on their hidden dimension (etp = tp), with EP (etp = 1) whole and the routed
+    tokens split over the TP ranks."""
+    tp_mesh = meshes.tp
+    moe.router.weight = _replicated(moe.router.weight, tp_mesh)
+    moe.tp_mesh = tp_mesh
+    if plan.ep > 1:
+        moe.tp_split = True
+        return
+    r, t = tp_mesh.get_local_rank(), plan.tp
+    ex = moe.experts
+    for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+        full = getattr(ex, name).detach()
+        n = full.shape[dim] // t
+        setattr(ex, name, nn.Parameter(full.narrow(dim, r * n, n).clone()))
 
 
 def _sac_policy():
@@ -206,6 +252,7 @@ def apply_fsdp(parts, plan: Plan, meshes: Meshes):
     if not meshes.use_fsdp:
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
 
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     mp = MixedPrecisionPolicy(param_dtype=dt[plan.param_dtype], reduce_dtype=dt[plan.reduce_dtype])
@@ -214,7 +261,12 @@ def apply_fsdp(parts, plan: Plan, meshes: Meshes):
         for block in m.layers.values():
             inner = _inner(block)
             if getattr(block, "is_moe", False) and plan.ep > 1:
-                fully_shard(inner.moe.experts, mesh=meshes.efsdp, mp_policy=mp, reshard_after_forward=raf)
+                # torchtitan: when efsdp x ep > n_experts, dim-0 sharding would pad the local experts (4 experts
+                # over 8 ranks: half the shards empty, every gather twice the bytes): shard dim 1 instead
+                n_local = inner.moe.n_experts // plan.ep
+                place = (lambda p: Shard(1)) if meshes.efsdp.size() > n_local else None
+                fully_shard(inner.moe.experts, mesh=meshes.efsdp, mp_policy=mp, reshard_after_forward=raf,
+                            shard_placement_fn=place)
             fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=raf)
         if getattr(m, "tok_embeddings", None) is not None:
             fully_shard(m.tok_embeddings, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=raf)
@@ -239,6 +291,9 @@ def split_pipeline(model: nn.Module, plan: Plan, meshes: Meshes) -> tuple[list[n
     split evenly, the first stages taking the extra ones (as the cost model assumes)."""
     if plan.pp == 1:
         return [model], [0]
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
     n_stages = plan.pp * plan.pp_stages_per_rank
     L = len(model.layers)
     base, extra = divmod(L, n_stages)
@@ -248,8 +303,11 @@ def split_pipeline(model: nn.Module, plan: Plan, meshes: Meshes) -> tuple[list[n
     rank = meshes.pp.get_local_rank()
     parts, ids = [], []
     keys = list(model.layers.keys())
+    # process groups and meshes held by modules (EP's group, applied before the split) are shared, not copied
+    shared = {id(v): v for mod in model.modules() for v in vars(mod).values()
+              if isinstance(v, (dist.ProcessGroup, DeviceMesh))}
     for s in range(rank, n_stages, plan.pp):
-        stage = copy.deepcopy(model)
+        stage = copy.deepcopy(model, memo=dict(shared))
         keep = set(keys[bounds[s]:bounds[s + 1]])
         for k in keys:
             if k not in keep:

@@ -63,7 +63,7 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
             expert_ids = {id(p) for m in parts for mod in m.modules() if isinstance(mod, GroupedExperts)
                           for p in mod.parameters()}
             pp_g = meshes.pp.get_group() if meshes.pp is not None else None
-            ep_g = meshes.ep.get_group() if meshes.ep is not None else None
+            ep_g = meshes.expert_norm_group()
             sends = {"bytes": 0}
 
             def step():

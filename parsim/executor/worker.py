@@ -75,8 +75,9 @@ def loss_context(plan: Plan, device_type: str = "cpu"):
 
 def clip_and_step(params, opt, pp_group=None, ep_group=None, expert_ids=frozenset()):
     """Clip to the global gradient norm and step. Gradients live on several meshes (FSDP x TP, the expert-FSDP
-    mesh): each group's norm is reduced over its own mesh (DTensor), expert norms are summed over the EP group
-    (each EP rank holds different experts) and everything over the PP stages."""
+    mesh): each group's norm is reduced over its own mesh (DTensor), expert norms are summed over ``ep_group``
+    (the EP group, each EP rank holding different experts, or TP when experts are TP-sharded without EP) and
+    everything over the PP stages."""
     groups: dict = {}
     for p in params:
         if p.grad is None:
@@ -197,7 +198,7 @@ def _run(args, device, rank, world) -> dict:
                 if last:
                     contrib += torch.stack([_local(lo.detach()) for lo in losses]).sum()
         clip_and_step(params, opt, meshes.pp.get_group() if meshes.pp is not None else None,
-                      meshes.ep.get_group() if meshes.ep is not None else None, expert_ids)
+                      meshes.expert_norm_group(), expert_ids)
         return contrib
 
     def logged(contrib: torch.Tensor) -> float:
