@@ -482,6 +482,61 @@ def redistribute(
 
 @app.command()
 @guarded
+def orders(
+    case: Optional[list[str]] = typer.Option(None, "--case", help="case to run (repeatable) [all]: "
+                                             "tp-ac-compile-fsdp, pp-ac-fsdp, pp-tp, moe-ep-tp-ac-fsdp"),
+    stored: bool = typer.Option(False, "--stored", help="show the stored matrix of the installed torch, run nothing"),
+    out: str = typer.Option("profiles/orders.json", "--out", help="data file the matrix is merged into"),
+    steps: int = typer.Option(3, "--steps", help="timed steps per run (after 2 warm-up steps)"),
+    cost_repeats: int = typer.Option(3, "--cost-repeats", help="interleaved rounds measuring AC wrapping compile "
+                                     "(0: skip)"),
+    timeout_s: float = typer.Option(600.0, "--timeout", help="seconds per run"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
+):
+    """Execute every order of the enabled wrappers (PP, TP, AC, compile, FSDP) on tiny models over 2-4 gloo ranks
+    with the installed torch: ran / failed / ran but differs, beside what parsim's written rules predict."""
+    from pathlib import Path
+
+    from parsim.errors import ParsimError
+    from parsim.jsonio import check_output_path
+    from parsim.ordering import load_observed, orders_document
+
+    if stored:
+        doc = orders_document(load_observed(out))
+    else:
+        from parsim.executor.orders import CASES, run_orders
+
+        names = case or list(CASES)
+        bad = [c for c in names if c not in CASES]
+        if bad:
+            raise ParsimError(f"unknown case {bad[0]!r} (known: {', '.join(CASES)})")
+        check_output_path(Path(out))
+        progress = None if as_json else _orders_progress()
+        data = run_orders(names, out, steps=steps, timeout_s=timeout_s, cost_repeats=cost_repeats,
+                          progress=progress)
+        doc = orders_document(data)
+    if as_json:
+        emit_json(doc)
+        return
+    from cli.views import print_orders
+
+    print_orders(doc)
+
+
+def _orders_progress():
+    from rich.console import Console
+
+    con = Console(stderr=True)
+
+    def show(case_name, row):
+        con.print(f"{case_name}: {','.join(row['order'])} -> {row['outcome']}"
+                  + (f" ({row['error'][:80]})" if row.get("error") else ""))
+
+    return show
+
+
+@app.command()
+@guarded
 def validate(
     model: str = typer.Option("tiny", "--model", help="measured tier: preset to run"),
     nproc_per_node: int = typer.Option(2, "--nproc-per-node", help="measured tier: CPU ranks (gloo)"),

@@ -385,3 +385,43 @@ def print_redistribution(doc: dict) -> None:
         con.print(t)
     rec = doc["recommended"]
     con.print(f"use: {rec['path']} ({rec['why']})")
+
+
+def print_orders(doc: dict) -> None:
+    """`parsim orders`: one table per case (order, outcome, loss / memory / time against the default order, what
+    the written rules predict), then the disagreements, the effective rules and the measured AC cost."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    if not doc["cases"]:
+        con.print(f"no stored matrix for torch {doc['torch']}: run `parsim orders`")
+        return
+    con.print(f"wrapper orders executed on torch {doc['torch']} ({doc['device']}, {doc['backend']})")
+    for name, case in doc["cases"].items():
+        t = Table(title=f"{name}: {case['model']}, permuting {', '.join(case['permuted'])}", box=box.SIMPLE_HEAD,
+                  title_justify="left")
+        for c in ("order", "observed", "max |dloss|", "memory", "time", "rules say", "error"):
+            t.add_column(c, justify="right" if c in ("max |dloss|", "memory", "time") else "left",
+                         no_wrap=c != "error")
+        for r in case["rows"]:
+            def ratio(k, r=r):
+                return f"{r[k]:.2f}x" if r.get(k) is not None else ""
+            t.add_row(",".join(r["order"]), r["outcome"], f"{r['max_loss_diff']:.1e}" if "max_loss_diff" in r else "",
+                      ratio("memory_ratio"), ratio("step_time_ratio"), r["written_rules_predict"], r["error"][:60])
+        con.print(t)
+    con.print(f"disagreements with the written rules: {len(doc['disagreements'])}")
+    for d in doc["disagreements"]:
+        con.print(f"  {d['case']}: {','.join(d['order'])} {d['observed']} ({d['rules']})")
+    con.print("effective rules:")
+    for r in doc["rules"]:
+        con.print(f"  {r['first']} before {r['then']}: {r['kind']} - {r['reason']}")
+    for k, v in doc["searched_orders"].items():
+        con.print(f"searched orders ({k}): " + "; ".join(",".join(o) for o in v))
+    ac = doc.get("ac_wraps_compile")
+    if ac:
+        med = ac["median_step_time_s"]
+        f = ac["recompute_factor"]
+        con.print("AC wrapping compile: step " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in med.items() if v)
+                  + (f"; recompute factor {f:.2f} (used by the cost model)" if f is not None else "; no factor"))

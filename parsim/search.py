@@ -26,7 +26,7 @@ from .codec import DTYPES, PlanBatch, batch_of, decode, group_rpn, invalid_reaso
 from .costmodel.step import evaluate
 from .errors import ParsimError, check_number
 from .hardware import HardwareProfile
-from .ordering import is_legal, searched_orders, violations
+from .ordering import effective_rules, is_legal, searched_orders, violations
 from .plan import (
     AC_MODES,
     AXES,
@@ -139,7 +139,7 @@ class SearchSpace:
             raise ParsimError(f"mesh order {self.mesh_order} must be a permutation of {','.join(AXES)}")
         for order in self.wrapper_orders or ():
             if not is_legal(order):
-                v = [r for r in violations(order) if r.kind == "fundamental"][0]
+                v = [r for r in violations(order, effective_rules()) if r.forbids][0]
                 raise ParsimError(f"wrapper order {','.join(order)} puts {v.then} before {v.first}, which cannot "
                                   f"run: {v.reason}")
         if any(e not in EP_FROM for e in self.ep_from):

@@ -40,6 +40,7 @@ import numpy as np
 
 from ..codec import PlanBatch, encode
 from ..hardware import HardwareProfile
+from ..ordering import ac_wraps_compile_recompute_factor
 from ..plan import Plan
 from ..results import Prediction
 from ..spec import ModelSpec
@@ -284,7 +285,8 @@ def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile
         tr = np.where(n_full > 0, c["act"]["none"] - c["act"]["full"],
                       np.where(n_sac > 0, c["act"]["none"] - c["act"]["sac"], 0.0))
         transient = np.maximum(transient, tr)
-    rec = rec * np.where(b.ac_wraps_compile & b.compile, 2.0, 1.0)
+    # AC wrapping a compiled block recomputes more (measured by `parsim orders`, see parsim/ordering.py)
+    rec = rec * np.where(b.ac_wraps_compile & b.compile, ac_wraps_compile_recompute_factor(), 1.0)
     logits = sh.T * spec.vocab_size / sh.t
     out_gemm = hw.gemm_efficiency.time_s(2.0 * logits * spec.d_model, compute_peak(hw, b))
     loss_mem = LOSS_BYTES_PER_LOGIT * logits / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
