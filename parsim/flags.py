@@ -57,7 +57,7 @@ def check_int(name: str, value, low: int, high: int) -> int:
 def parse_mesh_order(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``--mesh-order`` -> (complete device order, axes the user left out). The user may list only the axes that
     matter (those > 1); the others go outermost in the default order (an axis of degree 1 does not move a rank)."""
-    names = tuple(s.strip() for s in str(text).split(",") if s.strip())
+    names = tuple(s.strip() for s in str(text).split(","))
     bad = [n for n in names if n not in AXES]
     if bad or len(set(names)) != len(names) or not names:
         raise ParsimError(f"--mesh-order {text!r}: expected distinct axes from {','.join(AXES)}")
