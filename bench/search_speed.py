@@ -1,5 +1,6 @@
-"""Search speed: wall time of a complete search, exhaustive (every plan evaluated) and pruned (dominated options
-skipped, memory screened first: the default), run one after the other on the same machine, with the best plans.
+"""Search speed: wall time of a complete search, exhaustive (every plan evaluated) and pruned (the default:
+dominated options skipped, memory screened first, device orders of a pair skipped when its step-time lower bound
+loses), run one after the other on the same machine, with the best plans and whether the Pareto fronts agree.
 
     python bench/search_speed.py [--only NAME] [--no-exhaustive]
 
@@ -49,7 +50,10 @@ def main():
         full, t_full = (None, float("nan")) if args.no_exhaustive or name == "deepseek-v3" else \
             _timed(PRESETS[name], hw, gpus, dataclasses.replace(sp, prune=False))
         best = fast.top[0] if fast.top else None
-        same = "-" if full is None else ("same" if full.top and best and full.top[0][0] == best[0] else "DIFFERS")
+        same = "-" if full is None else (
+            ("same best" if full.top and best and full.top[0][0] == best[0] else "best DIFFERS")
+            + (", same front" if [(p.plan_id, t, m) for p, t, m in full.pareto]
+               == [(p.plan_id, t, m) for p, t, m in fast.pareto] else ", front DIFFERS"))
         desc = (f"{best[0].describe()} AC {best[0].ac} {best[1]:.3f} s MFU {best[4] * 100:.1f}%" if best
                 else "nothing fits")
         print(f"{name:<14} {gpus:>5} {fast.considered:>12,} {t_full:>12.1f} {t_fast:>9.1f} {fast.evaluated:>11,} "

@@ -206,7 +206,8 @@ def search(
     fixed_order: bool = typer.Option(False, "--default-mesh-order", help="only the default device order"),
     headroom: float = typer.Option(0.0, "--headroom", help="fraction of usable GPU memory to keep free"),
     max_plans: Optional[int] = typer.Option(None, "--max-plans", help="refuse spaces larger than this "
-                                            "(default 50,000,000; 0 = no limit)"),
+                                            "(default: none; 50,000,000 with --csv, which evaluates every plan; 0 = "
+                                            "no limit)"),
     explain: Optional[int] = typer.Option(None, "--explain", help="plan N (1-based) against the other shown plans"),
     max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="stop after this long with the best "
                                                 "plans of the part searched (said in the output)"),

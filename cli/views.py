@@ -183,8 +183,8 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     con.print(f"[bold]{spec.name}[/bold] on {gpus} x {hw.device_name} ({hw.name}), global batch "
               f"{space.global_batch_size} x seq {space.seq_len}: {res.considered:,} plans considered, "
               f"{res.fitting:,} fit, {res.pruned_memory:,} do not fit (usable {res.usable_memory_bytes / GiB:.1f} "
-              f"GiB), {res.pruned_dominated:,} dominated; {res.evaluated:,} evaluated in full "
-              f"(+{res.screened:,} memory screens) in {res.wall_s:.2f} s")
+              f"GiB), {res.pruned_dominated:,} dominated, {res.pruned_bound:,} fit but lose on a time bound; "
+              f"{res.evaluated:,} evaluated in full (+{res.screened:,} memory screens) in {res.wall_s:.2f} s")
     if res.stopped_at is not None:
         con.print(f"[yellow]stopped by --max-seconds after {100 * res.stopped_at:.0f}% of the space[/yellow]: the "
                   "plans below are the best of the part searched, not of the whole space")

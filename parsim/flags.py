@@ -166,7 +166,7 @@ def search_space(given: dict, *, no_pp: bool = False, no_cp: bool = False, max_t
     """The SearchSpace of `parsim search`: every plan flag the user gave pins its dimension (a degree, a batch
     size, the schedule, AC, compile, float8, SP, reshard, the device order, the wrapper order); none is ignored.
     Contradictory pins give one ParsimError line."""
-    from .search import MAX_PLANS, SearchSpace
+    from .search import SearchSpace
 
     check_flags(given)
     if given.get("plan_file"):
@@ -175,7 +175,7 @@ def search_space(given: dict, *, no_pp: bool = False, no_cp: bool = False, max_t
     kw: dict = {"global_batch_size": given.get("global_batch_size") or gpus,
                 "seq_len": given.get("seq_len") or DEFAULTS["seq_len"], "max_tp": max_tp, "max_pp": max_pp,
                 "device_orders": not default_mesh_order, "headroom": headroom,
-                "max_plans": MAX_PLANS if max_plans is None else max_plans}
+                "max_plans": max_plans}
     for a in DEGREES:
         if given.get(a) is not None and not (a == "dp_shard" and given[a] == -1):
             kw[a] = (given[a],)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import permutations
 from typing import Any
@@ -58,7 +59,9 @@ def divisors(n: int) -> list[int]:
 
 
 RESHARD_CHOICES = ("default", "flip", "always", "never")  # flip: the non-default reshard_after_forward
-# larger spaces are refused with their count (~2 min at the ~400k plans/s measured here): pin, or raise --max-plans
+# an exhaustive search (--csv, prune off) of a larger space is refused with its count (~2 min at the ~400k plans/s
+# measured here): pin, or raise --max-plans; the pruned search has no default limit (deepseek-v3 on 2,048 GPUs,
+# 577 M plans: 27 s here)
 MAX_PLANS = 50_000_000
 
 
@@ -97,7 +100,7 @@ class SearchSpace:
     float8_recipe: str = "tensorwise"
     async_tp: bool = False
     distributed_optimizer: bool = False
-    max_plans: int = MAX_PLANS  # 0: no limit
+    max_plans: int | None = None  # 0: no limit; None: MAX_PLANS for an exhaustive search, none when pruned
     # skip what provably cannot be in the top list or on the Pareto front: options dominated by a kept one (AC
     # wrapping compile: the same memory, the recompute twice) and plans whose memory class does not fit
     prune: bool = True
@@ -119,7 +122,8 @@ class SearchSpace:
             if getattr(self, name) is not None:
                 check_number("--" + name.replace("_", "-"), getattr(self, name), 1, MAX_GPUS, integer=True)
         check_number("max local batch", self.max_local_batch_size, 1, MAX_BATCH, integer=True)
-        check_number("max plans", self.max_plans, 0, 2**62, integer=True)
+        if self.max_plans is not None:
+            check_number("max plans", self.max_plans, 0, 2**62, integer=True)
         if self.max_seconds is not None:
             check_number("--max-seconds", self.max_seconds, 0.0, 1e7, low_open=True)
         if not (isinstance(self.headroom, (int, float)) and math.isfinite(self.headroom)
@@ -157,6 +161,7 @@ class SearchResult:
     pruned_memory: int = 0
     screened: int = 0  # (degrees x batch split x memory class) rows whose memory was computed before evaluation
     pruned_dominated: int = 0  # plans skipped as no faster and no smaller than a kept plan
+    pruned_bound: int = 0  # fitting plans skipped: their step-time lower bound loses (not listed, not on the front)
     stopped_at: float | None = None  # fraction of the space searched when --max-seconds stopped the search
     top: list = field(default_factory=list)  # [(Plan, step_time_s, peak_memory_bytes, tokens/s/GPU, mfu, dominant)]
     pareto: list = field(default_factory=list)  # [(Plan, step_time_s, peak_memory_bytes)] time asc, memory desc
@@ -225,14 +230,15 @@ def candidates(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> tuple[np.ndarra
     """Every (degrees, batch split) of the space before pruning: combos array, per-row (combo index, local batch,
     micro batch, schedule, v) array, and the batch of those rows with default options for the rules."""
     combos = np.array(_degree_combos(spec, n_gpus, sp), dtype=np.int64).reshape(-1, 8)
-    splits: dict[tuple, list] = {}
-    rows: list[tuple] = []
-    for i, deg in enumerate(combos.tolist()):
-        key = (deg[0] > 1, deg[1] * deg[2])
+    splits: dict[tuple, np.ndarray] = {}
+    keys = [(bool(deg[0] > 1), int(deg[1] * deg[2])) for deg in combos.tolist()]
+    for key, deg in zip(keys, combos.tolist(), strict=True):
         if key not in splits:
-            splits[key] = _batch_splits(deg[0], deg[1] * deg[2], sp)
-        rows += [(i, *s) for s in splits[key]]
-    r = np.array(rows, dtype=np.int64).reshape(-1, 5)
+            splits[key] = np.array(_batch_splits(deg[0], deg[1] * deg[2], sp), dtype=np.int64).reshape(-1, 4)
+    counts = np.array([len(splits[k]) for k in keys], dtype=np.int64)
+    r = np.empty((int(counts.sum()), 5), dtype=np.int64)
+    r[:, 0] = np.repeat(np.arange(len(combos), dtype=np.int64), counts)
+    r[:, 1:] = np.concatenate([splits[k] for k in keys]) if keys else np.empty((0, 4), dtype=np.int64)
     c = combos[r[:, 0]]
     cols = {**{a: c[:, k] for k, a in enumerate(AXES + ("ep", "etp", "ep_ddp"))},
             "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size, "local_batch_size": r[:, 1],
@@ -243,13 +249,14 @@ def candidates(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> tuple[np.ndarra
 
 
 def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict) -> dict:
-    """The legal (degrees, batch split) rows crossed with their distinct device orders, as arrays; what the rules
-    prune is counted by reason in ``pruned``."""
+    """The legal (degrees, batch split) rows and the distinct device orders of each, as arrays (``n`` base rows:
+    every row in each of its orders, numbered row after row); what the rules prune is counted in ``pruned``."""
     combos, rows, b = candidates(spec, n_gpus, sp)
     reasons = invalid_reasons(b, spec)
-    for k, n in zip(*np.unique(reasons[reasons != ""].astype(str), return_counts=True), strict=True):
+    ok = reasons == ""
+    for k, n in Counter(reasons[~ok].tolist()).items():
         pruned[str(k)] = int(n)
-    rows = rows[reasons == ""]
+    rows = rows[ok]
     if not len(rows):
         return {}
     # distinct device orders per combination: signature = ranks per node of every group
@@ -260,15 +267,36 @@ def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict) -> di
     used = np.unique(rows[:, 0])
     deg = {a: combos[used, k] for k, a in enumerate(AXES)}
     sig = np.stack([_signature(deg, combos[used, 5], combos[used, 6], combos[used, 7], o, gpn) for o in perms], axis=1)
-    perm_ids = {int(u): sorted(np.unique(sig[j], axis=0, return_index=True)[1].tolist()) for j, u in enumerate(used)}
-    reps = np.array([len(perm_ids[int(ci)]) for ci in rows[:, 0]], dtype=np.int64)
-    out: dict[str, Any] = {"combo": np.repeat(rows[:, 0], reps), "lbs": np.repeat(rows[:, 1], reps),
-                           "mbs": np.repeat(rows[:, 2], reps), "sched": np.repeat(rows[:, 3], reps),
-                           "v": np.repeat(rows[:, 4], reps)}
-    out["perm"] = np.array([p for ci in rows[:, 0] for p in perm_ids[int(ci)]], dtype=np.int64)
+    first = _first_distinct(sig)  # (used combos x perms): the first order of each distinct signature
+    counts = first.sum(axis=1)
+    cperm = np.nonzero(first)[1].astype(np.int64)  # the kept orders, combination after combination
+    cstart = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    u = np.searchsorted(used, rows[:, 0])
+    reps = counts[u]
+    # one entry per (degrees, batch split) row; ``_batch_at`` finds the row and order of a base row (the arrays
+    # are never expanded to every device order: 13 M base rows for deepseek-v3 on 2,048 GPUs)
+    out: dict[str, Any] = {"combo": rows[:, 0], "lbs": rows[:, 1], "mbs": rows[:, 2], "sched": rows[:, 3],
+                           "v": rows[:, 4], "row_count": reps, "row_start": np.cumsum(reps) - reps,
+                           "perm_start": cstart[u], "cperm": cperm, "n": int(reps.sum())}
     out["combos"] = combos
     out["perms"] = perms
     return out
+
+
+def _first_distinct(sig: np.ndarray) -> np.ndarray:
+    """(rows x perms) mask of the first perm of every distinct signature ``sig[row, perm, :]`` in its row."""
+    n, p, g = sig.shape
+    base = int(sig.max(initial=0)) + 1
+    key = np.zeros((n, p), dtype=np.int64)
+    for j in range(g):  # mixed radix: group sizes per node are small integers
+        key = key * base + sig[:, :, j]
+    order = np.argsort(key, axis=1, kind="stable")
+    ks = np.take_along_axis(key, order, axis=1)
+    new = np.ones((n, p), dtype=bool)
+    new[:, 1:] = ks[:, 1:] != ks[:, :-1]
+    first = np.zeros((n, p), dtype=bool)
+    np.put_along_axis(first, order, new, axis=1)
+    return first
 
 
 def _signature(deg: dict, ep, etp, ep_ddp, order: tuple, gpn: int) -> np.ndarray:
@@ -319,14 +347,16 @@ def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace
 def _batch_at(base: dict, opts: np.ndarray, idx: np.ndarray, sp: SearchSpace, gpn: int | None) -> PlanBatch:
     """The plans of global indices ``idx`` (base row x option row) as a batch."""
     bi, oi = idx // len(opts), idx % len(opts)
-    c = base["combos"][base["combo"][bi]]
+    ri = np.searchsorted(base["row_start"], bi, side="right") - 1  # (degrees, batch split) row of each base row
+    perm = base["cperm"][base["perm_start"][ri] + bi - base["row_start"][ri]]
+    c = base["combos"][base["combo"][ri]]
     o = opts[oi]
     cols = {**{a: c[:, k] for k, a in enumerate(AXES + ("ep", "etp", "ep_ddp"))},
-            "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size, "local_batch_size": base["lbs"][bi],
-            "micro_batch_size": base["mbs"][bi], "sched": base["sched"][bi], "v": base["v"][bi],
+            "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size, "local_batch_size": base["lbs"][ri],
+            "micro_batch_size": base["mbs"][ri], "sched": base["sched"][ri], "v": base["v"][ri],
             "sp": sp.sequence_parallel, "raf_mode": _raf_mode(o[:, 4], c[:, 0]), "ac": o[:, 0], "ac_every": o[:, 1],
             "compile": o[:, 2], "float8": o[:, 3], "param_dtype": DTYPES.index("bfloat16"),
-            "reduce_dtype": DTYPES.index("float32"), "mesh_idx": base["perm"][bi], "wrapper_idx": o[:, 6],
+            "reduce_dtype": DTYPES.index("float32"), "mesh_idx": perm, "wrapper_idx": o[:, 6],
             "f8_recipe": FLOAT8_RECIPES.index(sp.float8_recipe), "async_tp": sp.async_tp & (c[:, 4] > 1),
             "dist_opt": sp.distributed_optimizer & (c[:, 1] > 1)}
     return batch_of(cols, tuple(base["perms"]), tuple(base["orders"]), gpn)
@@ -361,23 +391,26 @@ def _memory_classes(opts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return cls, rep
 
 
-def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, gpn: int, limit: float, chunk: int,
+def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, gpn: int, chunk: int,
             deadline: float = math.inf):
-    """Peak memory of every (base row, memory class): a (rows x classes) array, from one representative option
-    per class (rows not screened by ``deadline`` (perf_counter) are left at infinity: not searched)."""
+    """Peak memory of every (degrees x batch split row, memory class): a (rows x classes) array, from the row's
+    first device order and one representative option per class (peak memory depends on neither the device order
+    nor the options outside the class: ``tests/test_search.py``). Rows not screened by ``deadline`` (perf_counter)
+    are left at infinity: not searched."""
     import time
 
     cls, rep = _memory_classes(opts)
-    nb, nc = len(base["combo"]), len(rep)
-    mem = np.full(nb * nc, np.inf)
-    for lo in range(0, nb * nc, chunk):
+    starts = base["row_start"]
+    nr, nc = len(starts), len(rep)
+    mem = np.full(nr * nc, np.inf)
+    for lo in range(0, nr * nc, chunk):
         if time.perf_counter() > deadline:
             break
-        idx = np.arange(lo, min(nb * nc, lo + chunk), dtype=np.int64)
-        gidx = (idx // nc) * len(opts) + rep[idx % nc]
-        mem[lo:lo + len(idx)] = evaluate(spec, _batch_at(base, opts, gidx, sp, gpn), hw,
+        idx = np.arange(lo, min(nr * nc, lo + chunk), dtype=np.int64)
+        gidx = starts[idx // nc] * len(opts) + rep[idx % nc]
+        mem[lo:lo + len(idx)] = evaluate(spec, _batch_at(base, opts, gidx, sp, None), hw,  # no groups needed
                                          memory_only=True)["peak_memory_bytes"]
-    return mem.reshape(nb, nc), cls, rep
+    return mem.reshape(nr, nc), cls, rep
 
 
 def plan_of(base: dict, opts: np.ndarray, gi: int, sp: SearchSpace) -> Plan:
@@ -394,105 +427,202 @@ def _pareto(times: np.ndarray, mems: np.ndarray, ids: np.ndarray):
     return order[m < before]
 
 
+class _Found:
+    """The best ``top_k`` plans and the time/memory Pareto front of the plans evaluated so far (global ids)."""
+
+    KEYS = ("step_time_s", "peak_memory_bytes", "tokens_per_s_per_gpu", "mfu", "dominant")
+
+    def __init__(self, top_k: int):
+        self.top_k = top_k
+        self.top: dict[str, np.ndarray] = {}
+        self.front: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.empty(0), np.empty(0), np.empty(0, np.int64))
+
+    def add(self, gid: np.ndarray, r: dict, fits: np.ndarray) -> None:
+        f = np.nonzero(fits)[0]
+        if not len(f):
+            return
+        step, mem = r["step_time_s"], r["peak_memory_bytes"]
+        new = {"gid": gid[f], **{k: np.asarray(r[k])[f] for k in self.KEYS}}
+        both = {k: np.concatenate([self.top[k], v]) for k, v in new.items()} if self.top else new
+        keep = np.lexsort((both["gid"], both["step_time_s"]))[:self.top_k]
+        self.top = {k: v[keep] for k, v in both.items()}
+        t, m, i = (np.concatenate([self.front[0], step[f]]), np.concatenate([self.front[1], mem[f]]),
+                   np.concatenate([self.front[2], gid[f]]))
+        pf = _pareto(t, m, i)
+        self.front = (t[pf], m[pf], i[pf])
+
+    def threshold(self) -> float:
+        """The k-th best step time (infinite until k plans were found): a plan slower than it is not listed."""
+        n = len(self.top.get("gid", ()))
+        return float(self.top["step_time_s"][-1]) if n >= self.top_k else math.inf
+
+    def dominated(self, t_lower: np.ndarray, mem: np.ndarray) -> np.ndarray:
+        """Plans of time >= ``t_lower`` and memory ``mem`` that cannot be on the Pareto front: a found plan is
+        strictly faster than the bound and needs no more memory."""
+        ft, fm = self.front[0], self.front[1]
+        if not len(ft):
+            return np.zeros(len(t_lower), dtype=bool)
+        order = np.argsort(ft, kind="stable")
+        ft, pm = ft[order], np.minimum.accumulate(fm[order])
+        k = np.searchsorted(ft, t_lower, side="left")  # found plans strictly faster than the bound
+        return (k > 0) & (pm[np.maximum(k - 1, 0)] <= mem)
+
+
 def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, top_k: int = 10,
            chunk: int = 200_000, progress=None, csv_writer=None) -> SearchResult:
     """Search the whole space; ``progress(done, total)`` is called after each chunk; ``csv_writer(plans_fn,
-    arrays)`` receives every evaluated chunk when given."""
+    arrays)`` receives every evaluated chunk when given (every plan is then evaluated: no pruning)."""
     import time
 
     t0 = time.perf_counter()
     check_number("--gpus", n_gpus, 1, MAX_GPUS, integer=True)
-    gpn = hw.gpus_per_node
     res = SearchResult(usable_memory_bytes=hw.usable_memory_bytes * (1.0 - sp.headroom))
-    base = _base_rows(spec, n_gpus, sp, gpn, res.pruned_structural)
+    base = _base_rows(spec, n_gpus, sp, hw.gpus_per_node, res.pruned_structural)
     opts, base["orders"] = _options(sp, hw)
-    nb = len(base.get("combo", ()))
+    nb = base.get("n", 0)
     res.considered = nb * len(opts)
     prune = sp.prune and csv_writer is None  # a CSV of every plan needs every plan evaluated
     if prune:
         opts, dropped = _undominated(opts)
         res.pruned_dominated = nb * dropped
-    total = nb * len(opts)
-    if total == 0:
+    if nb * len(opts) == 0:
         why = "; ".join(f"{k}: {v}" for k, v in sorted(res.pruned_structural.items()))
         raise ParsimError(f"no plan of {spec.name} on {n_gpus} GPUs satisfies the pins and the model's structure"
                           + (f" ({why})" if why else ""))
-    if sp.max_plans and res.considered > sp.max_plans:
-        raise ParsimError(f"the space holds {res.considered:,} plans, more than --max-plans {sp.max_plans:,}: pin "
-                          "degrees, AC or batch sizes, or raise --max-plans (0 = no limit)")
-    cand_t: list[np.ndarray] = []
-    cand_m: list[np.ndarray] = []
-    cand_i: list[np.ndarray] = []
-    cand_tps: list[np.ndarray] = []
-    cand_mfu: list[np.ndarray] = []
-    cand_dom: list[np.ndarray] = []
-    par_t: list[np.ndarray] = []
-    par_m: list[np.ndarray] = []
-    par_i: list[np.ndarray] = []
-    closest = (np.inf, -1)
-    limit = res.usable_memory_bytes
+    cap = sp.max_plans if sp.max_plans is not None else (0 if prune else MAX_PLANS)
+    if cap and res.considered > cap:
+        raise ParsimError(f"the space holds {res.considered:,} plans, more than --max-plans {cap:,}"
+                          + ("" if sp.max_plans is not None else " for a search that evaluates every plan (--csv)")
+                          + ": pin degrees, AC or batch sizes, or raise --max-plans (0 = no limit)")
+    found = _Found(top_k)
     deadline = t0 + sp.max_seconds if sp.max_seconds else math.inf
-    if prune:  # memory of every (row, memory class) first: only plans that fit are evaluated in full
-        # with a time limit, screening may take 40% of it, full evaluation the rest
-        screen_deadline = t0 + 0.4 * sp.max_seconds if sp.max_seconds else math.inf
-        mem_cls, cls, rep = _screen(spec, hw, base, opts, sp, gpn, limit, chunk, screen_deadline)
-        res.screened = int(np.isfinite(mem_cls).sum())
-        fit_cls = mem_cls <= limit
-        if np.isinf(mem_cls).any() and res.stopped_at is None:
-            res.stopped_at = float(np.isfinite(mem_cls).mean())  # screening ran out of time
-        if not fit_cls.any() and np.isfinite(mem_cls).any():
-            j = int(np.argmin(mem_cls))
-            closest = (float(mem_cls.flat[j]), int((j // mem_cls.shape[1]) * len(opts) + rep[j % mem_cls.shape[1]]))
+    run = _search_bounded if prune else _search_all
+    closest = run(spec, hw, base, opts, sp, res, found, chunk, (t0, deadline), progress, csv_writer)
+    if found.top:
+        res.top = [(plan_of(base, opts, int(g), sp), float(t), float(m), float(tps), float(mfu), str(dom))
+                   for g, t, m, tps, mfu, dom in zip(found.top["gid"], *(found.top[k] for k in _Found.KEYS),
+                                                     strict=True)]
+        res.pareto = [(plan_of(base, opts, int(g), sp), float(t), float(m))
+                      for t, m, g in zip(*found.front, strict=True)]
+    elif closest[1] >= 0:
+        res.closest = (plan_of(base, opts, closest[1], sp), closest[0])
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def _search_all(spec, hw, base, opts, sp, res, found, chunk, times, progress, csv_writer) -> tuple:
+    """Evaluate every plan of the space (``--csv``, or pruning off); returns the closest plan (memory, id)."""
+    import time
+
+    total, closest, limit = base["n"] * len(opts), (np.inf, -1), res.usable_memory_bytes
     for lo in range(0, total, chunk):
-        if time.perf_counter() > deadline:
-            res.stopped_at = (res.stopped_at if res.stopped_at is not None else 1.0) * lo / total
+        if time.perf_counter() > times[1]:
+            res.stopped_at = lo / total
             break
-        hi = min(total, lo + chunk)
-        gid = np.arange(lo, hi, dtype=np.int64)
-        if prune:
-            gid = gid[fit_cls[gid // len(opts), cls[gid % len(opts)]]]
-            if not len(gid):
-                if progress:
-                    progress(hi, total)
-                continue
-        b = _batch_at(base, opts, gid, sp, gpn)
+        gid = np.arange(lo, min(total, lo + chunk), dtype=np.int64)
+        b = _batch_at(base, opts, gid, sp, hw.gpus_per_node)
         r = evaluate(spec, b, hw)
-        mem, step = r["peak_memory_bytes"], r["step_time_s"]
-        fits = mem <= limit
+        fits = r["peak_memory_bytes"] <= limit
         res.evaluated += len(gid)
         res.fitting += int(fits.sum())
         if csv_writer is not None:
             csv_writer(b, r, fits)
         if not fits.all():
-            j = int(np.argmin(mem))
-            if mem[j] < closest[0]:
-                closest = (float(mem[j]), int(gid[j]))
-        if fits.any():
-            f = np.nonzero(fits)[0]
-            k = min(top_k, len(f))
-            sel = f[np.lexsort((gid[f], step[f]))[:k]]
-            for acc, arr in ((cand_t, step), (cand_m, mem), (cand_i, gid), (cand_tps, r["tokens_per_s_per_gpu"]),
-                             (cand_mfu, r["mfu"]), (cand_dom, r["dominant"])):
-                acc.append(arr[sel])
-            pf = f[_pareto(step[f], mem[f], gid[f])]
-            for acc, arr in ((par_t, step), (par_m, mem), (par_i, gid)):
-                acc.append(arr[pf])
+            j = int(np.argmin(r["peak_memory_bytes"]))
+            closest = min(closest, (float(r["peak_memory_bytes"][j]), int(gid[j])))
+        found.add(gid, r, fits)
         if progress:
-            progress(hi, total)
-    res.pruned_memory = total - res.fitting if res.stopped_at is None else res.evaluated - res.fitting
-    if cand_t:
-        t, m, i = np.concatenate(cand_t), np.concatenate(cand_m), np.concatenate(cand_i)
-        tps, mfu, dom = np.concatenate(cand_tps), np.concatenate(cand_mfu), np.concatenate(cand_dom)
-        order = np.lexsort((i, t))[:top_k]
-        res.top = [(plan_of(base, opts, int(i[j]), sp), float(t[j]), float(m[j]), float(tps[j]), float(mfu[j]),
-                    str(dom[j])) for j in order]
-        t, m, i = np.concatenate(par_t), np.concatenate(par_m), np.concatenate(par_i)
-        keep = _pareto(t, m, i)
-        res.pareto = [(plan_of(base, opts, int(i[j]), sp), float(t[j]), float(m[j])) for j in keep]
-    elif closest[1] >= 0:
-        res.closest = (plan_of(base, opts, closest[1], sp), closest[0])
-    res.wall_s = time.perf_counter() - t0
-    return res
+            progress(lo + len(gid), total)
+    res.pruned_memory = res.evaluated - res.fitting if res.stopped_at is not None else total - res.fitting
+    return closest
+
+
+def _search_bounded(spec, hw, base, opts, sp, res, found, chunk, times, progress, _csv) -> tuple:
+    """The default search, exact for the best ``top_k`` plans and the Pareto front [derived]:
+
+    1. memory of every (degrees x batch split row, memory class) (``_screen``: the device order and the options
+       outside the class do not change it); plans that do not fit are never evaluated;
+    2. for every fitting (row, option) pair, a lower bound of the step time over all its device orders
+       (``evaluate(time_bound=True)``: compute, bubble and optimizer without the collectives);
+    3. pairs in ascending bound: a pair's device orders are evaluated in full unless its bound exceeds the k-th
+       best time found (none of them can be listed) and a found plan strictly faster than the bound needs no more
+       memory (none of them is on the Pareto front). Skipped plans are counted in ``pruned_bound``."""
+    import time
+
+    t0, deadline = times
+    gpn, no = hw.gpus_per_node, len(opts)
+    starts, counts = base["row_start"], base["row_count"]
+    # with a time limit, screening may take 40% of it, the rest the bounds and full evaluations
+    screen_deadline = t0 + 0.4 * (deadline - t0) if math.isfinite(deadline) else math.inf
+    mem_rc, cls, rep = _screen(spec, hw, base, opts, sp, gpn, chunk, screen_deadline)
+    res.screened = int(np.isfinite(mem_rc).sum())
+    if np.isinf(mem_rc).any():
+        res.stopped_at = float(np.isfinite(mem_rc).mean())  # screening ran out of time
+    fit_ro = mem_rc[:, cls] <= res.usable_memory_bytes  # (rows x options)
+    res.fitting = int((fit_ro * counts[:, None]).sum())
+    screened_plans = int((np.isfinite(mem_rc[:, cls]) * counts[:, None]).sum())
+    res.pruned_memory = screened_plans - res.fitting
+    closest = (np.inf, -1)
+    if not fit_ro.any() and np.isfinite(mem_rc).any():
+        j = int(np.argmin(mem_rc))
+        closest = (float(mem_rc.flat[j]), int(starts[j // len(rep)] * no + rep[j % len(rep)]))
+    pr, po = np.nonzero(fit_ro)
+    lb = _pair_bounds(spec, hw, base, opts, sp, pr, po, chunk, deadline)
+    order = np.argsort(lb, kind="stable")
+    pair_mem = mem_rc[pr, cls[po]]
+    # pairs in small steps first (the bound skips more once the first plans are found), growing to ``chunk`` plans
+    lo, step, most = 0, 256, max(1, chunk // max(1, int(counts.mean())))
+    while lo < len(order):
+        if time.perf_counter() > deadline:
+            res.stopped_at = (res.stopped_at if res.stopped_at is not None else 1.0) * lo / len(order)
+            break
+        sel = order[lo:lo + step]
+        lo, step = lo + len(sel), min(2 * step, most)
+        skip = (lb[sel] > found.threshold()) & found.dominated(lb[sel], pair_mem[sel])
+        res.pruned_bound += int(counts[pr[sel[skip]]].sum())
+        keep = sel[~skip]
+        if len(keep):
+            reps = counts[pr[keep]]
+            first = np.repeat(starts[pr[keep]], reps)
+            within = np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(np.cumsum(reps) - reps, reps)
+            gid = (first + within) * no + np.repeat(po[keep], reps)
+            r = evaluate(spec, _batch_at(base, opts, gid, sp, gpn), hw)
+            res.evaluated += len(gid)
+            found.add(gid, r, r["peak_memory_bytes"] <= res.usable_memory_bytes)
+        if progress:
+            progress(lo, len(order))
+    return closest
+
+
+def _time_classes(opts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(class of every option, one representative per class) for the step-time bound: it depends on the options
+    only through AC, AC period, compile, float8 and the wrapper order (reshard-after-forward changes memory and
+    collectives, which the bound leaves out) — ``tests/test_search.py`` checks it."""
+    keys = [(o[0], o[1], o[2], o[3], o[5], o[6]) for o in opts.tolist()]
+    uniq = list(dict.fromkeys(keys))
+    return (np.array([uniq.index(k) for k in keys], dtype=np.int64),
+            np.array([keys.index(k) for k in uniq], dtype=np.int64))
+
+
+def _pair_bounds(spec, hw, base, opts, sp, pr, po, chunk, deadline) -> np.ndarray:
+    """Step-time lower bound of every (row, option) pair over its device orders, computed once per (row, time
+    class) at the row's first order (the bound depends on neither); pairs not reached by ``deadline`` get +inf
+    (skipped unless needed)."""
+    import time
+
+    tcls, trep = _time_classes(opts)
+    key = pr * len(trep) + tcls[po]
+    uniq, inv = np.unique(key, return_inverse=True)
+    lb = np.full(len(uniq), np.inf)
+    starts, no = base["row_start"], len(opts)
+    for lo in range(0, len(uniq), chunk):
+        if time.perf_counter() > deadline:
+            break
+        u = uniq[lo:lo + chunk]
+        gid = starts[u // len(trep)] * no + trep[u % len(trep)]
+        lb[lo:lo + len(gid)] = evaluate(spec, _batch_at(base, opts, gid, sp, None), hw,
+                                        time_bound=True)["step_time_lower_bound_s"]
+    return lb[inv] * (1.0 - 1e-9)  # rounding: the bound sums the same terms in another order
 
 
 def result_to_dict(res: SearchResult, spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace,
@@ -509,8 +639,8 @@ def result_to_dict(res: SearchResult, spec: ModelSpec, hw: HardwareProfile, n_gp
     out = {"model": spec.name, "profile": hw.name, "n_gpus": n_gpus, "global_batch_size": sp.global_batch_size,
            "seq_len": sp.seq_len, "considered": res.considered, "evaluated": res.evaluated, "fitting": res.fitting,
            "pruned_structural": res.pruned_structural, "pruned_memory": res.pruned_memory,
-           "pruned_dominated": res.pruned_dominated, "screened": res.screened, "stopped_at": res.stopped_at,
-           "usable_memory_bytes": res.usable_memory_bytes, "wall_s": res.wall_s,
+           "pruned_dominated": res.pruned_dominated, "pruned_bound": res.pruned_bound, "screened": res.screened,
+           "stopped_at": res.stopped_at,           "usable_memory_bytes": res.usable_memory_bytes, "wall_s": res.wall_s,
            "top": [row(*t) for t in res.top[:top]], "pareto": [row(*p) for p in res.pareto]}
     if res.closest:
         plan, mem = res.closest

@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -235,16 +236,20 @@ def test_ddp_style_expert_parallel_is_searched():
     assert both.considered > only_tt.considered
 
 
-@pytest.mark.parametrize("model,gpus,kw", [
-    ("llama3-8b", 16, dict(global_batch_size=64, seq_len=4096)),
-    ("llama3-70b", 32, dict(global_batch_size=64, seq_len=8192)),
-    ("tiny-moe", 8, dict(global_batch_size=16, seq_len=512)),
-    ("llama3-70b", 8, dict(global_batch_size=8, seq_len=8192)),  # nothing fits: the closest plan is the same
+@pytest.mark.parametrize("model,gpus,kw,profile", [
+    ("llama3-8b", 16, dict(global_batch_size=64, seq_len=4096), "h100-sxm-spec-cal"),
+    ("llama3-70b", 32, dict(global_batch_size=64, seq_len=8192), "h100-sxm-spec-cal"),
+    ("tiny-moe", 8, dict(global_batch_size=16, seq_len=512), "h100-sxm-spec-cal"),
+    ("llama3-70b", 8, dict(global_batch_size=8, seq_len=8192), "h100-sxm-spec-cal"),  # nothing fits
+    ("mixtral-8x7b", 32, dict(global_batch_size=64, seq_len=4096), "a100-sxm-80gb-spec"),
+    # measured collective fits (no monotone topology): the bound must hold all the same
+    ("tiny-moe", 8, dict(global_batch_size=16, seq_len=256), "cpu-gloo-4"),
+    ("tiny", 4, dict(global_batch_size=8, seq_len=256), "cpu-gloo-4-cal"),
 ])
-def test_pruned_search_returns_the_exhaustive_best_plan_and_pareto_front(model, gpus, kw):
+def test_pruned_search_returns_the_exhaustive_best_plan_and_pareto_front(model, gpus, kw, profile):
     import dataclasses
 
-    spec, hw = PRESETS[model], load_profile("h100-sxm-spec-cal")
+    spec, hw = PRESETS[model], load_profile(profile)
     sp = SearchSpace(**kw)
     full = search(spec, hw, gpus, dataclasses.replace(sp, prune=False), top_k=5)
     fast = search(spec, hw, gpus, sp, top_k=5)
@@ -259,6 +264,48 @@ def test_pruned_search_returns_the_exhaustive_best_plan_and_pareto_front(model, 
     # the counts account for every plan of the space; dominated plans are among the exhaustive search's fits or not
     assert fast.fitting + fast.pruned_memory + fast.pruned_dominated == fast.considered
     assert full.fitting - fast.pruned_dominated <= fast.fitting <= full.fitting
+    assert fast.evaluated + fast.pruned_bound == fast.fitting
+
+
+@pytest.mark.parametrize("model,gpus,kw,profile", [
+    ("mixtral-8x7b", 64, dict(global_batch_size=128, seq_len=4096, pp=(1, 4)), "h100-sxm-spec-cal"),
+    ("llama3-8b", 32, dict(global_batch_size=64, seq_len=8192), "h100-sxm-spec-cal"),
+    ("tiny-moe", 8, dict(global_batch_size=16, seq_len=256), "cpu-gloo-4"),
+])
+def test_what_the_pruned_search_relies_on(model, gpus, kw, profile):
+    """The facts ``_search_bounded`` uses, on every plan of sampled (row, option) pairs in every device order:
+    peak memory depends on neither the device order nor the options outside the memory class (AC, AC period,
+    reshard); the step-time bound depends on neither the device order nor reshard, and never exceeds the step."""
+    from parsim.costmodel import evaluate
+    from parsim.search import _base_rows, _batch_at, _memory_classes, _options, _time_classes
+
+    spec, hw = PRESETS[model], load_profile(profile)
+    sp = SearchSpace(**kw)
+    base = _base_rows(spec, gpus, sp, hw.gpus_per_node, {})
+    opts, base["orders"] = _options(sp, hw)
+    no = len(opts)
+    rng = np.random.default_rng(0)
+    rows = rng.choice(len(base["row_start"]), size=min(300, len(base["row_start"])), replace=False)
+    gid = np.concatenate([(base["row_start"][r] + np.arange(base["row_count"][r]))[:, None] * no + np.arange(no)
+                          for r in rows]).ravel()
+    b = _batch_at(base, opts, gid, sp, hw.gpus_per_node)
+    full = evaluate(spec, b, hw)
+    fast = evaluate(spec, _batch_at(base, opts, gid, sp, None), hw, time_bound=True)
+    mem_only = evaluate(spec, _batch_at(base, opts, gid, sp, None), hw, memory_only=True)["peak_memory_bytes"]
+    assert np.array_equal(mem_only, full["peak_memory_bytes"])
+    assert np.array_equal(fast["peak_memory_bytes"], full["peak_memory_bytes"])
+    lb = fast["step_time_lower_bound_s"]
+    assert np.all(lb <= full["step_time_s"] * (1 + 1e-9)) and np.all(lb > 0)
+    assert (lb < full["step_time_s"] * 0.999).any()  # not the step itself: collectives are left out
+    row = np.searchsorted(base["row_start"], gid // no, side="right") - 1
+    mcls, _ = _memory_classes(opts)
+    tcls, _ = _time_classes(opts)
+    for key, values in ((row * 100 + mcls[gid % no], full["peak_memory_bytes"]), (row * 100 + tcls[gid % no], lb)):
+        _, inv = np.unique(key, return_inverse=True)
+        lo, hi = np.full(inv.max() + 1, np.inf), np.full(inv.max() + 1, -np.inf)
+        np.minimum.at(lo, inv, values)
+        np.maximum.at(hi, inv, values)
+        assert np.allclose(lo, hi, rtol=1e-12, atol=0)
 
 
 def test_max_seconds_stops_and_says_so():

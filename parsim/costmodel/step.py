@@ -176,10 +176,15 @@ def block_overheads(hw: HardwareProfile) -> tuple[float, float]:
 
 
 def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, moe: bool,
-                 overheads: tuple[float, float] = (0.0, 0.0), compute_scale: float | None = None) -> dict:
+                 overheads: tuple[float, float] = (0.0, 0.0), compute_scale: float | None = None,
+                 times: bool = True) -> dict:
     """Per layer and microbatch: forward/backward/recompute seconds and activation bytes. Backward: GEMMs 2x
     forward (dgrad + wgrad), attention 2.5x (FlashAttention-2), memory-bound 2x, the measured backward overhead;
-    selective AC recomputes the even mm's, the memory-bound kernels and half the forward overhead."""
+    selective AC recomputes the even mm's, the memory-bound kernels and half the forward overhead. Without
+    ``times`` (memory only) the seconds are zeros."""
+    if not times:
+        z = np.zeros_like(sh.T)
+        return {"fwd": z, "bwd": z, "rec_full": z, "rec_sac": z, "act": activation_bytes(spec, sh, moe), "gemm_fwd": z}
     if compute_scale is None:
         compute_scale = float(hw.corrections.get("compute_scale", 1.0))
     items = layer_compute_items(spec, b, sh, hw, moe, overheads[0])
@@ -217,27 +222,33 @@ def _inflight(b: PlanBatch, rank: int) -> np.ndarray:
 
 
 def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = False,
-             memory_only: bool = False) -> dict:
+             memory_only: bool = False, time_bound: bool = False) -> dict:
     """Evaluate every plan of ``b``. Returns arrays: step_time_s, peak_memory_bytes, fits, tokens_per_s_per_gpu,
     mfu, peak_rank (0 = first stage, 1 = last), and with ``detail`` the breakdowns, comm bytes and times, and the
     two ranks' ledgers. ``memory_only``: only peak_memory_bytes, without the collectives and step time (what
-    search's memory screen needs; the same numbers as the full evaluation)."""
+    search's memory screen needs; the same numbers as the full evaluation). ``time_bound``: peak_memory_bytes and
+    ``step_time_lower_bound_s`` (``_time_lower_bound``), without the collectives."""
     sh = Shapes(spec, b)
     layers = rank_layers(spec, b.pp, b.v)
     kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
     overheads = block_overheads(hw)
-    costs = {k: _layer_costs(spec, b, sh, hw, k, overheads) for k in kinds}
+    costs = {k: _layer_costs(spec, b, sh, hw, k, overheads, times=not memory_only) for k in kinds}
     plocal = {k: layer_params_local(spec, b, k) for k in kinds}
-    per_rank = []
+    per_rank: list = []
     for rank in (FIRST, LAST):
         rv = _rank_view(spec, b, rank, layers, kinds, plocal)
-        if memory_only:
-            phases, _ = _rank_memory(spec, b, sh, rank, rv, _rank_compute(spec, b, sh, hw, rv, costs))
-            per_rank.append(np.max(np.stack([sum(v.values()) for v in phases.values()]), axis=0))
+        if memory_only or time_bound:
+            c = _rank_compute(spec, b, sh, hw, rv, costs)
+            phases, p_opt = _rank_memory(spec, b, sh, rank, rv, c)
+            mem = np.max(np.stack([sum(v.values()) for v in phases.values()]), axis=0)
+            per_rank.append((mem, _time_lower_bound(b, hw, c, p_opt) if time_bound else np.zeros(len(b))))
         else:
             per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
-    if memory_only:
-        return {"peak_memory_bytes": np.maximum(per_rank[0], per_rank[1])}
+    if memory_only or time_bound:
+        out = {"peak_memory_bytes": np.maximum(per_rank[0][0], per_rank[1][0])}
+        if time_bound:
+            out["step_time_lower_bound_s"] = np.maximum(per_rank[0][1], per_rank[1][1])
+        return out
     return _combine(spec, b, hw, per_rank, detail)
 
 
@@ -307,6 +318,23 @@ def _bubble(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb):
     full_speed_mb = t_mb - compute_mb + compute_mb / s  # exposed comm per microbatch is not stretched by s
     bubble1 = ga * (b.pp - 1) / b.v * full_speed_mb
     return np.maximum(0.0, M * compute_mb / s + bubble1 - M * compute_mb)
+
+
+def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: dict, p_opt) -> np.ndarray:
+    """A lower bound of one rank's step time over every device order [derived]: ``_evaluate_rank``'s step is
+    compute (forward, backward, recompute: the same in every device order) + bubble + optimizer + exposed
+    collectives (>= 0) + interference (``comm_interference`` x hidden time >= 0 when the factor is >= 0). The
+    bubble grows with the microbatch time, which is compute + exposed per-microbatch collectives, so the bubble of
+    the compute alone bounds it from below. Collectives are the only term that depends on the device order; search
+    skips the orders of a (plan, options) row whose bound already loses (``parsim.search``). A profile with a
+    negative interference factor gets no bound (-inf)."""
+    if float(hw.corrections.get("comm_interference", 0.0)) < 0.0:
+        return np.full(len(b), -np.inf)
+    ga = b.grad_accum.astype(float)
+    M = ga * b.n_micro
+    compute_mb = c["fwd"] + c["bwd"] + c["rec"]
+    opt = p_opt * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
+    return M * compute_mb + opt + _bubble(b, hw, M, ga, compute_mb, compute_mb)
 
 
 def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rank: int, rv: C.RankView,
