@@ -36,9 +36,9 @@ def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | No
     plans = V.measured_plans(spec, nproc)
     if max_plans:
         plans = plans[:max_plans]
-    from cli.main import profile_for_this_machine
+    from cli.main import profile_measured_here
 
-    hw = profile_for_this_machine(profile or f"cpu-gloo-{nproc}")  # checked before anything runs
+    hw = profile_measured_here(profile or f"cpu-gloo-{nproc}", nproc)  # this machine's, before anything runs
     out = Path(out_dir)
     with _progress() as prog:
         task = prog.add_task(f"{model} on {nproc} ranks", total=len(plans) * rounds)
@@ -53,13 +53,13 @@ def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | No
 
 def _measured_summary(out: Path, profile: str | None, hw) -> dict:
     """Rows and summary over every measurement in the folder (earlier models and rank counts included)."""
+    from cli.main import profile_measured_here
     from parsim import validate as V
-    from parsim.hardware import load_profile
 
     lines = V.load_measurements(out / "measurements.jsonl")
     rows = []
     for nproc in sorted({ln["nproc"] for ln in lines}):
-        prof = hw if profile else load_profile(f"cpu-gloo-{nproc}")
+        prof = hw if profile else profile_measured_here(f"cpu-gloo-{nproc}", nproc)
         rows += V.measured_rows([ln for ln in lines if ln["nproc"] == nproc], prof)
     summary = V.summarize(rows)
     V.write_results(out, rows, summary, {"tier": "measured", "profile": profile or "cpu-gloo-<ranks>"})

@@ -125,6 +125,35 @@ def profile_for_this_machine(name: str):
     return hw
 
 
+def profile_measured_here(name: str, nproc: int | None = None):
+    """The profile to predict runs on this machine with: ``name`` when it describes this machine (or is not a
+    measured CPU profile: spec sheets and GPU profiles describe hardware elsewhere); otherwise this machine's own,
+    ``<name>-<machine tag>``, loaded when an earlier call measured it, else measured now with ``parsim profile``
+    defaults (about a minute on 2 cores) and kept beside the others. ``validate --model`` and ``search --execute``
+    use it: a prediction set beside a measurement must describe the machine that measured."""
+    from parsim.errors import ParsimError
+    from parsim.hardware import load_profile
+    from parsim.machine import machine_tag, warning
+
+    hw = load_profile(name)
+    if not warning(hw):
+        return hw
+    own = f"{hw.name}-{machine_tag()}"
+    try:
+        mine = load_profile(own)
+        if not warning(mine):
+            print(f"profile {hw.name} was measured on another machine: using this machine's {own}", file=sys.stderr)
+            return mine
+    except ParsimError:
+        pass
+    n = nproc or int(hw.provenance.get("device_count") or 2)
+    print(f"profile {hw.name} was measured on another machine ({warning(hw)}); measuring this one first: "
+          f"parsim profile --nproc-per-node {n} --out {own}", file=sys.stderr)
+    from parsim.profiler.run import profile as _profile
+
+    return _profile(own, n, log=lambda m: print(m, file=sys.stderr))
+
+
 def build_plan(flags: dict):
     """(ModelSpec, Plan, HardwareProfile) from the shared flags: every given flag checked (parsim.flags), then
     either the plan file (``--plan``; other plan flags beside it are refused) or the flags with their defaults."""
@@ -250,7 +279,8 @@ def search(
         if path is not None:
             check_output_path(path)
     spec = load_model(flags["model"])
-    hw = profile_for_this_machine(flags["profile"])
+    # plans run here are predicted with a profile of this machine (measured first when the given one is not)
+    hw = profile_measured_here(flags["profile"]) if execute else profile_for_this_machine(flags["profile"])
     from cli.views import run_search_cli
 
     run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,

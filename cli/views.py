@@ -335,7 +335,10 @@ def _execute(spec, hw, res, k, model_arg, err) -> list[dict]:
             continue
         err.print(f"executing plan #{i} ({plan.describe()}) on {n} {'GPUs' if cuda else 'CPU ranks (gloo)'} ...")
         m = run_plan(model_arg, plan, n, steps=5, warmup=2, timeout_s=900, device=None if cuda else "cpu")
-        out.append({"rank": i, "prediction": predict(spec, plan, hw).to_dict(), "measurement": m.to_dict()})
+        text = " ".join(x for x in (short_degrees(plan), f"AC {plan.ac}" if plan.ac != "none" else "",
+                                     short_options(plan)) if x)
+        out.append({"rank": i, "plan": text, "prediction": predict(spec, plan, hw).to_dict(),
+                    "measurement": m.to_dict()})
     return out
 
 
@@ -348,7 +351,8 @@ def _print_executed(con, executed):
     for e in executed:
         p, m = e["prediction"], e["measurement"]
         ms, mm = m.get("median_step_time_s"), m.get("peak_memory_bytes")
-        t.add_row(str(e["rank"]), p["plan_id"], m["status"] + (f" {m['error'][:40]}" if m["error"] else ""),
+        status = m["status"] + (f" {m['error'][:40]}" if m["error"] else "")
+        t.add_row(str(e["rank"]), e.get("plan", p["plan_id"]), status,
                   f"{p['step_time_s'] / MS:.1f}", f"{ms / MS:.1f}" if ms else "-",
                   f"{100 * (p['step_time_s'] - ms) / ms:+.0f}%" if ms else "-",
                   f"{p['peak_memory_bytes'] / GiB:.3f}", f"{mm / GiB:.3f}" if mm else "-",

@@ -29,6 +29,17 @@ def this_machine(gpu_name: str | None = None) -> dict:
             "cpu_flags": [f for f in SPEED_FLAGS if f in flags], "arch": platform.machine(), "gpu": gpu_name}
 
 
+def machine_tag(here: dict | None = None) -> str:
+    """A short name for this machine (8 hex digits of its CPU model, cores and speed flags): the suffix of the
+    profile parsim measures for it when the one asked for was measured elsewhere."""
+    import hashlib
+    import json
+
+    here = here or this_machine()
+    key = json.dumps([here.get("cpu_model"), here.get("cpu_cores"), here.get("cpu_flags")], sort_keys=True)
+    return hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
 def mismatch(provenance: dict, here: dict | None = None) -> str | None:
     """Why a measured profile may not describe this machine (None when it does, as far as recorded)."""
     rec = provenance.get("machine")

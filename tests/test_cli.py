@@ -132,3 +132,33 @@ def test_hf_model_folders_names_and_unmodelled_features(tmp_path):
     assert r.exit_code == 2 and "no model_type" in r.output
     r = _run("predict", "--model", str(tmp_path), "--gpus", "8")
     assert r.exit_code == 2 and "has no config.json" in r.output
+
+
+def test_a_profile_from_another_machine_is_measured_here_before_running(tmp_path, monkeypatch):
+    """`validate --model` and `search --execute` predict runs on this machine: with a measured CPU profile from
+    another machine they profile this one first (``parsim profile`` defaults, under ``<name>-<machine tag>``)."""
+    import parsim.profiler.run as profiler_run
+    from cli.main import profile_measured_here
+    from parsim.hardware import load_profile
+    from parsim.machine import machine_tag, this_machine
+
+    d = json.loads(open("profiles/cpu-gloo-2.json").read())
+    here = this_machine()
+    d["provenance"]["machine"] = dict(here, cpu_cores=here["cpu_cores"] + 64)
+    other = tmp_path / "cpu-gloo-2.json"
+    other.write_text(json.dumps(d))
+    d["provenance"]["machine"] = here
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps(d))
+    calls = []
+
+    def fake_profile(name, nproc, **kw):
+        calls.append((name, nproc))
+        return load_profile(str(mine))
+
+    monkeypatch.setattr(profiler_run, "profile", fake_profile)
+    hw = profile_measured_here(str(other))
+    assert calls == [(f"cpu-gloo-2-{machine_tag()}", 2)] and hw.provenance["machine"] == here
+    calls.clear()
+    assert profile_measured_here(str(mine)).provenance["machine"] == here and not calls  # this machine's: as it is
+    assert profile_measured_here("h100-sxm-spec").name == "h100-sxm-spec" and not calls  # not a CPU measurement

@@ -117,14 +117,20 @@ def test_torchtitan_toml_keys():
 @pytest.mark.slow
 def test_cli_search_execute_runs_the_top_plan(tmp_path):
     pytest.importorskip("torch")
+    from parsim.machine import this_machine
+
     out = tmp_path / "exec.json"
+    prof = json.loads(open("profiles/cpu-gloo-2.json").read())
+    prof["provenance"]["machine"] = this_machine()  # as if measured here: --execute would profile this machine first
+    (tmp_path / "here.json").write_text(json.dumps(prof))
     r = runner.invoke(app, ["search", "--model", "tiny", "--gpus", "2", "--global-batch-size", "4", "--seq-len", "128",
-                            "--profile", "cpu-gloo-2", "--top", "2", "--execute", "1", "--execute-out", str(out),
-                            "--json"])
+                            "--profile", str(tmp_path / "here.json"), "--top", "2", "--execute", "1", "--execute-out",
+                            str(out), "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     (e,) = d["executed"]
     assert e["prediction"]["plan_id"] == d["top"][0]["plan_id"] == e["measurement"]["plan_id"]
+    assert e["plan"].split()[0] in ("dpr2", "fsdp2", "pp2", "tp2", "cp2")  # degrees, not the plan id
     assert e["measurement"]["status"] == "ok" and e["measurement"]["median_step_time_s"] > 0
     assert json.loads(out.read_text())[0]["measurement"]["status"] == "ok"
 
