@@ -247,7 +247,8 @@ def search(
                                           "(Trainer.Config module) | toml: the v0.2.x job config"),
     emit_megatron: Optional[str] = typer.Option(None, "--emit-megatron", help="write the best plan as Megatron-LM "
                                                 "arguments (a bash array; what Megatron cannot express is said)"),
-    csv: Optional[str] = typer.Option(None, "--csv", help="write every evaluated plan to this CSV"),
+    csv: Optional[str] = typer.Option(None, "--csv", help="write every evaluated plan to this CSV "
+                                     "(to Parquet when the name ends in .parquet; needs pyarrow)"),
     execute: int = typer.Option(0, "--execute", help="run the top K plans with the executor on this machine"),
     execute_out: Optional[str] = typer.Option(None, "--execute-out", help="write predictions and measurements "
                                               "of --execute to this JSON"),

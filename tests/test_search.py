@@ -104,6 +104,22 @@ def test_cli_csv_has_every_evaluated_plan(tmp_path):
     assert len(lines) - 1 == d["evaluated"]
 
 
+def test_cli_parquet_holds_the_same_table_as_the_csv(tmp_path):
+    import pandas as pd
+
+    pytest.importorskip("pyarrow")
+    args = ["search", "--model", "tiny-moe", "--gpus", "4", "--global-batch-size", "8", "--seq-len", "256"]
+    assert runner.invoke(app, [*args, "--csv", str(tmp_path / "all.csv")]).exit_code == 0
+    r = runner.invoke(app, [*args, "--csv", str(tmp_path / "all.parquet"), "--json"])
+    assert r.exit_code == 0, r.output
+    a, b = pd.read_csv(tmp_path / "all.csv"), pd.read_parquet(tmp_path / "all.parquet")
+    assert len(b) == json.loads(r.stdout)["evaluated"] == len(a) and list(a.columns) == list(b.columns)
+    assert b["fits"].dtype == bool and b["mesh_order"].iloc[0].count(",") == 4  # names as users write them
+    pd.testing.assert_frame_equal(a.drop(columns="fits"), b.drop(columns="fits"), check_dtype=False)
+    assert (a["fits"] == b["fits"].astype(int)).all()
+    assert not list(tmp_path.glob(".all.parquet.*"))  # no temporary file left
+
+
 def test_torchtitan_toml_keys():
     from parsim.plan import Plan
 
