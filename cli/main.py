@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 import sys
 from typing import Optional
 
@@ -452,21 +453,38 @@ def profile(
     seq_len: int = typer.Option(512, "--seq-len"),
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="default: the profiles/ folder"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu to profile gloo on a GPU machine"),
+    nnodes: int = typer.Option(1, "--nnodes", help="nodes profiled together (one parsim profile per node, e.g. "
+                               "under srun): collectives across nodes are measured; node 0 writes the profile"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this node's rank (default $SLURM_NODEID)"),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="node 0's address (multi-node)"),
+    master_port: int = typer.Option(29500, "--master-port", help="a free port on node 0 (multi-node)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Measure collectives and compute on this machine, fit them, and write a hardware profile."""
+    """Measure collectives and compute on this machine (or on several nodes), fit them, write a hardware
+    profile."""
     from parsim.errors import ParsimError
 
     if resume and restart:
         raise ParsimError("give --resume or --restart, not both")
     if device not in (None, "cpu"):
         raise ParsimError(f"--device takes only cpu (to profile gloo on a GPU machine), got {device!r}")
+    from parsim.profiler.run import NodeSpec
     from parsim.profiler.run import profile as _profile
 
+    nodes = None
+    if nnodes != 1:
+        rank = node_rank if node_rank is not None else os.environ.get("SLURM_NODEID")
+        if rank is None or not str(rank).isdigit():
+            raise ParsimError("--nnodes > 1 needs --node-rank (or $SLURM_NODEID)")
+        nodes = NodeSpec(nnodes, int(rank), master_addr or "", master_port)
     hw = _profile(out, nproc_per_node, resume=resume, restart=restart, min_bytes=min_bytes, max_bytes=max_bytes,
                   factor=factor,
                   ops=ops, model=model, seq_len=seq_len, out_dir=out_dir, device=device,
-                  log=lambda m: typer.echo(m, err=True))
+                  log=lambda m: typer.echo(m, err=True), nodes=nodes)
+    if hw is None:  # another node than 0: node 0 writes the profile
+        if as_json:
+            emit_json({"node_rank": nodes.node_rank if nodes else 0, "profile_written_by": "node 0"})
+        return
     if as_json:
         emit_json(hw.to_dict())
         return

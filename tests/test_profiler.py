@@ -64,3 +64,29 @@ def test_collective_benchmark_resumes_instead_of_starting_over(tmp_path):
     second = json.loads(out.read_text())["samples"]
     assert second[: len(first)] == first
     assert {s["op"] for s in second} == {"all_reduce", "all_gather"}
+
+
+@pytest.mark.slow
+def test_two_nodes_profile_collectives_across_nodes(tmp_path):
+    """Two `parsim profile` processes as two nodes of 2 ranks (static rendezvous on this host, as under srun):
+    groups that cross nodes are measured and fitted by ranks per node; node 0 writes the profile, node 1 nothing."""
+    import json
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [sys.executable, "-m", "cli", "profile", "--nproc-per-node", "2", "--nnodes", "2", "--master-addr",
+            "127.0.0.1", "--master-port", str(port), "--ops", "all_reduce,all_gather", "--max-bytes", "65536",
+            "--out", str(tmp_path / "two"), "--json"]
+    other = subprocess.Popen(args + ["--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.run(args + ["--node-rank", "0"], capture_output=True, text=True, timeout=600)
+    out1, err1 = other.communicate(timeout=120)
+    assert first.returncode == 0 and other.returncode == 0, (first.stderr[-2000:], err1[-2000:])
+    assert json.loads(out1) == {"node_rank": 1, "profile_written_by": "node 0"}
+    d = json.loads((tmp_path / "two.json").read_text())
+    assert d["n_nodes"] == 2 and d["gpus_per_node"] == 2
+    shapes = {(c["op"], c["group_size"], c["ranks_per_node"]) for c in d["collectives"]}
+    assert {("all_reduce", 2, 1), ("all_reduce", 4, 2), ("all_reduce", 2, 2)} <= shapes  # across, both, inside
+    assert "measured across 2 nodes" in " ".join(d["assumptions"])

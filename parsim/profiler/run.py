@@ -17,6 +17,7 @@ import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -41,12 +42,18 @@ def _cpu_name() -> str:
 def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: int = 0, max_bytes: int = 0,
             factor: int = 4, ops: str = ",".join(COLLECTIVE_OPS), model: str | None = "tiny", seq_len: int = 512,
             out_dir: Path | None = None, timeout_s: float = 1800.0, device: str | None = None, quick=False,
-            restart: bool = False, log=print) -> HardwareProfile:
+            restart: bool = False, log=print, nodes: NodeSpec | None = None) -> HardwareProfile | None:
+    """Measure and write a profile. With ``nodes`` (several nodes, one ``parsim profile`` per node, e.g. under
+    ``srun``) the collectives run over every node's ranks, so groups that cross nodes are measured and fitted by
+    their ranks per node; node 0 then measures compute and writes the profile, the other nodes return None."""
     from ..spec import load_model
 
     spec = load_model(model) if model else None  # refuse a bad model before measuring anything (or importing torch)
     check_profile_args(nproc_per_node, factor=factor, ops=ops, seq_len=seq_len, timeout_s=timeout_s,
                        min_bytes=min_bytes, max_bytes=max_bytes)
+    if nodes is not None and nodes.node_rank > 0:
+        _profile_other_node(nproc_per_node, nodes, ops, factor, min_bytes, max_bytes, device, timeout_s, log)
+        return None
     out_path = resolve_profile_out(name, out_dir)
     name, out_dir = out_path.stem, out_path.parent
     check_output_path(out_path)
@@ -58,7 +65,8 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
         raise ParsimError(f"an interrupted profile {name!r} exists in {partial}: pass --resume to continue it, "
                           "or --restart to discard it and start over")
     # what earlier samples depend on (more ops or sizes on --resume only add samples; these would mix machines/shapes)
-    args = {"nproc_per_node": nproc_per_node, "model": model, "seq_len": seq_len, "device": device}
+    args = {"nproc_per_node": nproc_per_node, "model": model, "seq_len": seq_len, "device": device,
+            "nodes": nodes.n_nodes if nodes else 1}
     _check_resume_args(partial / "args.json", args, resume)
     import torch
 
@@ -67,23 +75,8 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
     t0 = time.perf_counter()
     # 1. collectives under torchrun
     coll_f = partial / "collectives.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-           "-m", "parsim.profiler.collectives", "--out", str(coll_f), "--ops", ops, "--factor", str(factor)]
-    if min_bytes:
-        cmd += ["--min-bytes", str(min_bytes)]
-    if max_bytes:
-        cmd += ["--max-bytes", str(max_bytes)]
-    if resume:
-        cmd.append("--resume")
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if device == "cpu":
-        env["PARSIM_DEVICE"] = "cpu"
     t_coll = time.perf_counter()
-    code, output = run_tree(cmd, env, timeout_s, echo=sys.stderr.write)  # the nccl-tests table as it comes
-    if code != 0:
-        tail = "\n".join(ln for ln in output.splitlines() if not ln.startswith("W1"))[-1500:]
-        why = f"timed out after {timeout_s:.0f} s" if code is None else f"exit {code}"
-        raise ParsimError(f"collective benchmark failed ({why}); --resume continues: {tail}")
+    _run_collectives(coll_f, nproc_per_node, nodes, ops, factor, min_bytes, max_bytes, device, timeout_s, resume)
     coll = read_json(coll_f, "bad collective samples")
     t_coll = time.perf_counter() - t_coll
     # 2. compute in this process
@@ -103,6 +96,62 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
     atomic_write_text(out_dir / f"{name}.samples.csv", samples_csv(coll["samples"], comp["samples"]))
     shutil.rmtree(partial)
     return hw
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node of a multi-node profile: torchrun's static rendezvous (node 0 hosts global rank 0, which writes
+    the samples)."""
+
+    n_nodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int = 29500
+
+    def __post_init__(self):
+        if not 2 <= self.n_nodes <= 4096 or not 0 <= self.node_rank < self.n_nodes:
+            raise ParsimError(f"--nnodes must be in 2..4096 and --node-rank in 0..nnodes-1, got {self.n_nodes} and "
+                              f"{self.node_rank}")
+        if not self.master_addr or not 1 <= self.master_port <= 65535:
+            raise ParsimError(f"--master-addr HOST and --master-port in 1..65535 needed, got {self.master_addr!r} "
+                              f"and {self.master_port}")
+
+    def torchrun_args(self) -> list[str]:
+        return [f"--nnodes={self.n_nodes}", f"--node-rank={self.node_rank}", f"--master-addr={self.master_addr}",
+                f"--master-port={self.master_port}"]
+
+
+def _run_collectives(out: Path, nproc_per_node: int, nodes: NodeSpec | None, ops: str, factor: int, min_bytes: int,
+                     max_bytes: int, device: str | None, timeout_s: float, resume: bool = False) -> None:
+    """The collective benchmark under torchrun (this node's ranks; every node's with ``nodes``)."""
+    where = nodes.torchrun_args() if nodes else ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc_per_node}",
+           "-m", "parsim.profiler.collectives", "--out", str(out), "--ops", ops, "--factor", str(factor)]
+    if min_bytes:
+        cmd += ["--min-bytes", str(min_bytes)]
+    if max_bytes:
+        cmd += ["--max-bytes", str(max_bytes)]
+    if resume:
+        cmd.append("--resume")
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if device == "cpu":
+        env["PARSIM_DEVICE"] = "cpu"
+    code, output = run_tree(cmd, env, timeout_s, echo=sys.stderr.write)  # the nccl-tests table as it comes
+    if code != 0:
+        tail = "\n".join(ln for ln in output.splitlines() if not ln.startswith("W1"))[-1500:]
+        why = f"timed out after {timeout_s:.0f} s" if code is None else f"exit {code}"
+        raise ParsimError(f"collective benchmark failed ({why}); --resume continues: {tail}")
+
+
+def _profile_other_node(nproc_per_node: int, nodes: NodeSpec, ops: str, factor: int, min_bytes: int,
+                        max_bytes: int, device: str | None, timeout_s: float, log) -> None:
+    """A node other than 0: its ranks take part in the collectives; node 0 writes the samples and the profile."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _run_collectives(Path(tmp) / "collectives.json", nproc_per_node, nodes, ops, factor, min_bytes, max_bytes,
+                         device, timeout_s)
+    log(f"node {nodes.node_rank} of {nodes.n_nodes}: collectives done; node 0 writes the profile")
 
 
 def _check_resume_args(path: Path, args: dict, resume: bool) -> None:
@@ -204,6 +253,17 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
     for op in COLLECTIVE_OPS:
         intra.setdefault(op, min(intra.values()) if intra else 1e9)
     lat = [f.latency_s for f in fits if f.min_bytes == 0]
+    # several nodes: groups crossing nodes were measured; their fits are used as they are, and the topology fallback
+    # gets the NIC rate per GPU from them (busbw = rpn x NIC across nodes, Topology) [measured]
+    n_nodes = max(1, world // max(1, int(coll.get("local_world_size", world))))
+    cross = {}
+    for f in fits:
+        if f.ranks_per_node < f.group_size and f.busbw_bytes_per_s > 0:
+            k = (f.op, f.group_size, f.ranks_per_node)
+            if k not in cross or f.min_bytes > cross[k].min_bytes:  # the largest messages' segment
+                cross[k] = f
+    nic = sorted(f.busbw_bytes_per_s / f.ranks_per_node for f in cross.values())
+    nic_rate = nic[len(nic) // 2] if nic else min(intra.values())
     peak = {main_dtype: rate, ("bfloat16" if main_dtype == "float32" else "float32"): other_rate}
     mem_total = _ram_bytes() if dev.type == "cpu" else float(torch.cuda.get_device_properties(0).total_memory)
     per_rank_mem = mem_total / (nproc_per_node if dev.type == "cpu" else 1)
@@ -211,11 +271,11 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
              f.n_samples) for f in fits]
     hw = HardwareProfile(
         name=name, device_name=_cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(0),
-        gpus_per_node=nproc_per_node if dev.type == "cpu" else torch.cuda.device_count(), n_nodes=1,
+        gpus_per_node=nproc_per_node if dev.type == "cpu" else torch.cuda.device_count(), n_nodes=n_nodes,
         memory_bytes=per_rank_mem, memory_reserved_bytes=min(0.05 * per_rank_mem, 2**30), peak_flops=peak,
         memory_bandwidth_bytes_per_s=bw, gemm_efficiency=EfficiencyCurve(1.0, x_half),
         attention_efficiency=EfficiencyCurve(1.0, a_half), memory_efficiency=1.0,
-        topology=Topology(intra_node_busbw_bytes_per_s=intra, inter_node_bytes_per_s_per_gpu=min(intra.values()),
+        topology=Topology(intra_node_busbw_bytes_per_s=intra, inter_node_bytes_per_s_per_gpu=nic_rate,
                           intra_latency_s=float(sorted(lat)[len(lat) // 2]) if lat else 1e-4,
                           inter_latency_s=float(max(lat)) if lat else 1e-4, latency_per_log2_rank_s=0.0),
         collectives=tuple(fits), source="measured", comm_overlap=dev.type != "cpu",
@@ -223,6 +283,8 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
         corrections={"compute_scale": max(1.0, nproc_per_node / (os.cpu_count() or 1))} if dev.type == "cpu" else {},
         assumptions=(
             "peak_flops are the sustained throughput fitted on the measured GEMMs (eff_max = 1), not a spec sheet",
+            ("inter-node bandwidth measured across %d nodes: the topology fallback's NIC rate is the median of the "
+             "cross-node fits' busbw / ranks per node" % n_nodes) if nic else
             "inter-node bandwidth is not measured (one node): the topology fallback uses the slowest intra-node op",
             "compile_memory_bound_factor and float8 are not measured",
             "gloo on CPU: collectives block the rank (comm_overlap false); ranks beyond the cores share them "
