@@ -155,7 +155,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
                    emit_megatron=None):
     from rich import box
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
     from parsim.emit import to_megatron_args, to_torchtitan_python, to_torchtitan_toml
@@ -168,7 +168,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     sink = (ParquetSink if str(csv_path).endswith(".parquet") else CsvSink)(csv_path) if csv_path else None
     ok = False
     try:
-        with Progress(TextColumn("evaluating plans"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        with Progress(TextColumn("searching"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
                       console=err, transient=True, disable=not err.is_terminal) as prog:
             task = prog.add_task("search", total=None)
 

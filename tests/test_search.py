@@ -338,3 +338,12 @@ def test_max_seconds_stops_and_says_so():
     assert whole.stopped_at is None and whole.top
     with pytest.raises(Exception, match="max-seconds"):
         SearchSpace(global_batch_size=8, seq_len=512, max_seconds=0.0)
+
+
+def test_search_reports_progress_to_the_end():
+    spec, hw = PRESETS["mixtral-8x7b"], load_profile("h100-sxm-spec-cal")
+    for prune in (True, False):
+        seen: list = []
+        search(spec, hw, 16, SearchSpace(global_batch_size=32, seq_len=4096, prune=prune),
+               progress=lambda done, total, seen=seen: seen.append(done / total))
+        assert seen and seen == sorted(seen) and seen[-1] == 1.0, prune
