@@ -11,6 +11,8 @@ from pathlib import Path
 
 # the CPU flags that move GEMM throughput (fp32: AVX2/AVX-512 FMA; bf16: AVX-512 BF16, AMX)
 SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+# what identifies a machine for step-time predictions (compared by ``mismatch``, hashed by ``machine_tag``)
+MACHINE_KEYS = ("cpu_model", "cpu_cores", "cpu_flags")
 
 
 def this_machine(gpu_name: str | None = None) -> dict:
@@ -36,7 +38,7 @@ def machine_tag(here: dict | None = None) -> str:
     import json
 
     here = here or this_machine()
-    key = json.dumps([here.get("cpu_model"), here.get("cpu_cores"), here.get("cpu_flags")], sort_keys=True)
+    key = json.dumps([here.get(k) for k in MACHINE_KEYS], sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:8]
 
 
@@ -46,7 +48,7 @@ def mismatch(provenance: dict, here: dict | None = None) -> str | None:
     if not isinstance(rec, dict):
         return "it does not record the machine it was measured on"
     here = here or this_machine()
-    diffs = [f"{k} {rec.get(k)!r} there, {here.get(k)!r} here" for k in ("cpu_model", "cpu_cores", "cpu_flags")
+    diffs = [f"{k} {rec.get(k)!r} there, {here.get(k)!r} here" for k in MACHINE_KEYS
              if rec.get(k) != here.get(k)]
     return "; ".join(diffs) or None
 

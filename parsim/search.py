@@ -270,7 +270,7 @@ def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict) -> di
     first = _first_distinct(sig)  # (used combos x perms): the first order of each distinct signature
     counts = first.sum(axis=1)
     cperm = np.nonzero(first)[1].astype(np.int64)  # the kept orders, combination after combination
-    cstart = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    cstart = np.cumsum(counts) - counts
     u = np.searchsorted(used, rows[:, 0])
     reps = counts[u]
     # one entry per (degrees, batch split) row; ``_batch_at`` finds the row and order of a base row (the arrays
@@ -380,19 +380,29 @@ def _undominated(opts: np.ndarray) -> tuple[np.ndarray, int]:
     return opts[keep], int((~keep).sum())
 
 
-def _memory_classes(opts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(class of every option, one representative option per class): peak memory depends on the options only
-    through AC mode, AC period and reshard-after-forward (compile, float8 and the wrapper order change time, not
-    what is held) — ``tests/test_search.py`` checks the pruned search against the exhaustive one."""
-    keys = [(o[0], o[1], o[4]) for o in opts.tolist()]
+def _option_classes(opts: np.ndarray, columns: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(class of every option row, one representative row per class): options equal in ``columns`` share a class."""
+    keys = [tuple(o[c] for c in columns) for o in opts.tolist()]
     uniq = list(dict.fromkeys(keys))
-    cls = np.array([uniq.index(k) for k in keys], dtype=np.int64)
-    rep = np.array([keys.index(k) for k in uniq], dtype=np.int64)
-    return cls, rep
+    return (np.array([uniq.index(k) for k in keys], dtype=np.int64),
+            np.array([keys.index(k) for k in uniq], dtype=np.int64))
 
 
-def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, gpn: int, chunk: int,
-            deadline: float = math.inf, tick=None):
+def _memory_classes(opts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Option classes of equal peak memory: it depends on the options only through AC mode, AC period and
+    reshard-after-forward (compile, float8 and the wrapper order change time, not what is held) —
+    ``tests/test_search.py`` checks it and the pruned search against the exhaustive one."""
+    return _option_classes(opts, (0, 1, 4))
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``starts[i] + 0 .. counts[i] - 1`` for every i, concatenated."""
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(starts, counts) + np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(offsets, counts)
+
+
+def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, chunk: int, deadline: float = math.inf,
+            tick=None):
     """Peak memory of every (degrees x batch split row, memory class): a (rows x classes) array, from the row's
     first device order and one representative option per class (peak memory depends on neither the device order
     nor the options outside the class: ``tests/test_search.py``). Rows not screened by ``deadline`` (perf_counter)
@@ -561,7 +571,7 @@ def _search_bounded(spec, hw, base, opts, sp, res, found, chunk, times, progress
     def phase(lo: float, width: float):
         return (lambda f: progress(int(1000 * (lo + width * f)), 1000)) if progress else None
 
-    mem_rc, cls, rep = _screen(spec, hw, base, opts, sp, gpn, chunk, screen_deadline, phase(0.0, 0.4))
+    mem_rc, cls, rep = _screen(spec, hw, base, opts, sp, chunk, screen_deadline, phase(0.0, 0.4))
     res.screened = int(np.isfinite(mem_rc).sum())
     if np.isinf(mem_rc).any():
         res.stopped_at = float(np.isfinite(mem_rc).mean())  # screening ran out of time
@@ -590,9 +600,7 @@ def _search_bounded(spec, hw, base, opts, sp, res, found, chunk, times, progress
         keep = sel[~skip]
         if len(keep):
             reps = counts[pr[keep]]
-            first = np.repeat(starts[pr[keep]], reps)
-            within = np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(np.cumsum(reps) - reps, reps)
-            gid = (first + within) * no + np.repeat(po[keep], reps)
+            gid = _ranges(starts[pr[keep]], reps) * no + np.repeat(po[keep], reps)
             r = evaluate(spec, _batch_at(base, opts, gid, sp, gpn), hw)
             res.evaluated += len(gid)
             found.add(gid, r, r["peak_memory_bytes"] <= res.usable_memory_bytes)
@@ -602,13 +610,10 @@ def _search_bounded(spec, hw, base, opts, sp, res, found, chunk, times, progress
 
 
 def _time_classes(opts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(class of every option, one representative per class) for the step-time bound: it depends on the options
-    only through AC, AC period, compile, float8 and the wrapper order (reshard-after-forward changes memory and
-    collectives, which the bound leaves out) — ``tests/test_search.py`` checks it."""
-    keys = [(o[0], o[1], o[2], o[3], o[5], o[6]) for o in opts.tolist()]
-    uniq = list(dict.fromkeys(keys))
-    return (np.array([uniq.index(k) for k in keys], dtype=np.int64),
-            np.array([keys.index(k) for k in uniq], dtype=np.int64))
+    """Option classes of equal step-time bound: it depends on the options only through AC, AC period, compile,
+    float8 and the wrapper order (reshard-after-forward changes memory and collectives, which the bound leaves
+    out) — ``tests/test_search.py`` checks it."""
+    return _option_classes(opts, (0, 1, 2, 3, 5, 6))
 
 
 def _pair_bounds(spec, hw, base, opts, sp, pr, po, chunk, deadline, tick=None) -> np.ndarray:
@@ -649,7 +654,7 @@ def result_to_dict(res: SearchResult, spec: ModelSpec, hw: HardwareProfile, n_gp
            "seq_len": sp.seq_len, "considered": res.considered, "evaluated": res.evaluated, "fitting": res.fitting,
            "pruned_structural": res.pruned_structural, "pruned_memory": res.pruned_memory,
            "pruned_dominated": res.pruned_dominated, "pruned_bound": res.pruned_bound, "screened": res.screened,
-           "stopped_at": res.stopped_at,           "usable_memory_bytes": res.usable_memory_bytes, "wall_s": res.wall_s,
+           "stopped_at": res.stopped_at, "usable_memory_bytes": res.usable_memory_bytes, "wall_s": res.wall_s,
            "top": [row(*t) for t in res.top[:top]], "pareto": [row(*p) for p in res.pareto]}
     if res.closest:
         plan, mem = res.closest

@@ -320,6 +320,11 @@ def _bubble(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb):
     return np.maximum(0.0, M * compute_mb / s + bubble1 - M * compute_mb)
 
 
+def _optimizer_time_s(hw: HardwareProfile, p_opt) -> np.ndarray:
+    """AdamW over the rank's ``p_opt`` parameters: memory-bound, ADAMW_BYTES_PER_PARAM of traffic each."""
+    return p_opt * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
+
+
 def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: dict, p_opt) -> np.ndarray:
     """A lower bound of one rank's step time over every device order [derived]: ``_evaluate_rank``'s step is
     compute (forward, backward, recompute: the same in every device order) + bubble + optimizer + exposed
@@ -333,7 +338,7 @@ def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: dict, p_opt) -> np.n
     ga = b.grad_accum.astype(float)
     M = ga * b.n_micro
     compute_mb = c["fwd"] + c["bwd"] + c["rec"]
-    opt = p_opt * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
+    opt = _optimizer_time_s(hw, p_opt)
     return M * compute_mb + opt + _bubble(b, hw, M, ga, compute_mb, compute_mb)
 
 
@@ -351,7 +356,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     t_mb = c["fwd"] + c["bwd"] + c["rec"] + sum(per_mb_exposed.values())
     fsdp_exposed = _fsdp_exposed(b, hw, cm, c["fwd"], c["bwd"] + c["rec"], rv.n_layers)
     _set_exposed(cm["ledger"], fsdp_exposed, cm["fsdp_ag_total_s"] + cm["fsdp_red_total_s"], tp_ratio)
-    opt = p_opt * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
+    opt = _optimizer_time_s(hw, p_opt)
     tb = {"compute_forward": M * c["fwd"], "compute_backward": M * c["bwd"], "recompute": M * c["rec"],
           "pp_bubble": _bubble(b, hw, M, ga, c["fwd"] + c["bwd"] + c["rec"], t_mb), "optimizer": opt}
     for axis, tt in cm["ledger"].exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
