@@ -56,6 +56,13 @@ PLAN_FLAGS = [
     ("distributed_optimizer", Optional[bool], typer.Option(
         None, "--distributed-optimizer/--no-distributed-optimizer",
         help="Megatron distributed optimizer: optimizer state sharded over dp_replicate (cost model only) [no]")),
+    ("te_layers", Optional[bool], typer.Option(
+        None, "--te-layers/--no-te-layers",
+        help="Megatron-Core Transformer Engine layers: SP inputs kept local and re-gathered in the backward, float8 "
+             "inputs saved, fused SwiGLU/RoPE, vocab-parallel embedding (cost model only) [no]")),
+    ("fused_loss", Optional[bool], typer.Option(
+        None, "--fused-loss/--no-fused-loss",
+        help="fused cross-entropy: no fp32 copy of the logits, one logits-sized gradient [no]")),
     ("sequence_parallel", Optional[bool], typer.Option(None, "--sequence-parallel/--no-sequence-parallel",
                                                         help="[on when tp > 1]")),
     ("fsdp_reshard_after_forward", Optional[str], typer.Option(None, "--fsdp-reshard-after-forward",

@@ -34,7 +34,7 @@ def short_degrees(plan) -> str:
 
 def short_options(plan) -> str:
     """compile (C), float8 (F8, rowwise r / gw_hp g), reshard never/always (R-/R+), async TP (aTP), distributed
-    optimizer (ZeRO1), a wrapper order other than PP>TP>AC>compile>FSDP (its letters)."""
+    optimizer (ZeRO1), TE layers (TE), fused loss (FL), a wrapper order other than PP>TP>AC>compile>FSDP (its letters)."""
     from parsim.plan import DEFAULT_ORDER
 
     out = []
@@ -48,6 +48,10 @@ def short_options(plan) -> str:
         out.append("aTP")
     if plan.distributed_optimizer:
         out.append("ZeRO1")
+    if plan.te_layers:
+        out.append("TE")
+    if plan.fused_loss:
+        out.append("FL")
     if tuple(plan.wrapper_order) != DEFAULT_ORDER:
         out.append("".join(WRAPPER_LETTERS[w] for w in plan.wrapper_order))
     return " ".join(out) or "-"
@@ -285,7 +289,8 @@ def _top_table(res, top: int, q: float, wide: bool, width: int = 100):
         t = Table(title=f"top {n} plans", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False,
                   caption=f"Per GPU. 90% interval of every step time: x/÷ {q:.2f}. degrees in device order, outermost "
                           "first. batch: local/micro (ga: gradient accumulation). options: C compile, F8 float8, "
-                          "R- / R+ reshard never / always, aTP async TP, ZeRO1 distributed optimizer, letters: a "
+                          "R- / R+ reshard never / always, aTP async TP, ZeRO1 distributed optimizer, TE Transformer "
+                          "Engine layers, FL fused loss, letters: a "
                           "wrapper order other than PTACF. --wide: every field")
         cols = (("#", "right"), ("degrees", "left"), ("sched", "left"), ("batch", "left"), ("AC", "left"),
                 ("options", "left"), ("step ms", "right"), ("tok/s", "right"), ("MFU", "right"),

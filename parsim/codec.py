@@ -60,6 +60,8 @@ class PlanBatch:
     f8_recipe: np.ndarray  # index into FLOAT8_RECIPES
     async_tp: np.ndarray  # bool
     dist_opt: np.ndarray  # bool: distributed optimizer (ZeRO-1 over dp_replicate)
+    te: np.ndarray  # bool: Megatron-Core Transformer Engine layers
+    fused_loss: np.ndarray  # bool: fused cross-entropy
     param_dtype: np.ndarray  # index into DTYPES
     reduce_dtype: np.ndarray  # index into DTYPES
     mesh_idx: np.ndarray  # index into mesh_orders
@@ -142,9 +144,9 @@ class PlanBatch:
 _SHARED = ("mesh_orders", "wrapper_orders", "rpn")
 _DTYPE_BYTES = np.array([DTYPE_BYTES[d] for d in DTYPES], dtype=np.int64)
 _INT_COLS = tuple(f.name for f in fields(PlanBatch) if f.name not in _SHARED)
-_BOOL_COLS = ("ep_ddp", "sp", "compile", "float8", "async_tp", "dist_opt")
+_BOOL_COLS = ("ep_ddp", "sp", "compile", "float8", "async_tp", "dist_opt", "te", "fused_loss")
 # columns a caller may leave out (their Plan default)
-_OPTIONAL_COLS = {"f8_recipe": 0, "async_tp": False, "dist_opt": False}
+_OPTIONAL_COLS = {"f8_recipe": 0, "async_tp": False, "dist_opt": False, "te": False, "fused_loss": False}
 
 
 def batch_of(cols: dict, mesh_orders: tuple, wrapper_orders: tuple, gpus_per_node: int | None) -> PlanBatch:
@@ -185,7 +187,8 @@ def _fields(p: Plan) -> dict:
         sched=PP_SCHEDULES[p.pp_schedule], v=p.pp_stages_per_rank, sp=bool(p.sequence_parallel) and p.tp > 1,
         raf_mode=RAF_MODES.index(p.fsdp_reshard_after_forward), ac=AC_MODES[mode], ac_every=every,
         compile=p.compile, float8=p.float8, f8_recipe=FLOAT8_RECIPES.index(p.float8_recipe), async_tp=p.async_tp,
-        dist_opt=p.distributed_optimizer, param_dtype=DTYPES.index(p.param_dtype),
+        dist_opt=p.distributed_optimizer, te=p.te_layers, fused_loss=p.fused_loss,
+        param_dtype=DTYPES.index(p.param_dtype),
         reduce_dtype=DTYPES.index(p.reduce_dtype), mesh_idx=0, wrapper_idx=0)
 
 
@@ -219,6 +222,7 @@ def plan_kwargs(b: PlanBatch, i: int) -> dict:
         sequence_parallel=g["sp"], fsdp_reshard_after_forward=RAF_MODES[g["raf_mode"]],
         ac=f"layer:{g['ac_every']}" if ac == "layer" else ac, compile=g["compile"], float8=g["float8"],
         float8_recipe=FLOAT8_RECIPES[g["f8_recipe"]], async_tp=g["async_tp"], distributed_optimizer=g["dist_opt"],
+        te_layers=g["te"], fused_loss=g["fused_loss"],
         param_dtype=DTYPES[g["param_dtype"]], reduce_dtype=DTYPES[g["reduce_dtype"]],
         wrapper_order=b.wrapper_orders[g["wrapper_idx"]],
     )

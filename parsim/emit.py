@@ -60,6 +60,12 @@ def _gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
     if plan.distributed_optimizer:
         out.append("distributed optimizer (ZeRO-1 over dp_replicate): not a torchtitan option; use FSDP "
                    "(data_parallel_shard_degree) to shard the optimizer state")
+    if plan.te_layers:
+        out.append("TE layers (Megatron-Core's Transformer Engine spec): not a torchtitan option; torchtitan runs "
+                   "its own layers (more activation memory under SP: see --emit-megatron)")
+    if plan.fused_loss:
+        out.append("fused cross-entropy: torchtitan has no loss option; with compile it compiles the loss "
+                   "(compile.components model, loss), which fuses it")
     if spec.name not in TORCHTITAN_MODELS:
         out.append(f"model {spec.name}: no torchtitan flavor known to parsim; set model_spec yourself")
     return out
@@ -244,6 +250,9 @@ def to_megatron_args(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
         if plan.float8_recipe != "tensorwise":
             gaps.append(f"float8 {plan.float8_recipe}: Megatron/TE has tensorwise (delayed / current scaling), "
                         "blockwise and mxfp8, not torchao's rowwise: blockwise emitted")
+    args.append("--transformer-impl " + ("transformer_engine" if plan.te_layers else "local"))
+    if plan.fused_loss:
+        args.append("--cross-entropy-loss-fusion")
     if plan.reduce_dtype == "float32":
         args.append("--accumulate-allreduce-grads-in-fp32")
     head = _header(plan, spec, plan.world_size, prediction, [], "# ")

@@ -35,6 +35,7 @@ DEFAULTS = {
     "seq_len": 4096,
     "pp_schedule": "1F1B", "pp_stages_per_rank": None, "ac": "none", "compile": False, "float8": False,
     "float8_recipe": "tensorwise", "async_tp": False, "distributed_optimizer": False,
+    "te_layers": False, "fused_loss": False,
     "sequence_parallel": None, "fsdp_reshard_after_forward": "default", "mesh_order": ",".join(AXES),
     "order": ",".join(DEFAULT_ORDER), "plan_file": None, "profile": "h100-sxm-spec-cal",
 }
@@ -135,7 +136,8 @@ def plan_from_given(given: dict) -> Plan:
         micro_batch_size=f["micro_batch_size"] or 0, global_batch_size=f["global_batch_size"] or 0,
         seq_len=f["seq_len"], pp_schedule=sched, pp_stages_per_rank=spr, ac=f["ac"], compile=f["compile"],
         float8=f["float8"], float8_recipe=f["float8_recipe"], async_tp=f["async_tp"],
-        distributed_optimizer=f["distributed_optimizer"], sequence_parallel=f["sequence_parallel"],
+        distributed_optimizer=f["distributed_optimizer"], te_layers=f["te_layers"], fused_loss=f["fused_loss"],
+        sequence_parallel=f["sequence_parallel"],
         fsdp_reshard_after_forward=f["fsdp_reshard_after_forward"], mesh_order=mesh_order,
         wrapper_order=parse_wrapper_order(f["order"]),
     )
@@ -201,7 +203,7 @@ def search_space(given: dict, *, no_pp: bool = False, no_cp: bool = False, max_t
             kw[a] = (given[a],)
     if given.get("ep_from") is not None:
         kw["ep_from"] = (given["ep_from"],)
-    for a in ("float8_recipe", "async_tp", "distributed_optimizer"):
+    for a in ("float8_recipe", "async_tp", "distributed_optimizer", "te_layers", "fused_loss"):
         if given.get(a) is not None:
             kw[a] = given[a]
     if given.get("sequence_parallel") is not None:

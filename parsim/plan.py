@@ -28,7 +28,8 @@ EP_FROM = ("dp_shard", "dp_replicate")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # fields added after plan ids were first recorded: left out of the id while at their default, so that the ids of
 # earlier plans (and the measurements keyed by them) stay valid
-_LATE_DEFAULTS = {"float8_recipe": "tensorwise", "async_tp": False, "distributed_optimizer": False}
+_LATE_DEFAULTS = {"float8_recipe": "tensorwise", "async_tp": False, "distributed_optimizer": False,
+                  "te_layers": False, "fused_loss": False}
 # absurd sizes, refused before anything is enumerated (and int64 / float arithmetic stays far from overflow)
 MAX_GPUS = 2**20  # 1,048,576: beyond every cluster built so far
 MAX_SEQ_LEN = 2**24  # 16,777,216 tokens
@@ -83,6 +84,14 @@ class Plan:
     # Megatron's distributed optimizer (ZeRO-1): fp32 master weights and AdamW states sharded over dp_replicate,
     # gradients reduce-scattered and updated parameters all-gathered instead of one all-reduce
     distributed_optimizer: bool = False
+    # Megatron-Core's Transformer Engine layers (its default layer spec): LayerNorm+Linear fused modules that keep
+    # their sequence-parallel input local and all-gather it again in the backward, float8 linears that keep float8
+    # inputs, a fused SwiGLU / GeLU that keeps only the fc1 output, fused RoPE, a vocab-parallel embedding
+    # (cost model only: Transformer Engine runs on CUDA)
+    te_layers: bool = False
+    # a fused cross-entropy (flash-attn's xentropy, Megatron's cross_entropy_loss_fusion, llm-foundry's default
+    # loss): fp32 math inside the kernel, no fp32 copy of the logits, the gradient one logits-sized tensor
+    fused_loss: bool = False
 
     def __post_init__(self):
         s = object.__setattr__
@@ -135,7 +144,7 @@ class Plan:
         world = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if world > MAX_GPUS:
             raise ParsimError(f"the degrees multiply to {world} GPUs, more than the {MAX_GPUS} parsim plans for")
-        for a in ("compile", "float8", "async_tp", "distributed_optimizer"):
+        for a in ("compile", "float8", "async_tp", "distributed_optimizer", "te_layers", "fused_loss"):
             if not isinstance(getattr(self, a), bool):
                 raise ParsimError(f"{a} must be true or false, got {getattr(self, a)!r}")
         if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):

@@ -19,7 +19,8 @@ def print_prediction(pred: Prediction, spec, plan) -> None:
     con.print(f"[bold]{spec.name}[/bold] ({spec.n_params / 1e9:.2f}B params) on {pred.n_gpus} GPUs "
               f"({pred.profile})  plan {plan.describe()}  id {pred.plan_id}")
     extras = [f"float8 {plan.float8_recipe}" if plan.float8 else "", "async TP" if plan.async_tp else "",
-              "distributed optimizer" if plan.distributed_optimizer else ""]
+              "distributed optimizer" if plan.distributed_optimizer else "",
+              "TE layers" if plan.te_layers else "", "fused loss" if plan.fused_loss else ""]
     con.print(f"seq {plan.seq_len}, local batch {plan.local_batch_size}, micro batch {plan.micro_batch_size}, "
               f"global batch {plan.global_batch_size} (gradient accumulation {plan.grad_accum_steps}), "
               f"AC {plan.ac}, compile {plan.compile}, order {'>'.join(plan.wrapper_order)}"

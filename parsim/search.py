@@ -100,6 +100,8 @@ class SearchSpace:
     float8_recipe: str = "tensorwise"
     async_tp: bool = False
     distributed_optimizer: bool = False
+    te_layers: bool = False
+    fused_loss: bool = False
     max_plans: int | None = None  # 0: no limit; None: MAX_PLANS for an exhaustive search, none when pruned
     # skip what provably cannot be in the top list or on the Pareto front: options dominated by a kept one (AC
     # wrapping compile: the same memory, the recompute twice) and plans whose memory class does not fit
@@ -358,7 +360,7 @@ def _batch_at(base: dict, opts: np.ndarray, idx: np.ndarray, sp: SearchSpace, gp
             "compile": o[:, 2], "float8": o[:, 3], "param_dtype": DTYPES.index("bfloat16"),
             "reduce_dtype": DTYPES.index("float32"), "mesh_idx": perm, "wrapper_idx": o[:, 6],
             "f8_recipe": FLOAT8_RECIPES.index(sp.float8_recipe), "async_tp": sp.async_tp & (c[:, 4] > 1),
-            "dist_opt": sp.distributed_optimizer & (c[:, 1] > 1)}
+            "dist_opt": sp.distributed_optimizer & (c[:, 1] > 1), "te": sp.te_layers, "fused_loss": sp.fused_loss}
     return batch_of(cols, tuple(base["perms"]), tuple(base["orders"]), gpn)
 
 

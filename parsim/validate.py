@@ -249,11 +249,34 @@ def note_options(r: dict, deg: dict) -> dict:
       sharding"); NeMo 24.07 rows say "optimizer-state sharding not stated", and NeMo's launcher configs for these
       models use ``distributed_fused_adam`` [assumed from those configs]."""
     n = str(_num(r.get("notes"), "")).lower()
+    opts = framework_options(r)
     recipe = "rowwise_with_gw_hp" if "gw_hp" in n else "rowwise" if "rowwise" in n else "tensorwise"
     async_tp = deg["tp"] > 1 and re.search(r"(?<!no )\basync ?tp\b(?!\s*off)", n) is not None
     ddp = deg["dp_replicate"] > 1 and deg["dp_shard"] == 1
     dist = ddp and ("optimizer-state sharding" in n or "optimizer state sharding" in n)
-    return {"float8_recipe": recipe, "async_tp": async_tp, "distributed_optimizer": dist}
+    return {"float8_recipe": recipe, "async_tp": async_tp, "distributed_optimizer": dist, **opts}
+
+
+# what the framework that ran a row does by default and a plan must say (configuration, not a fitted factor):
+# (words of which one must appear in the row's source or table, framework, plan options, where it is set)
+FRAMEWORKS = (
+    (("megatron", "nemo"), "Megatron-Core", {"te_layers": True},
+     "Megatron-Core's default layer spec is Transformer Engine's (transformer_impl='transformer_engine'), "
+     "which NeMo and Megatron-Bridge use"),
+    (("llm-foundry", "llmfoundry", "mosaicml"), "llm-foundry", {"fused_loss": True},
+     "MPT's loss_fn defaults to 'fused_crossentropy' (flash-attn's xentropy CrossEntropyLoss) [assumed from "
+     "llm-foundry's MPT code; the tables do not print it]"),
+)
+
+
+def framework_options(r: dict) -> dict:
+    """The plan options of the framework a published row names in its ``source`` / ``table`` (FRAMEWORKS);
+    none for a framework parsim does not know (torchtitan runs parsim's defaults)."""
+    where = f"{_num(r.get('source'), '')} {_num(r.get('table'), '')}".lower()
+    for words, _name, opts, _why in FRAMEWORKS:
+        if any(w in where for w in words):
+            return dict(opts)
+    return {}
 
 
 # hardware variants with a profile of their own, recognized in the published `hardware` column (public figures of

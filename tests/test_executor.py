@@ -35,6 +35,9 @@ PARITY = [
     ("tiny-moe", dict(dp_shard=2, tp=2, ep=4, local_batch_size=4)),
     ("tiny-moe", dict(pp=2, tp=2, ep=2, local_batch_size=8, micro_batch_size=2)),
     ("tiny-moe", dict(dp_shard=2, tp=2, local_batch_size=4, sequence_parallel=False)),
+    # the fused cross-entropy (issue 11), also as a pipeline's loss
+    ("tiny", dict(dp_shard=4, local_batch_size=2, fused_loss=True)),
+    ("tiny", dict(pp=2, dp_shard=2, local_batch_size=4, micro_batch_size=2, fused_loss=True)),
 ]
 
 
@@ -111,6 +114,19 @@ def _assert_trace_matches_prediction(spec, plan, mem_tol):
 def test_trace_64_rank_fsdp_tp_matches_the_model():
     # llama3-8b, FSDP 8 x TP 8 on 64 fake ranks, in this one process
     _assert_trace_matches_prediction(PRESETS["llama3-8b"], Plan(dp_shard=8, tp=8, seq_len=2048), 0.01)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_trace_of_the_loss_matches_the_model(fused):
+    # llama3-8b, FSDP 8 without TP: whole-vocabulary logits (4096 x 128256 per rank) set the peak; torch's fp32
+    # cross-entropy keeps 12 B/logit at its peak, the fused one 4 (the bf16 logits and their gradient). With the
+    # fused loss the trace's peak (an aten.empty in the loss's backward) is 0.63 GiB (1.8%) above the model's,
+    # not itemized yet: hence 2.5% there
+    t = _assert_trace_matches_prediction(PRESETS["llama3-8b"], Plan(dp_shard=8, seq_len=2048, local_batch_size=2,
+                                                                    fused_loss=fused), 0.025 if fused else 0.01)
+    p = predict(PRESETS["llama3-8b"], Plan(dp_shard=8, seq_len=2048, local_batch_size=2, fused_loss=not fused), H100)
+    logits = 2 * 2048 * 128256
+    assert (p.peak_memory_bytes - t.peak_memory_bytes) * (1 if fused else -1) > 4 * logits
 
 
 def test_trace_with_another_device_order_matches_the_model():

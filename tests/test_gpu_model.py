@@ -117,3 +117,36 @@ def test_ddp_style_ep_is_picked_when_only_it_is_valid():
     assert p.ep_from == "dp_replicate" and p.dp_shard == 1
     q = plan_from_given({"model": "qwen3-30b-a3b", "gpus": 64, "dp_shard": 16, "tp": 4, "ep": 8})
     assert q.ep_from == "dp_shard"
+
+
+def test_te_layers_keep_what_megatron_core_keeps():
+    """Megatron-Core's TE layers, float8, SP, no AC, per layer and microbatch (derived in layers.saved_tensors):
+    norm inputs (bf16) and 1/rms (fp32) of the local shard, the norm outputs' local float8 shards, q/k/v,
+    attention output (bf16) and its float8 copy, logsumexp, fc1's two halves (bf16) and fc2's float8 input."""
+    from parsim.codec import encode
+    from parsim.costmodel.layers import Shapes, activation_bytes
+
+    spec = PRESETS["llama3-70b"]
+    plan = Plan(pp=2, dp_replicate=2, tp=4, seq_len=8192, local_batch_size=2, micro_batch_size=1, float8=True,
+                te_layers=True)
+    b = encode([plan], 8)
+    got = float(activation_bytes(spec, Shapes(spec, b), False)["none"][0])
+    T, t, d, ff, h = 8192.0, 4.0, spec.d_model, spec.d_ff, spec.n_heads
+    q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    attn = T * d / t * 2 + T / t * 4 + T * d / t * 1 + T * (q + 2 * kv) / t * 2 + T * q / t * (2 + 1) + T * h / t * 4
+    mlp = T * d / t * 2 + T / t * 4 + T * d / t * 1 + T * ff / t * (2 + 2 + 1)
+    assert got == pytest.approx(attn + mlp, rel=1e-12)
+    torch_layers = float(activation_bytes(spec, Shapes(spec, encode([dataclasses.replace(plan, te_layers=False)],
+                                                                     8)), False)["none"][0])
+    assert got < 0.6 * torch_layers
+
+
+def test_published_rows_carry_their_framework():
+    assert V.framework_options({"source": "megatron-bridge", "table": "x"}) == {"te_layers": True}
+    assert V.framework_options({"source": "nemo-24.07", "table": "x"}) == {"te_layers": True}
+    assert V.framework_options({"source": "llm-foundry", "table": "x"}) == {"fused_loss": True}
+    assert V.framework_options({"source": "torchtitan", "table": "x"}) == {}
+    spec, plan = V.published_plan({"id": "r", "source": "megatron-bridge", "model": "llama3-8b", "gpus": 8,
+                                   "dp_replicate": 2, "dp_shard": 1, "tp": 4, "ac": "none", "local_batch_size": 4,
+                                   "micro_batch_size": 1, "global_batch_size": 8, "seq_len": 4096, "float8": 1})
+    assert plan.te_layers and not plan.fused_loss

@@ -197,8 +197,11 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> Non
     # alone) is never needed (trace: 81 instead of 97 reduce-scatters per microbatch for 16 fully checkpointed
     # llama3-8b layers at tp 4)
     rs_mm = 2.0 * L + n_full
+    # TE layers all-gather the norm output in float8 when float8 is on and gather it again in the backward (the
+    # local shard is what they keep, see layers.saved_tensors) [derived]
+    ag_res = ag_res + np.where(sh.te, 2.0 * L, 0.0)
     led.add("TP all-gather of norm outputs before the column-parallel linears (incl. recompute)", "all_gather", "tp",
-            T * d / t * sh.res_b, M * ag_res, g, r, "forward+backward", "exposed", tp_on & sp)
+            T * d / t * np.where(sh.te, sh.f8b, sh.res_b), M * ag_res, g, r, "forward+backward", "exposed", tp_on & sp)
     led.add("TP all-gather of row-parallel output gradients", "all_gather", "tp", T * d / t * sh.act_b, M * ag_mm,
             g, r, "backward", "exposed", tp_on & sp)
     led.add("TP reduce-scatter of row-parallel outputs (incl. full-AC recompute)", "reduce_scatter", "tp",

@@ -75,6 +75,10 @@ class Shapes:
         # param_dtype, so linears, attention and the elementwise ops between them produce param_dtype tensors
         # (bf16: 2 B; an fp32 plan, the fast dtype of CPUs without bf16 instructions: 4 B)
         self.act_b = b.param_bytes.astype(float)
+        # Transformer Engine layers (Megatron-Core): a float8 linear keeps its input in float8 (1 B) for the weight
+        # gradient, else in param_dtype [derived: TE's Linear / LayerNormLinear save the quantized input]
+        self.te = np.asarray(b.te, dtype=bool)
+        self.f8b = np.where(b.float8, 1.0, self.act_b)
         self.seq = b.seq_len.astype(float)
         self.etp = b.etp_eff.astype(float)
         self.ep = b.ep.astype(float)
@@ -129,10 +133,15 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     d = spec.d_model
     b2, b4 = sh.act_b, 4.0  # activations in param_dtype; norm rstd, logsumexp, router scores in fp32 [derived]
     rb = sh.res_b
+    te = sh.te
+    # the norm output a column-parallel linear keeps: gathered over tp (torch SP: the all-gather's output is what
+    # the matmul saves), or, under TE layers, the local sequence shard in float8 / param_dtype, all-gathered again
+    # in the backward (TE LayerNormLinear with sequence_parallel) [derived]
+    norm_out = np.where(te, T * d / sd * sh.f8b, T * d * b2)
     out = [
         ("attention_norm.input", T * d / sd * rb, "input"),
         ("attention_norm.rstd", T / sd * b4, "other"),
-        ("attention_norm.output(gathered)", T * d * b2, "other"),
+        ("attention_norm.output(gathered)", norm_out, "other"),
     ]
     mats = spec.attention_matrices()
     if spec.mla:
@@ -155,16 +164,19 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
                 ("q.rotated", T * hq * hd * b2, "other"), ("k.rotated", T * hk * hd * b2, "other")]
     rope_dim = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
     out += [
-        ("rope.cos_sin", T * rope_dim * b2, "other"),  # the bf16 cos and sin (hd/2 each) the rotation keeps
+        # the bf16 cos and sin (hd/2 each) the rotation keeps; TE's fused RoPE recomputes them
+        ("rope.cos_sin", np.where(te, 0.0, T * rope_dim * b2), "other"),
         ("sdpa.out", T * spec.attn_out_dim / t * b2, "sdpa"),
+        # under TE with float8 the output projection keeps its own float8 copy of the attention output
+        ("wo.input(float8)", np.where(te & (sh.f8b < b2), T * spec.attn_out_dim / t * sh.f8b, 0.0), "other"),
         ("sdpa.logsumexp", T * spec.n_heads / t * b4, "sdpa"),
         ("wo.out", T * d * b2, "mm"),
     ]
     out += [("wo.reduce_scatter.out", np.where(sd > 1, T * d / sd * b2, 0.0), "rs"),
             ("ffn_norm.input", T * d / sd * rb, "other"), ("ffn_norm.rstd", T / sd * b4, "other"),
-            ("ffn_norm.output(gathered)", T * d * b2, "other")]
+            ("ffn_norm.output(gathered)", norm_out, "other")]
     if not moe:
-        out += _mlp_saved(spec, T, spec.d_ff / t, "mlp", T * d * b2, b2)
+        out += _mlp_saved(spec, T, spec.d_ff / t, "mlp", T * d * b2, b2, te=te, f8b=sh.f8b)
     else:
         mo = spec.moe
         assert mo is not None
@@ -179,12 +191,20 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     return out
 
 
-def _mlp_saved(spec, T, ff_local, prefix, out_bytes, b2, kind="mm"):
+def _mlp_saved(spec, T, ff_local, prefix, out_bytes, b2, kind="mm", te=False, f8b=None):
+    """The MLP's saved tensors. Under TE layers (Megatron-Core) the fused bias-SwiGLU / GeLU keeps only its
+    input (the fc1 output) and recomputes the activation in its backward, and fc2 keeps its input in float8 when
+    float8 is on [derived: megatron.core.fusions.fused_bias_swiglu saves its input; TE Linear the quantized
+    input]."""
+    f8b = b2 if f8b is None else f8b
+    act = np.where(te, 0.0, T * ff_local * b2)  # the activation's own output, kept apart only without TE
+    w2_in = np.where(te, T * ff_local * f8b, T * ff_local * b2)
     if spec.mlp == "swiglu":
-        return [(f"{prefix}.w1.out", T * ff_local * b2, kind), (f"{prefix}.silu.out", T * ff_local * b2, "other"),
-                (f"{prefix}.w3.out", T * ff_local * b2, kind), (f"{prefix}.w2.input", T * ff_local * b2, "other"),
+        return [(f"{prefix}.w1.out", T * ff_local * b2, kind), (f"{prefix}.silu.out", act, "other"),
+                (f"{prefix}.w3.out", T * ff_local * b2, kind), (f"{prefix}.w2.input", w2_in, "other"),
                 (f"{prefix}.w2.out", out_bytes, kind)]
-    return [(f"{prefix}.w1.out", T * ff_local * b2, kind), (f"{prefix}.gelu.out", T * ff_local * b2, "other"),
+    # GeLU: its output is fc2's input (float8 under TE with float8)
+    return [(f"{prefix}.w1.out", T * ff_local * b2, kind), (f"{prefix}.gelu.out", w2_in, "other"),
             (f"{prefix}.w2.out", out_bytes, kind)]
 
 

@@ -30,6 +30,12 @@ unsharded params of two blocks and one block's gradient buffers, the recompute t
 of a later microbatch (beside the gradients the first one accumulated), end of backward (the
 embedding's dense full-vocabulary gradient on the first stage) and the optimizer step (one fp32 temporary per
 parameter, foreach AdamW). All hold the sharded fp32 params and AdamW states.
+
+What the framework's kernels keep is a plan option, not a factor: ``fused_loss`` (a fused cross-entropy: the
+logits and one gradient of their size, 2 x param_dtype bytes per logit, against torch's 12 B/logit on an fp32 copy)
+and ``te_layers`` (Megatron-Core's Transformer Engine layers: sequence-parallel norm outputs kept as local shards,
+in float8 when float8 is on, and all-gathered again in the backward; fused SwiGLU / RoPE keeping their inputs only;
+a vocab-parallel embedding whose gradient is its shard; see ``layers.saved_tensors``).
 """
 
 from __future__ import annotations
@@ -300,9 +306,13 @@ def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile
     rec = rec * np.where(b.ac_wraps_compile & b.compile, ac_wraps_compile_recompute_factor(), 1.0)
     logits = sh.T * spec.vocab_size / sh.t
     out_gemm = hw.gemm_efficiency.time_s(2.0 * logits * spec.d_model, compute_peak(hw, b))
-    loss_mem = LOSS_BYTES_PER_LOGIT * logits / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
-    fwd = fwd + np.where(rv.has_out, out_gemm + loss_mem, 0.0)
-    bwd = bwd + np.where(rv.has_out, GEMM_BWD_PER_FWD * out_gemm + loss_mem, 0.0)
+    # a fused cross-entropy reads the logits once in the forward and reads them / writes their gradient in the
+    # backward, all in param_dtype [derived]
+    hbm = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
+    loss_fwd = np.where(b.fused_loss, sh.act_b, LOSS_BYTES_PER_LOGIT) * logits / hbm
+    loss_bwd = np.where(b.fused_loss, 2.0 * sh.act_b, LOSS_BYTES_PER_LOGIT) * logits / hbm
+    fwd = fwd + np.where(rv.has_out, out_gemm + loss_fwd, 0.0)
+    bwd = bwd + np.where(rv.has_out, GEMM_BWD_PER_FWD * out_gemm + loss_bwd, 0.0)
     return {"fwd": fwd, "bwd": bwd, "rec": rec, "act": act, "transient": transient, "logits": logits, "gemm": gemm}
 
 
@@ -413,7 +423,10 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     # 1F1B / interleaved, or any schedule with ga > 1) the unsharded grads accumulated in reduce_dtype — the
     # embedding's at full vocabulary size — sit beside a full set of in-flight activations; before that (GPipe
     # in its one pass) nothing has accumulated
-    accumulated = (ne_local + ex_local - emb_local) * rb + np.where(has_emb, V * d * rb, 0.0)
+    # the embedding's gradient: dense over the full vocabulary (torch's embedding backward, also under
+    # RowwiseParallel), or its vocab shard under TE layers (Megatron's VocabParallelEmbedding) [derived]
+    emb_full = np.where(b.te, emb_local, V * d)
+    accumulated = (ne_local + ex_local - emb_local) * rb + np.where(has_emb, emb_full * rb, 0.0)
     # with gradient accumulation (ga > 1) the grads of the earlier passes are there in every schedule (traces of
     # pp2 GPipe with ga 4 in fp32: the stage's full gradients beside the activations) [measured]
     steady = (b.pp > 1) & (((b.sched != SCHED_GPIPE) & (m_pass > inflight)) | (ga > 1))
@@ -435,13 +448,16 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     # the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read off the live
     # storages at the peak of executor traces). Plus the final norm's input and gathered output. An fp32 plan has
     # no separate fp32 copy of its logits: 8 B/logit under loss parallel [derived from the bf16 case].
-    per_logit = np.where(b.tp > 1, sh.act_b + np.where(sh.act_b < 4, 4.0, 0.0) + 4.0, 12.0)  # [measured] bf16
+    # A fused cross-entropy keeps the logits and writes one gradient of their size (param_dtype each) [derived;
+    # executor trace of its fused loss, tests/test_fused_loss.py]
+    per_logit = np.where(b.fused_loss, 2.0 * sh.act_b,
+                         np.where(b.tp > 1, sh.act_b + np.where(sh.act_b < 4, 4.0, 0.0) + 4.0, 12.0))  # [measured]
     logits_bytes = np.where(rv.has_out, c["logits"] * per_logit + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
     # the embedding's backward (first stage) materializes a dense gradient of the full vocabulary, also under TP
     # (seen in traces with torch 2.13's RowwiseParallel embedding); without PP FSDP then reduce-scatters it (input
     # in reduce_dtype), with PP it accumulates it unsharded in reduce_dtype at full vocabulary size, beside the
     # other blocks' accumulated grads, while the other in-flight microbatches keep their activations
-    emb_grad = np.where(has_emb, V * d * pb + np.where(b.pp > 1, V * d * rb, emb_local * rb), 0.0)
+    emb_grad = np.where(has_emb, emb_full * pb + np.where(b.pp > 1, emb_full * rb, emb_local * rb), 0.0)
     return {
         "end of forward": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_fwd, activations=acts,
                                logits_and_loss=logits_bytes),
@@ -458,7 +474,7 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
                                                fsdp_grad_buffers=np.where(later, layer_w * pb, 0.0),
                                                activations=np.where(later, np.minimum(inflight, m_all - 1.0), 0.0)
                                                * c["act"]),
-        "end of backward": dict(base, gradients=np.where(b.pp > 1, accumulated - np.where(has_emb, V * d * rb, 0.0),
+        "end of backward": dict(base, gradients=np.where(b.pp > 1, accumulated - np.where(has_emb, emb_full * rb, 0.0),
                                                          np.maximum(grads_prev, p_shard * 4.0)),
                                 fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),
                                 fsdp_grad_buffers=emb_grad, activations=np.maximum(inflight - 1.0, 0.0) * c["act"]),

@@ -21,11 +21,22 @@ from torch import nn
 
 from ..errors import ParsimError
 from ..plan import AXES, Plan, parse_ac
+from .loss import check_fused_loss
+
+
+def check_executable(plan: Plan) -> None:
+    """Plan options the executor cannot run: one clear error before any process group is touched."""
+    if plan.te_layers:
+        raise ParsimError("te_layers (Megatron-Core's Transformer Engine layers) is a cost-model option: "
+                          "Transformer Engine runs on CUDA only, the executor has no such layers")
+    check_fused_loss(plan)
 
 
 class Meshes:
     def __init__(self, plan: Plan, device_type: str):
         from torch.distributed.device_mesh import DeviceMesh
+
+        check_executable(plan)
 
         self.plan = plan
         # ranks laid out row-major in the plan's device order (the last axis fastest), then viewed in parsim's

@@ -23,11 +23,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..plan import Plan
 from ..results import Measurement
 from ..spec import ModelSpec
+from .loss import loss_sum
 
 
 def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
@@ -94,8 +94,8 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
         dist.destroy_process_group()
 
 
-def _loss(logits, y, n_global):
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / n_global
+def _loss(logits, y, n_global, fused=False):
+    return loss_sum(logits, y, fused) / n_global
 
 
 def _fake_step(spec, plan: Plan, parts, stage_ids, sends):
@@ -106,7 +106,7 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends):
     for _ in range(plan.grad_accum_steps):
         if plan.pp == 1:
             x = torch.randint(0, spec.vocab_size, (plan.local_batch_size, seq))
-            _loss(parts[0](x), x, n_global).backward()
+            _loss(parts[0](x), x, n_global, plan.fused_loss).backward()
             continue
         from torch.distributed.fsdp import FSDPModule
 
@@ -160,7 +160,7 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends):
                 inp = torch.randn(hidden_shape, dtype=hidden_dtype, requires_grad=True)
             out = parts[c](inp)
             if sid == n_stages - 1:
-                out = _loss(out, torch.randint(0, spec.vocab_size, (mbs, seq)), n_global)
+                out = _loss(out, torch.randint(0, spec.vocab_size, (mbs, seq)), n_global, plan.fused_loss)
             else:
                 sends["bytes"] += out.numel() * out.element_size()
             inflight.append((c, out, inp))

@@ -29,11 +29,11 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..plan import Plan
 from ..procs import die_with_parent
 from ..spec import load_model
+from .loss import loss_sum
 
 SEED_DATA = 1000
 LR, WD, CLIP = 1e-3, 0.1, 1.0
@@ -189,7 +189,7 @@ def _run(args, device, rank, world) -> dict:
             x, y = mine[k * lbs:(k + 1) * lbs, :-1], mine[k * lbs:(k + 1) * lbs, 1:]
             if schedule is None:
                 logits = parts[0](x)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / n_global
+                loss = loss_sum(logits, y, plan.fused_loss) / n_global
                 loss.backward()
                 contrib += _local(loss.detach())
             else:
@@ -251,7 +251,7 @@ def _schedule(plan, parts, stage_ids, meshes, device, n_global):
     stages = [PipelineStage(m, s, n_stages, device, group=g) for m, s in zip(parts, stage_ids, strict=True)]
 
     def loss_fn(logits, target):
-        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum") / n_global
+        return loss_sum(logits, target, plan.fused_loss) / n_global
 
     n_micro = plan.n_microbatches
     if plan.pp_schedule == "Interleaved1F1B":
