@@ -34,7 +34,8 @@ def short_degrees(plan) -> str:
 
 def short_options(plan) -> str:
     """compile (C), float8 (F8, rowwise r / gw_hp g), reshard never/always (R-/R+), async TP (aTP), distributed
-    optimizer (ZeRO1), TE layers (TE), fused loss (FL), a wrapper order other than PP>TP>AC>compile>FSDP (its letters)."""
+    optimizer (ZeRO1), TE layers (TE), fused loss (FL), a wrapper order other than PP>TP>AC>compile>FSDP (its
+    letters)."""
     from parsim.plan import DEFAULT_ORDER
 
     out = []
