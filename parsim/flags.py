@@ -17,6 +17,7 @@ from .plan import (
     DEFAULT_ORDER,
     EP_FROM,
     FLOAT8_RECIPES,
+    LATE_DEFAULTS,
     MAX_BATCH,
     MAX_GPUS,
     MAX_SEQ_LEN,
@@ -203,7 +204,7 @@ def search_space(given: dict, *, no_pp: bool = False, no_cp: bool = False, max_t
             kw[a] = (given[a],)
     if given.get("ep_from") is not None:
         kw["ep_from"] = (given["ep_from"],)
-    for a in ("float8_recipe", "async_tp", "distributed_optimizer", "te_layers", "fused_loss"):
+    for a in LATE_DEFAULTS:  # the options added late are pinned, not enumerated
         if given.get(a) is not None:
             kw[a] = given[a]
     if given.get("sequence_parallel") is not None:

@@ -28,7 +28,7 @@ EP_FROM = ("dp_shard", "dp_replicate")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # fields added after plan ids were first recorded: left out of the id while at their default, so that the ids of
 # earlier plans (and the measurements keyed by them) stay valid
-_LATE_DEFAULTS = {"float8_recipe": "tensorwise", "async_tp": False, "distributed_optimizer": False,
+LATE_DEFAULTS = {"float8_recipe": "tensorwise", "async_tp": False, "distributed_optimizer": False,
                   "te_layers": False, "fused_loss": False}
 # absurd sizes, refused before anything is enumerated (and int64 / float arithmetic stays far from overflow)
 MAX_GPUS = 2**20  # 1,048,576: beyond every cluster built so far
@@ -144,7 +144,7 @@ class Plan:
         world = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if world > MAX_GPUS:
             raise ParsimError(f"the degrees multiply to {world} GPUs, more than the {MAX_GPUS} parsim plans for")
-        for a in ("compile", "float8", "async_tp", "distributed_optimizer", "te_layers", "fused_loss"):
+        for a in ("compile", "float8", *(k for k, v in LATE_DEFAULTS.items() if isinstance(v, bool))):
             if not isinstance(getattr(self, a), bool):
                 raise ParsimError(f"{a} must be true or false, got {getattr(self, a)!r}")
         if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
@@ -217,7 +217,7 @@ class Plan:
     @property
     def plan_id(self) -> str:
         """Stable hash of the canonical JSON form (defaults resolved), 12 hex digits."""
-        d = {k: v for k, v in self.to_dict().items() if k not in _LATE_DEFAULTS or v != _LATE_DEFAULTS[k]}
+        d = {k: v for k, v in self.to_dict().items() if k not in LATE_DEFAULTS or v != LATE_DEFAULTS[k]}
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parsim.errors import ParsimError  # noqa: E402
-from parsim.executor.loss import FusedCrossEntropy, check_fused_loss, loss_sum  # noqa: E402
+from parsim.executor.loss import FusedCrossEntropy, loss_sum  # noqa: E402
 from parsim.plan import Plan  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def test_executor_refuses_what_it_cannot_run():
     from parsim.executor.parallelize import check_executable
 
     with pytest.raises(ParsimError, match="whole-vocabulary"):
-        check_fused_loss(Plan(tp=2, fused_loss=True))
+        check_executable(Plan(tp=2, fused_loss=True))
     check_executable(Plan(dp_shard=2, fused_loss=True))
     with pytest.raises(ParsimError, match="Transformer Engine"):
         check_executable(Plan(dp_shard=2, te_layers=True))

@@ -77,7 +77,7 @@ class Shapes:
         self.act_b = b.param_bytes.astype(float)
         # Transformer Engine layers (Megatron-Core): a float8 linear keeps its input in float8 (1 B) for the weight
         # gradient, else in param_dtype [derived: TE's Linear / LayerNormLinear save the quantized input]
-        self.te = np.asarray(b.te, dtype=bool)
+        self.te = b.te
         self.f8b = np.where(b.float8, 1.0, self.act_b)
         self.seq = b.seq_len.astype(float)
         self.etp = b.etp_eff.astype(float)

@@ -449,7 +449,7 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     # storages at the peak of executor traces). Plus the final norm's input and gathered output. An fp32 plan has
     # no separate fp32 copy of its logits: 8 B/logit under loss parallel [derived from the bf16 case].
     # A fused cross-entropy keeps the logits and writes one gradient of their size (param_dtype each) [derived;
-    # executor trace of its fused loss, tests/test_fused_loss.py]
+    # full-scale trace of the executor's fused loss: test_trace_of_the_loss_matches_the_model]
     per_logit = np.where(b.fused_loss, 2.0 * sh.act_b,
                          np.where(b.tp > 1, sh.act_b + np.where(sh.act_b < 4, 4.0, 0.0) + 4.0, 12.0))  # [measured]
     logits_bytes = np.where(rv.has_out, c["logits"] * per_logit + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)

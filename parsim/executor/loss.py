@@ -50,17 +50,10 @@ class FusedCrossEntropy(torch.autograd.Function):
 
 def loss_sum(logits: torch.Tensor, target: torch.Tensor, fused: bool) -> torch.Tensor:
     """Sum of the token losses of a (batch, seq, vocab) logits tensor: torch's fp32 cross-entropy, or the fused
-    one (whole-vocabulary logits only: under TP the logits are vocab-sharded DTensors, see ``check_fused_loss``)."""
+    one (whole-vocabulary logits only: under TP the logits are vocab-sharded DTensors, refused by
+    ``parallelize.check_executable``)."""
     flat, y = logits.flatten(0, 1), target.flatten()
     if fused:
         return FusedCrossEntropy.apply(flat, y)
     return F.cross_entropy(flat.float(), y, reduction="sum")
 
-
-def check_fused_loss(plan) -> None:
-    """The executor's fused loss needs whole-vocabulary logits: one clear error under TP (loss_parallel)."""
-    if plan.fused_loss and plan.tp > 1:
-        from ..errors import ParsimError
-
-        raise ParsimError("the executor's fused cross-entropy runs on whole-vocabulary logits (tp 1); with TP "
-                          "the cost model alone covers it (a vocab-parallel fused loss)")

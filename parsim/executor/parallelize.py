@@ -21,7 +21,6 @@ from torch import nn
 
 from ..errors import ParsimError
 from ..plan import AXES, Plan, parse_ac
-from .loss import check_fused_loss
 
 
 def check_executable(plan: Plan) -> None:
@@ -29,7 +28,9 @@ def check_executable(plan: Plan) -> None:
     if plan.te_layers:
         raise ParsimError("te_layers (Megatron-Core's Transformer Engine layers) is a cost-model option: "
                           "Transformer Engine runs on CUDA only, the executor has no such layers")
-    check_fused_loss(plan)
+    if plan.fused_loss and plan.tp > 1:
+        raise ParsimError("the executor's fused cross-entropy runs on whole-vocabulary logits (tp 1); with TP "
+                          "the cost model alone covers it (a vocab-parallel fused loss)")
 
 
 class Meshes:
