@@ -33,6 +33,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 SCHED_NAMES = {v: k for k, v in PP_SCHEDULES.items()}
 AC_NAMES = {v: k for k, v in AC_MODES.items()}
 GROUPS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "fsdp", "ep", "efsdp", "edp")
+# how a collective is named when several axes' groups hold the same ranks (e.g. the expert-FSDP group equal to the
+# dp_shard group when EP takes exactly cp x tp): the first of these whose rank set it is; an all-to-all is EP's
+# whenever EP is among them. The executor's counter and the model's ``canonical_axes`` apply it alike.
+AXIS_PRIORITY = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp_shard+cp", "efsdp", "edp", "ep")
 
 
 @dataclass
@@ -333,6 +337,13 @@ RULES: tuple[Rule, ...] = (
          lambda b, s: (b.pp > 1) & (b.sched != PP_SCHEDULES["GPipe"]) & (b.n_micro < b.pp),
          lambda p, s: f"{p.pp_schedule} needs at least pp={p.pp} microbatches, got local batch / micro batch = "
                       f"{p.local_batch_size} / {p.micro_batch_size} = {p.n_microbatches}"),
+    # torch's ScheduleInterleaved1F1B runs max(1, m // pp) rounds of equal size and raises otherwise
+    # (Megatron's interleaved schedule also wants m a multiple of pp)
+    Rule("Interleaved1F1B microbatches not in equal rounds", False,
+         lambda b, s: (b.pp > 1) & (b.sched == PP_SCHEDULES["Interleaved1F1B"])
+         & (b.n_micro % np.maximum(1, b.n_micro // np.maximum(b.pp, 1)) != 0),
+         lambda p, s: f"Interleaved1F1B runs {max(1, p.n_microbatches // p.pp)} rounds of microbatches: "
+                      f"{p.n_microbatches} microbatches are not a multiple of that (torch raises)"),
     Rule("seq_len not divisible by 2 x cp", False,
          lambda b, s: (b.cp > 1) & (b.seq_len % (2 * b.cp) != 0),
          lambda p, s: f"seq_len {p.seq_len} is not divisible by 2 x cp = {2 * p.cp} (CP load balancing)"),
@@ -393,3 +404,108 @@ def check_rules(plan: Plan, spec: ModelSpec | None = None) -> None:
     key = invalid_reasons(_row(plan), spec)[0]
     if key:
         raise RuleError(key, next(r for r in RULES if r.key == key).message(plan, spec))
+
+
+# ---- what the executor runs -------------------------------------------------------------------------------------
+# Plans the cost model ranks but the executor (`parsim run` / `parsim trace`) cannot run, one rule per class, with
+# the reason. The executor refuses them with these messages before touching a process group
+# (``parsim.executor.parallelize.check_executable``), search marks them (``executable`` column, ``--executable``
+# keeps only the others) and the differential tester counts them as refusals, not failures.
+EXECUTOR_RULES: tuple[Rule, ...] = (
+    Rule("te_layers: no Transformer Engine", False, lambda b, s: b.te,
+         lambda p, s: "te_layers (Megatron-Core's Transformer Engine layers) is a cost-model option: Transformer "
+                      "Engine runs on CUDA only, the executor has no such layers"),
+    Rule("fused loss under TP", False, lambda b, s: b.fused_loss & (b.tp > 1),
+         lambda p, s: "the executor's fused cross-entropy runs on whole-vocabulary logits (tp 1); with TP the cost "
+                      "model alone covers it (a vocab-parallel fused loss)"),
+    Rule("distributed optimizer", False, lambda b, s: b.zero1,
+         lambda p, s: "distributed_optimizer (Megatron's ZeRO-1 over dp_replicate) is a cost-model option: the "
+                      "executor has no distributed optimizer"),
+    Rule("DDP-style EP", False, lambda b, s: (b.ep > 1) & b.ep_ddp,
+         lambda p, s: "the executor runs dp2ep (EP borrowed from dp_shard x cp x tp); DDP-style EP (ep_from "
+                      "dp_replicate) is a cost-model option"),
+    Rule("expert tensor parallel with EP", False, lambda b, s: (b.ep > 1) & (b.etp > 1),
+         lambda p, s: "the executor runs EP with etp = 1 (torchtitan's composition); expert tensor parallel with EP "
+                      "(etp = tp) is a cost-model option"),
+    Rule("async TP", False, lambda b, s: b.async_tp & (b.tp > 1),
+         lambda p, s: "async TP (micro-pipelined TP over symmetric memory) needs CUDA: a cost-model option here"),
+    Rule("float8", False, lambda b, s: b.float8,
+         lambda p, s: "float8 training (torchao's float8 linears) needs CUDA's scaled matmul: a cost-model option "
+                      "here"),
+    Rule("context parallel", False, lambda b, s: b.cp > 1,
+         lambda p, s: "context parallel: torch's ring-attention handlers are CUDA-only"),
+    Rule("MLA", True, lambda b, s: np.full(np.shape(b.pp), s.mla is not None),
+         lambda p, s: f"{s.name}: the executor has no multi-head latent attention"),
+    Rule("learned positions", True, lambda b, s: np.full(np.shape(b.pp), s.max_position_embeddings > 0),
+         lambda p, s: f"{s.name}: the executor has no learned position embeddings"),
+    Rule("tied embeddings", True, lambda b, s: np.full(np.shape(b.pp), s.tie_embeddings),
+         lambda p, s: f"{s.name}: the executor does not tie the output projection to the embedding"),
+)
+
+
+def executor_refusals(b: PlanBatch, spec: ModelSpec | None = None) -> np.ndarray:
+    """Key of the first executor rule each row breaks, ``""`` where the executor runs it."""
+    n = 1 if np.ndim(b.pp) == 0 else len(b)
+    out = np.full(n, "", dtype=object)
+    open_ = np.ones(n, dtype=bool)
+    for rule in EXECUTOR_RULES:
+        if rule.needs_spec and spec is None:
+            continue
+        hit = open_ & np.broadcast_to(np.asarray(rule.broken(b, spec), dtype=bool), (n,))
+        out[hit] = rule.key
+        open_ &= ~hit
+    return out
+
+
+def executor_refusal(plan: Plan, spec: ModelSpec | None = None) -> str:
+    """``"<rule>: <reason>"`` when the executor cannot run ``plan``, else ``""``."""
+    key = executor_refusals(_row(plan), spec)[0]
+    if not key:
+        return ""
+    return f"{key}: {next(r for r in EXECUTOR_RULES if r.key == key).message(plan, spec)}"
+
+
+def _rank_sets(p: Plan, rank: int) -> dict[str, frozenset]:
+    """The ranks of ``rank``'s group on every axis and derived group of ``p`` (ranks row-major over the device
+    order; EP groups as ``parallelize.Meshes`` builds them)."""
+    shape = tuple(getattr(p, a) for a in p.mesh_order)
+    grid = np.arange(p.world_size).reshape(shape).transpose([p.mesh_order.index(a) for a in AXES])
+    coord = [int(c[0]) for c in np.nonzero(grid == rank)]
+
+    def vary(axes_: tuple[str, ...], g=grid) -> frozenset:
+        idx = tuple(slice(None) if a in axes_ else coord[i] for i, a in enumerate(AXES))
+        return frozenset(int(x) for x in np.asarray(g[idx]).ravel())
+
+    out = {a: vary((a,)) for a in AXES}
+    out["dp_shard+cp"] = vary(("dp_shard", "cp"))
+    if p.ep > 1 and p.ep_from == "dp_shard":
+        block = grid.reshape(p.pp, p.dp_replicate, -1)[coord[0], coord[1]]  # (dp_shard x cp x tp) of this rank
+        pos = int(np.nonzero(block == rank)[0][0])
+        two = block.reshape(-1, p.ep)  # (efsdp, ep) as Meshes builds it
+        out["ep"] = frozenset(int(x) for x in two[pos // p.ep])
+        out["efsdp"] = frozenset(int(x) for x in two[:, pos % p.ep])
+    elif p.ep > 1:  # DDP-style: EP the innermost ep ranks of dp_replicate, expert data parallel the rest
+        dpr = vary(("dp_replicate",))
+        ordered = sorted(dpr)
+        i = ordered.index(rank)
+        out["ep"] = frozenset(ordered[i // p.ep * p.ep:(i // p.ep + 1) * p.ep])
+        out["edp"] = frozenset(ordered[i % p.ep::p.ep])
+    return out
+
+
+def canonical_axes(p: Plan, rank: int = 0) -> dict[str, str]:
+    """Logical axis -> the name its collectives carry (``AXIS_PRIORITY``): the first axis whose group on ``rank``
+    holds the same ranks. For the ``comm_bytes`` keys of a prediction, matching the executor's counter."""
+    sets = _rank_sets(p, rank)
+    out = {}
+    for a, ranks in sets.items():
+        out[a] = next(b for b in AXIS_PRIORITY if sets.get(b) == ranks)
+    return out
+
+
+def canonical_key(key: str, names: dict[str, str]) -> str:
+    """``"<op>/<axis>"`` with its axis renamed by ``canonical_axes`` (all-to-alls keep ``ep``)."""
+    op, axis = key.split("/", 1)
+    if op == "all_to_all" and axis == "ep":
+        return key
+    return f"{op}/{names.get(axis, axis)}"

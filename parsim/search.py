@@ -404,11 +404,12 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, chunk: int, deadline: float = math.inf,
-            tick=None):
+            tick=None, limit_bytes: float = math.inf):
     """Peak memory of every (degrees x batch split row, memory class): a (rows x classes) array, from the row's
     first device order and one representative option per class (peak memory depends on neither the device order
     nor the options outside the class: ``tests/test_search.py``). Rows not screened by ``deadline`` (perf_counter)
-    are left at infinity: not searched."""
+    are left at infinity: not searched. Rows whose parameters, states and gradients alone exceed ``limit_bytes``
+    get that lower bound (``evaluate``'s ``above_bytes``): they do not fit either way."""
     import time
 
     cls, rep = _memory_classes(opts)
@@ -421,7 +422,7 @@ def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, chunk: int,
         idx = np.arange(lo, min(nr * nc, lo + chunk), dtype=np.int64)
         gidx = starts[idx // nc] * len(opts) + rep[idx % nc]
         mem[lo:lo + len(idx)] = evaluate(spec, _batch_at(base, opts, gidx, sp, None), hw,  # no groups needed
-                                         memory_only=True)["peak_memory_bytes"]
+                                         memory_only=True, above_bytes=limit_bytes)["peak_memory_bytes"]
         if tick:
             tick((lo + len(idx)) / (nr * nc))
     return mem.reshape(nr, nc), cls, rep
@@ -573,7 +574,10 @@ def _search_bounded(spec, hw, base, opts, sp, res, found, chunk, times, progress
     def phase(lo: float, width: float):
         return (lambda f: progress(int(1000 * (lo + width * f)), 1000)) if progress else None
 
-    mem_rc, cls, rep = _screen(spec, hw, base, opts, sp, chunk, screen_deadline, phase(0.0, 0.4))
+    mem_rc, cls, rep = _screen(spec, hw, base, opts, sp, chunk, screen_deadline, phase(0.0, 0.4),
+                               res.usable_memory_bytes)
+    if not (mem_rc <= res.usable_memory_bytes).any():  # nothing fits: the closest plan needs exact peaks
+        mem_rc, cls, rep = _screen(spec, hw, base, opts, sp, chunk, screen_deadline, phase(0.0, 0.4))
     res.screened = int(np.isfinite(mem_rc).sum())
     if np.isinf(mem_rc).any():
         res.stopped_at = float(np.isfinite(mem_rc).mean())  # screening ran out of time

@@ -178,7 +178,7 @@ def test_torch_schedules_keep_as_many_microbatches_in_flight_as_the_model_says()
     its order from torch, so this is what keeps the two independent and in agreement)."""
     from parsim.codec import encode
     from parsim.costmodel.layers import FIRST, LAST
-    from parsim.costmodel.step import _inflight
+    from parsim.costmodel.layers import inflight as _inflight
     from parsim.executor.trace import max_inflight, torch_schedule_order
 
     checked = 0

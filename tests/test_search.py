@@ -315,7 +315,6 @@ def test_what_the_pruned_search_relies_on(model, gpus, kw, profile):
     fast = evaluate(spec, _batch_at(base, opts, gid, sp, None), hw, time_bound=True)
     mem_only = evaluate(spec, _batch_at(base, opts, gid, sp, None), hw, memory_only=True)["peak_memory_bytes"]
     assert np.array_equal(mem_only, full["peak_memory_bytes"])
-    assert np.array_equal(fast["peak_memory_bytes"], full["peak_memory_bytes"])
     lb = fast["step_time_lower_bound_s"]
     assert np.all(lb <= full["step_time_s"] * (1 + 1e-9)) and np.all(lb > 0)
     assert (lb < full["step_time_s"] * 0.999).any()  # not the step itself: collectives are left out

@@ -35,11 +35,12 @@ the next unit's backward).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .layers import ac_counts as _ac_counts
+from .layers import param_tensor_counts
 
 FSDP_OVERLAPS = ("fsdp_gather", "fsdp_reduce")
 
@@ -149,11 +150,23 @@ class RankView:
     has_emb: np.ndarray
     has_out: np.ndarray
     emb_local: np.ndarray
-    out_local: np.ndarray
+    out_local: np.ndarray  # output projection + final norm
+    # FSDP2 shards (padded per tensor): kind -> (non-expert, expert) of one layer; the embedding, the final norm
+    # and the output projection
+    pshard: dict = field(default_factory=dict)
+    emb_shard: np.ndarray | float = 0.0
+    norm_local: np.ndarray | float = 0.0
+    norm_shard: np.ndarray | float = 0.0
+    outw_shard: np.ndarray | float = 0.0
+    n_ckpt: dict = field(default_factory=dict)  # kind -> layers of that kind ``layer:N`` AC checkpoints on the rank
 
     @property
     def n_layers(self):
         return sum(self.n_of[k] for k in self.kinds)
+
+    @property
+    def edge_shard(self):
+        return self.emb_shard + self.norm_shard + self.outw_shard
 
 
 def rank_comm(spec, b, sh, hw, rv: RankView) -> dict:
@@ -161,7 +174,7 @@ def rank_comm(spec, b, sh, hw, rv: RankView) -> dict:
     exposed TP/CP/EP seconds per microbatch, PP send seconds, FSDP gather and reduce seconds."""
     led = Ledger(hw, len(b))
     M = (b.grad_accum * b.n_micro).astype(float)
-    ac = {k: _ac_counts(b, rv.n_of[k]) for k in rv.kinds}
+    ac = {k: _ac_counts(b, rv.n_of[k], rv.n_ckpt[k]) for k in rv.kinds}
     n_full = sum(ac[k][0] for k in rv.kinds)
     n_sac = sum(ac[k][1] for k in rv.kinds)
     _tp_records(led, spec, b, sh, rv, M, n_full, n_sac)
@@ -172,7 +185,7 @@ def rank_comm(spec, b, sh, hw, rv: RankView) -> dict:
             sh.T * spec.d_model / sh.sp_div * sh.res_b, M * sends, np.where(b.pp > 1, 2, 1),
             np.minimum(b.rpn["pp"], 2), "forward+backward", "pp")
     _fsdp_records(led, spec, b, rv)
-    _grad_norm_records(led, b)
+    _grad_norm_records(led, spec, b, rv)
     per_mb = {a: sum((r.time_s for r in led.records if r.overlap == "exposed" and r.axis == a
                       and r.phase != "step"), np.zeros(len(b))) / np.maximum(M, 1) for a in ("tp", "cp", "ep")}
     return {"ledger": led, "per_microbatch_exposed_s": per_mb,
@@ -211,26 +224,38 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> Non
     ar_calls = 4.0 * L + n_full + 2.0 * n_sac + edge  # full AC: early stop skips the MLP's all-reduce, as above
     led.add("TP all-reduce of partial sums (no sequence parallel)", "all_reduce", "tp", T * d * sh.act_b,
             M * ar_calls, g, r, "forward+backward", "exposed", tp_on & ~sp)
-    # SP: norm weights are replicated over tp but see only their sequence shard: their gradients (param dtype;
-    # reduce dtype under PP, accumulated first) are all-reduced over tp once per pass — two norms per layer and
-    # the final norm on the last stage
-    norm_calls = 2.0 * L + np.where(rv.has_out, 1.0, 0.0)
-    norm_bytes = d * np.where(b.pp > 1, b.reduce_bytes, b.param_bytes).astype(float)
-    led.add("SP all-reduce of norm-weight gradients", "all_reduce", "tp", norm_bytes,
-            b.grad_accum.astype(float) * norm_calls, g, r, "backward", "exposed", tp_on & sp)
+    # loss parallel on the last stage: torch's log_softmax / nll_loss handlers for vocab-sharded logits all-reduce
+    # the row max, the sum of exponentials and the target logit, one fp32 value per token each, in the forward
+    # [derived from torch.distributed.tensor.parallel.loss; trace]
+    led.add("loss parallel: all-reduces of the row max, the sum of exponentials and the target logit",
+            "all_reduce", "tp", T * 4.0, M * 3.0 * np.where(rv.has_out, 1.0, 0.0), g, r, "forward", "exposed", tp_on)
+    _tp_partial_grad_records(led, spec, b, rv)
+
+
+def _tp_partial_grad_records(led: Ledger, spec, b, rv: RankView) -> None:
+    """Weights replicated over tp whose gradients are partial sums: under SP the norms (LayerNorm: weight and bias)
+    see only their sequence shard, Qwen3's q/k norms only the rank's heads, the router only the rank's share of the
+    tokens (EP with TP) or of the expert outputs (executor: MoE._tp_forward), with or without SP. With FSDP the
+    gradient is all-reduced over tp when FSDP reduces it, once per pass (param dtype; reduce dtype under PP, where
+    it accumulates first). Without FSDP (no data parallelism) nothing reduces it, and DTensor all-reduces the
+    partial gradient whenever an op needs it whole: the gradient-norm ``foreach_norm``, then AdamW's ``lerp`` of
+    exp_avg and ``addcmul`` of exp_avg_sq (the gradient twice): 4 times a step, fp32 (the parameters stay fp32
+    under autocast) [derived; trace]."""
+    d, L = float(spec.d_model), rv.n_layers
+    g, r, tp_on = b.tp, b.rpn["tp"], b.tp > 1
+    fsdp_on = b.dp_replicate * b.dp_shard * b.cp > 1
+    dtype_b = np.where(fsdp_on, np.where(b.pp > 1, b.reduce_bytes, b.param_bytes), 4.0).astype(float)
+    per = np.where(fsdp_on, b.grad_accum.astype(float), 4.0)
+    norm_tensors = 2.0 if spec.norm == "layernorm" else 1.0
+    led.add("TP all-reduce of sequence-parallel norm-weight gradients", "all_reduce", "tp", d * dtype_b,
+            per * norm_tensors * (2.0 * L + np.where(rv.has_out, 1.0, 0.0)), g, r, "backward", "exposed",
+            tp_on & b.sp)
     if spec.qk_norm:
-        # [derived] Qwen3's q/k norm weights (head_dim each) are replicated over tp, each rank normalizing its own
-        # heads: partial gradients, all-reduced once per pass like the router's below (executor: HeadNorm)
-        led.add("TP all-reduce of q/k-norm weight gradients", "all_reduce", "tp",
-                2.0 * spec.head_dim * np.where(b.pp > 1, b.reduce_bytes, b.param_bytes).astype(float),
-                b.grad_accum.astype(float) * L, g, r, "backward", "exposed", tp_on)
+        led.add("TP all-reduce of q/k-norm weight gradients", "all_reduce", "tp", spec.head_dim * dtype_b,
+                per * 2.0 * L, g, r, "backward", "exposed", tp_on)
     if True in rv.kinds and spec.moe is not None:
-        # [derived] the router weight is replicated over tp but each TP rank routes only its share of the tokens
-        # (EP with TP) or combines partial expert outputs (TP-sharded experts): its gradient is a partial sum,
-        # all-reduced once per pass like an SP norm weight's (executor: MoE._tp_forward), with or without SP
-        led.add("TP all-reduce of router-weight gradients", "all_reduce", "tp",
-                d * spec.moe.n_experts * np.where(b.pp > 1, b.reduce_bytes, b.param_bytes).astype(float),
-                b.grad_accum.astype(float) * rv.n_of[True], g, r, "backward", "exposed", tp_on)
+        led.add("TP all-reduce of router-weight gradients", "all_reduce", "tp", d * spec.moe.n_experts * dtype_b,
+                per * rv.n_of[True], g, r, "backward", "exposed", tp_on)
 
 
 def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac) -> None:
@@ -250,71 +275,105 @@ def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac)
 
 
 def _fsdp_units(spec, b, rv: RankView) -> list[tuple]:
-    """(name, params per call before sharding, units on the rank, all-gathers per unit and pass, FSDP group):
-    a unit per block (non-expert part, and the experts with it when ep == 1), the embedding, the root unit (the
-    final norm), the output projection; routed experts (ep > 1) form their own unit per MoE block over efsdp."""
-    gathers = 1.0 + (b.raf | (b.pp > 1))  # forward + backward re-gather (pipelining always re-gathers)
-    out_gathers = 1.0 + b.raf_always
+    """(name, elements of the rank's shard of one unit (padded per tensor), units on the rank, all-gathers per unit
+    and pass, FSDP group): a unit per block (non-expert part, and the experts with it when ep == 1), the
+    embedding, the final norm with the output projection (torchtitan's [norm, output] unit; the root holds no
+    parameters); routed experts (ep > 1) form their own unit per MoE block over efsdp."""
+    # all-gathers per unit and pass: without PP the forward's, and the backward's when resharded after forward.
+    # With PP torch's schedules run every backward without resharding and reshard at the stage's reduce after the
+    # last: one all-gather per unit and pass (reshard-after-forward is off under PP by default); resharding after
+    # forward, every forward that follows a forward (each resharded its unit) gathers, and every backward that
+    # follows a forward: in the F/B sequences of GPipe and 1F1B that is m + 1 (m forwards, the first backward
+    # after each run of forwards) [derived from torch 2.13 pipelining/stage.py backward_maybe_with_nosync and
+    # perform_reduce_grad; trace]
+    m = b.n_micro.astype(float)
+    gathers = np.where(b.pp > 1, np.where(b.raf, m + 1.0, 1.0), 1.0 + b.raf)
+    out_gathers = np.where(b.pp > 1, np.where(b.raf_always, m + 1.0, 1.0), 1.0 + b.raf_always)
     ep1 = b.ep == 1
-    norm_local = np.where(rv.has_out, float(spec.d_model * (2 if spec.norm == "layernorm" else 1)), 0.0)
     units = []
     for k in rv.kinds:
         name = "MoE block" if k else "dense block"
-        units.append((name, rv.plocal[k][0] + np.where(ep1, rv.plocal[k][1], 0.0), rv.n_of[k], gathers, "fsdp"))
+        ne_s, ex_s = rv.pshard[k]
+        units.append((name, ne_s + np.where(ep1, ex_s, 0.0), rv.n_of[k], gathers, "fsdp"))
         if k:
-            units.append(("MoE block's routed experts", rv.plocal[k][1], np.where(ep1, 0.0, rv.n_of[k]), gathers,
-                          "efsdp"))
-    units += [("embedding unit", rv.emb_local, 1.0, gathers, "fsdp"), ("root unit (final norm)", norm_local, 1.0,
-                                                                        gathers, "fsdp"),
-              ("output unit", rv.out_local - norm_local, 1.0, out_gathers, "fsdp")]
+            units.append(("MoE block's routed experts", ex_s, np.where(ep1, 0.0, rv.n_of[k]), gathers, "efsdp"))
+    units += [("embedding unit", rv.emb_shard, 1.0, gathers, "fsdp"),
+              ("[final norm, output] unit", rv.norm_shard + rv.outw_shard, 1.0, out_gathers, "fsdp")]
     return units
 
 
 def _fsdp_records(led: Ledger, spec, b, rv: RankView) -> None:
-    """FSDP2 / HSDP per unit: all-gather of the param_dtype shard, reduce-scatter of the unsharded gradient in
-    reduce_dtype once per pass, HSDP all-reduce of the sharded gradient over dp_replicate (experts: over edp with
-    DDP-style EP). With PP and reshard-after-forward FSDP gathers per microbatch."""
+    """FSDP2 / HSDP per unit: all-gather of the param_dtype shard, reduce-scatter of the (padded) unsharded gradient
+    in reduce_dtype once per pass, HSDP all-reduce of the sharded gradient over dp_replicate (experts: over edp
+    with DDP-style EP). With PP and reshard-after-forward FSDP gathers per microbatch."""
     ga = b.grad_accum.astype(float)
-    fwd_rounds = np.where((b.pp > 1) & b.raf, b.n_micro.astype(float), 1.0)
     pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
     f, ef = b.fsdp.astype(float), b.efsdp.astype(float)
     cp_axis = b.cp > 1
-    for name, params, units, gathers, grp in _fsdp_units(spec, b, rv):
-        on = params > 0
+    for name, shard, units, gathers, grp in _fsdp_units(spec, b, rv):
+        on = shard > 0
         if grp == "fsdp":
             axis = [("dp_shard", ~cp_axis), ("dp_shard+cp", cp_axis)] if cp_axis.any() else "dp_shard"
-            size, rpn, div = b.fsdp, b.rpn["fsdp"], f
+            size, rpn, mult = b.fsdp, b.rpn["fsdp"], f
         else:
-            axis, size, rpn, div = "efsdp", b.efsdp, b.rpn["efsdp"], ef
-        led.add(f"FSDP all-gather: {name}", "all_gather", axis, params / div * pb, ga * fwd_rounds * gathers * units,
+            axis, size, rpn, mult = "efsdp", b.efsdp, b.rpn["efsdp"], ef
+        led.add(f"FSDP all-gather: {name}", "all_gather", axis, shard * pb, ga * gathers * units,
                 size, rpn, "forward+backward", "fsdp_gather", on)
-        led.add(f"FSDP reduce-scatter of gradients: {name}", "reduce_scatter", axis, params * rb, ga * units, size,
-                rpn, "backward", "fsdp_reduce", on)
+        led.add(f"FSDP reduce-scatter of gradients: {name}", "reduce_scatter", axis, shard * mult * rb, ga * units,
+                size, rpn, "backward", "fsdp_reduce", on)
         expert = grp == "efsdp"
         dense_dp = on & (~b.ep_ddp if expert else True)
         dist = b.zero1
-        led.add(f"HSDP all-reduce of sharded gradients: {name}", "all_reduce", "dp_replicate", params / div * rb,
+        led.add(f"HSDP all-reduce of sharded gradients: {name}", "all_reduce", "dp_replicate", shard * rb,
                 ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce", dense_dp & ~dist)
         # distributed optimizer: the all-reduce becomes a reduce-scatter of the gradients and, after the step, an
         # all-gather of the updated param_dtype shards (overlapped with the next forward, Megatron's
         # overlap_param_gather): the same bus bytes in bf16/fp32 halves
         led.add(f"distributed-optimizer reduce-scatter of gradients: {name}", "reduce_scatter", "dp_replicate",
-                params / div * rb, ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce",
+                shard * rb, ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce",
                 dense_dp & dist)
         led.add(f"distributed-optimizer all-gather of updated parameters: {name}", "all_gather", "dp_replicate",
-                params / div / np.maximum(b.dp_replicate, 1) * pb, units, b.dp_replicate, b.rpn["dp_replicate"],
+                shard / np.maximum(b.dp_replicate, 1) * pb, units, b.dp_replicate, b.rpn["dp_replicate"],
                 "forward", "fsdp_gather", dense_dp & dist)
         if expert:
-            led.add(f"DDP-EP all-reduce of gradients: {name}", "all_reduce", "edp", params / div * rb, ga * units,
+            led.add(f"DDP-EP all-reduce of gradients: {name}", "all_reduce", "edp", shard * rb, ga * units,
                     b.dp_replicate // np.maximum(b.ep, 1), b.rpn["edp"], "backward", "fsdp_reduce", on & b.ep_ddp)
 
 
-def _grad_norm_records(led: Ledger, b) -> None:
-    """Gradient clipping: a 4-byte all-reduce of the norm over each axis that shards gradients, once per step."""
+def _grad_norm_records(led: Ledger, spec, b, rv: RankView) -> None:
+    """Gradient clipping, once per step (executor: worker.clip_and_step, torchtitan's clip_grad_norm_ with and
+    without EP): ``get_total_norm`` over a group's DTensor gradients takes one norm per tensor, stacks them (a
+    partial value on every mesh dimension some tensor is sharded over) and DTensor all-reduces the stacked vector,
+    4 B per tensor, over each such dimension of more than one rank [derived; trace]. Groups: the dense gradients
+    (mesh FSDP x TP; the routed experts join them without EP), the routed experts with EP (mesh expert-FSDP; their
+    squared norm then all-reduced over EP, 4 B), and the total over PP (4 B)."""
     one = np.ones(len(b))
+    fsdp_on = b.dp_replicate * b.dp_shard * b.cp > 1
     cp_axis = b.cp > 1
     fsdp_axis = [("dp_shard", ~cp_axis), ("dp_shard+cp", cp_axis)] if cp_axis.any() else "dp_shard"
-    for axis, g, r in ((fsdp_axis, b.fsdp, b.rpn["fsdp"]), ("tp", b.tp, b.rpn["tp"]), ("pp", b.pp, b.rpn["pp"]),
-                       ("ep", b.ep, b.rpn["ep"])):
-        # [derived] one fp32 scalar
-        led.add("gradient-norm all-reduce", "all_reduce", axis, 4.0 * one, one, g, r, "step", "exposed")
+    dense_t, expert_t = np.zeros(len(b)), np.zeros(len(b))
+    for k in rv.kinds:
+        n_d, n_e = param_tensor_counts(spec, k)
+        dense_t = dense_t + rv.n_of[k] * n_d
+        expert_t = expert_t + rv.n_of[k] * n_e
+    edge = spec.embedding_params() > 0  # the embedding (learned positions: a second tensor)
+    dense_t = dense_t + np.where(rv.has_emb, 1.0 + (spec.max_position_embeddings > 0) * edge, 0.0)
+    own_out = (b.pp > 1) | (not spec.tie_embeddings)
+    dense_t = dense_t + np.where(rv.has_out, (2.0 if spec.norm == "layernorm" else 1.0) + own_out, 0.0)
+    ep_on = b.ep > 1
+    dense = dense_t + np.where(ep_on, 0.0, expert_t)
+    led.add("gradient-norm all-reduce: one fp32 norm per dense gradient tensor", "all_reduce", fsdp_axis, 4.0 * dense,
+            one, b.fsdp, b.rpn["fsdp"], "step", "exposed", fsdp_on)
+    # without SP the block and final norms are not DTensors over tp (only SP's plan makes them replicated ones):
+    # their norms are stacked in a group of their own, reduced over FSDP only
+    per_norm = 2.0 if spec.norm == "layernorm" else 1.0
+    plain = sum((rv.n_of[k] * 2.0 * per_norm for k in rv.kinds), np.zeros(len(b))) + np.where(rv.has_out, per_norm, 0.0)
+    led.add("gradient-norm all-reduce: one fp32 norm per dense gradient tensor", "all_reduce", "tp",
+            4.0 * (dense - np.where(b.sp, 0.0, plain)), one, b.tp, b.rpn["tp"], "step", "exposed")
+    has_experts = ep_on & (expert_t > 0)
+    led.add("gradient-norm all-reduce: one fp32 norm per routed-expert gradient tensor", "all_reduce", "efsdp",
+            4.0 * expert_t, one, b.efsdp, b.rpn["efsdp"], "step", "exposed", has_experts & fsdp_on)
+    led.add("gradient-norm all-reduce of the experts' squared norm over EP", "all_reduce", "ep", 4.0 * one, one, b.ep,
+            b.rpn["ep"], "step", "exposed", has_experts)
+    led.add("gradient-norm all-reduce over the pipeline stages", "all_reduce", "pp", 4.0 * one, one, b.pp, b.rpn["pp"],
+            "step", "exposed")

@@ -4,12 +4,12 @@ tensors one layer saves under each AC mode. Used by ``parsim predict --explain``
 
 from __future__ import annotations
 
-from ..codec import encode
+from ..codec import canonical_axes, canonical_key, encode
 from ..hardware import HardwareProfile
 from ..plan import Plan
 from ..spec import ModelSpec
 from .layers import FIRST, LAST, Shapes, kept_by_ac_mode, saved_tensors
-from .step import block_overheads, evaluate, layer_compute_items
+from .step import block_overheads, evaluate, layer_compute_items, stage_rank
 
 
 def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
@@ -18,7 +18,9 @@ def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
     b = encode([plan], hw.gpus_per_node)
     r = evaluate(spec, b, hw, detail=True)
     rank = int(r["time_rank"][0])
-    ledger = [{"what": rec.what, "key": rec.key, "calls": float(rec.calls[0]),
+    # keys named as the executor names the collectives (``codec.canonical_axes``), as in ``predict``
+    names = canonical_axes(plan, stage_rank(plan, rank))
+    ledger = [{"what": rec.what, "key": canonical_key(rec.key, names), "calls": float(rec.calls[0]),
                "bytes_per_call": float(rec.bytes_per_call[0]), "group_size": int(rec.group[0]),
                "ranks_per_node": int(min(rec.ranks_per_node[0], rec.group[0])), "phase": rec.phase,
                "overlap": rec.overlap, "raw_s": float(rec.time_s[0]), "exposed_s": float(rec.exposed_s[0])}

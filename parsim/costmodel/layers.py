@@ -19,11 +19,15 @@ qk_nope+qk_rope for q and k and v_head_dim for v, plus the two latent projection
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..plan import AC_MODES
+from ..plan import AC_MODES, PP_SCHEDULES
 from ..spec import ModelSpec
+
+if TYPE_CHECKING:
+    from ..codec import PlanBatch
 
 FIRST, LAST = 0, 1  # the two ranks the model evaluates: pipeline stage 0 and the last stage
 
@@ -48,6 +52,37 @@ def _rank_layers(spec: ModelSpec, pp: int, v: int) -> tuple:
                     dense += 1
         out.append((dense, moe))
     return tuple(out)
+
+
+@lru_cache(maxsize=8192)
+def _rank_ckpt(spec: ModelSpec, pp: int, v: int, every: int, before_pp: bool) -> tuple:
+    """(dense, MoE) blocks ``layer:every`` checkpoints on the first and the last pipeline rank. torchtitan counts
+    blocks from 1 in the order one process applies AC: its stages' blocks in stage order, or, when AC is applied
+    before the PP split, the whole model's (then a block's global index decides) [derived from torchtitan's
+    _apply_layer_sac; executor: parallelize.apply_ac]."""
+    n_stages = pp * v
+    base, extra = divmod(spec.n_layers, n_stages)
+    bounds = [0]
+    for s in range(n_stages):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    out = []
+    for rank in (0, pp - 1):
+        blocks = [i for s in range(rank, n_stages, pp) for i in range(bounds[s], bounds[s + 1])]
+        picked = [i for j, i in enumerate(blocks) if ((i if before_pp else j) + 1) % every == 0]
+        moe = sum(spec.is_moe_layer(i) for i in picked)
+        out.append((len(picked) - moe, moe))
+    return tuple(out)
+
+
+def rank_ckpt(spec: ModelSpec, b) -> dict:
+    """Arrays of blocks checkpointed under ``layer:N`` (0 for the other AC modes' plans), per kind and rank."""
+    before = np.array([o.index("ac") < o.index("pp") for o in b.wrapper_orders] or [False])[b.wrapper_idx]
+    every = np.maximum(b.ac_every, 1)
+    keys = np.stack([b.pp, b.v, every, before.astype(np.int64)], axis=1)
+    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    table = np.array([_rank_ckpt(spec, int(p), int(v), int(e), bool(bp)) for p, v, e, bp in uniq], dtype=np.int64)
+    t = table[np.ravel(inv)]
+    return {False: (t[:, 0, 0], t[:, 1, 0]), True: (t[:, 0, 1], t[:, 1, 1])}
 
 
 def rank_layers(spec: ModelSpec, pp: np.ndarray, v: np.ndarray) -> dict:
@@ -229,34 +264,241 @@ def kept_by_ac_mode(items: list[tuple]) -> list[dict[str, bool]]:
 
 def activation_bytes(spec: ModelSpec, sh: Shapes, moe: bool) -> dict[str, np.ndarray]:
     """Bytes kept per layer and microbatch: ``none`` (no AC), ``full`` (block input only), ``sac`` (selective-op)."""
+    split = activation_bytes_split(spec, sh, moe)
+    return {mode: split[mode][0] + split[mode][1] for mode in split}
+
+
+def activation_bytes_split(spec: ModelSpec, sh: Shapes, moe: bool) -> dict[str, tuple]:
+    """``activation_bytes`` split into (attention part, FFN / MoE part): the backward frees the FFN part first
+    (the memory timeline's moments inside a MoE block, whose experts reduce between the two)."""
     items = saved_tensors(spec, sh, moe)
     keep = kept_by_ac_mode(items)
-    return {mode: sum((nbytes for (_, nbytes, _), k in zip(items, keep, strict=True) if k[mode]),
-                      np.zeros_like(sh.T)) for mode in ("none", "full", "sac")}
+    ffn_start = next(i for i, (name, _, _) in enumerate(items) if name == "ffn_norm.input")
+    out = {}
+    for mode in ("none", "full", "sac"):
+        parts = [np.zeros_like(sh.T), np.zeros_like(sh.T)]
+        for i, ((_, nbytes, _), k) in enumerate(zip(items, keep, strict=True)):
+            if k[mode]:
+                parts[int(i >= ffn_start)] = parts[int(i >= ffn_start)] + nbytes
+        out[mode] = (parts[0], parts[1])
+    return out
 
 
-def layer_params_local(spec: ModelSpec, b, moe: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Parameters of one layer held by a rank before FSDP sharding: non-expert weights split by tp (norms and
-    MLA down-projections replicated), routed experts split by ep x etp."""
+def layer_tensors(spec: ModelSpec, b, moe: bool) -> list[tuple[str, np.ndarray, np.ndarray, bool]]:
+    """One layer's parameter tensors on a rank, as the executor (torchtitan's modules and TP plan) holds them:
+    (name, rows, elements per row, routed expert?). ``rows`` is the dimension FSDP2 shards (dim 0 after TP / EP;
+    dim 1 for routed experts whose expert-FSDP group outnumbers the local experts, torchtitan's rule, when it
+    divides), so that a rank's FSDP shard of a tensor is ``ceil(rows / shards) x per_row`` elements: FSDP2 chunks
+    dim 0 like ``torch.chunk`` and pads every shard to the first one (the rank-0 shard, the largest) [derived from
+    torch.distributed.fsdp._fully_shard._fsdp_param; trace]. nn.Linear(k, n).weight is (n, k): column-parallel
+    weights (q, k, v, w1, w3, MLA's up-projections) shard rows over tp, row-parallel ones (wo, w2) columns;
+    biases follow their weight's output dimension; norms, q/k norms, the router and MLA's down-projections are
+    replicated."""
     t = b.tp.astype(float)
-    i = next(j for j in range(spec.n_layers) if spec.is_moe_layer(j) == moe)
-    p = spec.layer_params(i)
-    replicated = p["norms"] + (2 * spec.head_dim if spec.qk_norm else 0)  # q/k norms are not TP-sharded
+    one = np.ones_like(t)
+    out: list[tuple[str, np.ndarray, np.ndarray, bool]] = []
+
+    def linear(name, k, n, col: bool):
+        if col:
+            out.append((name, n / t, k * one, False))
+            if spec.bias:
+                out.append((f"{name}.bias", n / t, one, False))
+        else:
+            out.append((name, n * one, k / t, False))
+            if spec.bias:
+                out.append((f"{name}.bias", n * one, one, False))
+
+    for name, (k, n) in spec.attention_matrices().items():
+        if name in ("wq_a", "wkv_a"):  # MLA down-projections: replicated over tp
+            out.append((name, n * one, k * one, False))
+        else:
+            linear(name, k, n, name != "wo")
+    norm = 2 if spec.norm == "layernorm" else 1
+    out += [("norm", spec.d_model * one, one, False)] * (2 * norm)
+    if spec.qk_norm:
+        out += [("qk_norm", spec.head_dim * one, one, False)] * 2
     if spec.mla:
-        replicated += sum(k * n for name, (k, n) in spec.attention_matrices().items() if name in ("wq_a", "wkv_a"))
-        replicated += spec.mla.kv_lora_rank + spec.mla.q_lora_rank
-    routed = float(p.pop("routed_experts", 0))
-    router = float(p.pop("router", 0))
-    dense = float(sum(p.values())) - replicated
-    non_expert = dense / t + replicated + router
-    experts = routed / (b.ep * b.etp_eff)
-    return non_expert, experts
+        out.append(("kv_norm", spec.mla.kv_lora_rank * one, one, False))
+        if spec.mla.q_lora_rank:
+            out.append(("q_norm", spec.mla.q_lora_rank * one, one, False))
+    if not moe:
+        for name, (k, n) in spec.mlp_matrices(spec.d_ff).items():
+            linear(name, k, n, name != "w2")
+        return out
+    m = spec.moe
+    assert m is not None
+    out.append(("router", m.n_experts * one, spec.d_model * one, False))
+    if m.n_shared_experts:
+        for name, (k, n) in spec.mlp_matrices(m.d_ff_expert * m.n_shared_experts).items():
+            linear(f"shared.{name}", k, n, name != "w2")
+    e_local = m.n_experts / b.ep.astype(float)
+    ff = m.d_ff_expert / b.etp_eff.astype(float)
+    d = float(spec.d_model)
+    # stacked (experts, d, ff) for w1 / w3 and (experts, ff, d) for w2; FSDP shards dim 1 when the expert-FSDP mesh
+    # (dp_replicate x efsdp) outnumbers the local experts (torchtitan: efsdp x ep > experts) and efsdp divides it,
+    # else dim 0 (executor: parallelize.apply_fsdp)
+    by_dim1 = (b.ep > 1) & (b.dp_replicate * b.efsdp > e_local)
+    for name, dim1, dim2 in (("experts.w1", d, ff), ("experts.w3", d, ff), ("experts.w2", ff, d)):
+        dim1_ok = by_dim1 & (np.mod(dim1, np.maximum(b.efsdp, 1)) == 0)
+        out.append((name, np.where(dim1_ok, dim1, e_local), np.where(dim1_ok, e_local * dim2, dim1 * dim2), True))
+    return out
 
 
-def ac_counts(b, n_layers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(layers fully checkpointed, layers under selective AC, layers without AC) among ``n_layers``."""
+def last_param_elems(spec: ModelSpec, b, moe: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Elements on a rank of the last parameter (in module registration order) of a block's FSDP unit and of its
+    routed experts' own unit (EP; zeros otherwise). FSDP2's ``foreach_reduce`` walks the unit's unsharded gradients
+    in a ``for`` loop whose variable keeps the last one alive until the function returns, after the reduce-scatter
+    output (and its fp32 copy) exist [derived from torch.distributed.fsdp._fully_shard._fsdp_collectives,
+    torch 2.13; trace]. Registration order (executor.model): attention, norms, then the MLP's w1, w2, w3 (their
+    biases after each weight); a MoE layer's router, stacked experts (w1, w3, w2), shared experts."""
+    by_name = {name: rows * per_row for name, rows, per_row, _ in layer_tensors(spec, b, moe)}
+
+    def mlp_last(prefix: str) -> str:
+        w = "w3" if spec.mlp == "swiglu" else "w2"
+        return f"{prefix}{w}.bias" if spec.bias else f"{prefix}{w}"
+
+    zero = np.zeros(len(b.tp))
+    if not moe:
+        return by_name[mlp_last("")] * np.ones(len(b.tp)), zero
+    m = spec.moe
+    assert m is not None
+    ep1 = b.ep == 1
+    experts_last = by_name["experts.w2"] * np.ones(len(b.tp))
+    if m.n_shared_experts:
+        blk = by_name[mlp_last("shared.")] * np.ones(len(b.tp))
+    else:
+        blk = np.where(ep1, experts_last, by_name["router"])
+    return blk, np.where(ep1, 0.0, experts_last)
+
+
+def fsdp_shard(rows: np.ndarray | float, per_row: np.ndarray | float, shards) -> np.ndarray:
+    """Elements of a rank's FSDP2 shard of a tensor: rank 0's chunk, ``ceil(rows / shards)`` rows (every shard is
+    padded to it)."""
+    return np.ceil(rows / np.maximum(shards, 1)) * per_row
+
+
+def param_tensor_counts(spec: ModelSpec, moe: bool) -> tuple[int, int]:
+    """(tensors outside the routed experts, routed-expert tensors) of one layer as the executor builds it
+    (torchtitan's modules): attention q, k, v, o (and their biases), q/k norms, two norms (LayerNorm: weight and
+    bias), the MLP's linears (and biases), or the router, the shared experts' linears and the routed experts' three
+    stacked weights. Gradient clipping takes one norm per tensor (``comm._grad_norm_records``)."""
+    bias = 2 if spec.bias else 1
+    norm = 2 if spec.norm == "layernorm" else 1
+    n = len(spec.attention_matrices()) * bias + 2 * norm + (2 if spec.qk_norm else 0)
+    if spec.mla:
+        n += 1 + (1 if spec.mla.q_lora_rank else 0)  # the latent norms (kv, and q with a q LoRA)
+    if not moe:
+        return n + len(spec.mlp_matrices(spec.d_ff)) * bias, 0
+    m = spec.moe
+    assert m is not None
+    shared = len(spec.mlp_matrices(m.d_ff_expert)) * bias if m.n_shared_experts else 0
+    return n + 1 + shared, 3
+
+
+def ac_counts(b, n_layers: np.ndarray, n_layer_ckpt: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(layers fully checkpointed, layers under selective AC, layers without AC) among ``n_layers``;
+    ``n_layer_ckpt``: how many of them ``layer:N`` checkpoints (``rank_ckpt``)."""
     n = n_layers.astype(float)
-    every = np.ceil(n / np.maximum(b.ac_every, 1))  # torchtitan: layer ids divisible by N are checkpointed
-    full = np.where(b.ac == AC_MODES["full"], n, np.where(b.ac == AC_MODES["layer"], np.minimum(every, n), 0.0))
+    full = np.where(b.ac == AC_MODES["full"], n, np.where(b.ac == AC_MODES["layer"], n_layer_ckpt.astype(float), 0.0))
     sac = np.where(b.ac == AC_MODES["selective-op"], n, 0.0)
     return full, sac, n - full - sac
+
+
+def inflight(b: PlanBatch, rank: int) -> np.ndarray:
+    """Microbatches whose activations are alive at the peak, in units of one microbatch through all of the rank's
+    layers. 1F1B: pp - r (warm-up forwards + 1); GPipe: all; interleaved (torch ScheduleInterleaved1F1B):
+    ``min(n_micro * v, (v - 1) * pp + 2 * (pp - 1 - r)) + 1`` chunk-microbatches of 1/v of the rank's layers."""
+    pp, v, m = b.pp, b.v, b.n_micro
+    r = np.zeros_like(pp) if rank == FIRST else pp - 1
+    one_f_one_b = np.minimum(m, pp - r)
+    inter = np.minimum(np.minimum(m * v, (v - 1) * pp + 2 * (pp - 1 - r)) + 1, m * v) / v
+    out = np.where(b.sched == PP_SCHEDULES["GPipe"], m,
+                   np.where(b.sched == PP_SCHEDULES["Interleaved1F1B"], inter, one_f_one_b))
+    return np.where(pp == 1, 1.0, out).astype(float)
+
+
+def backward_steps(spec: ModelSpec, b, sh: Shapes, moe: bool) -> list[dict]:
+    """One block's backward at op level, as the executor's modules run it (each op, in reverse forward order,
+    allocates its input gradients and its weight gradients, then frees the gradient it consumed and the tensors
+    it saved): a list of steps ``{"alloc", "free", "saved", "pgrad"}`` — bytes of activation gradients made and
+    freed (``alloc`` before the step's moment, ``free`` after), names of ``saved_tensors`` released after it,
+    weight-gradient elements made (``pgrad``: (non-expert, routed expert)). The peak inside a block's backward is at
+    one of these moments: e.g. inside the MLP, with its gradients of the hidden activation, its first weight
+    gradients and every attention tensor still saved [derived from the block's autograd graph; trace]."""
+    T, t, sd, b2, rb = sh.T, sh.t, sh.sp_div, sh.act_b, sh.res_b
+    d = float(spec.d_model)
+    sp = sd > 1
+    z = np.zeros_like(T)
+    g_full = np.where(sp, T * d * b2, 0.0)  # SP: the gathered gradient (a reduce-scatter's backward)
+    elems = {name: rows * per_row for name, rows, per_row, _e in layer_tensors(spec, b, moe)}
+    n_norm = 2.0 if spec.norm == "layernorm" else 1.0
+
+    def pg(*names, expert=False):
+        tot = sum((elems.get(n, z) + elems.get(f"{n}.bias", z) for n in names), z)
+        return (z, tot) if expert else (tot, z)
+
+    norm_pg = (n_norm * d * np.ones_like(T), z)
+    steps: list[dict] = []
+
+    def step(alloc=0.0, free=0.0, saved=(), pgrad=(0.0, 0.0), cast=True):
+        # cast: the step's non-expert weight gradients are linears' (autocast caches their cast weights)
+        steps.append({"alloc": alloc + z, "free": free + z, "saved": tuple(saved), "pgrad": pgrad, "cast": cast})
+
+    def mlp(prefix, tokens, ff, names, expert=False, last_saved=()):
+        """SwiGLU: w2 (its input's gradient), mul (two), silu, w3 and w1 (the normed input's gradient, summed);
+        GeLU: w2, gelu, w1."""
+        hid = tokens * ff * b2
+        tin = tokens * d * b2
+        if spec.mlp == "swiglu":
+            step(hid, 0.0, [f"{prefix}.w2.input"], pg(names + "w2", expert=expert))
+            step(2 * hid, hid, [f"{prefix}.silu.out", f"{prefix}.w3.out"])
+            step(hid, hid, [f"{prefix}.w1.out"])
+            step(tin, hid, (), pg(names + "w3", expert=expert))
+            step(tin, hid + tin, last_saved, pg(names + "w1", expert=expert))
+        else:
+            step(hid, 0.0, [f"{prefix}.gelu.out"], pg(names + "w2", expert=expert))
+            step(hid, hid, [f"{prefix}.w1.out"])
+            step(tin, hid, last_saved, pg(names + "w1", expert=expert))
+
+    step(g_full)
+    if not moe:
+        mlp("mlp", T, spec.d_ff / t, "", last_saved=["ffn_norm.output(gathered)"])
+        step(0.0, g_full)
+    else:
+        m = spec.moe
+        assert m is not None
+        tr, t_router = sh.Tr, sh.Tr / (m.top_k * m.capacity_factor)
+        ep_on = np.where(b.ep > 1, 1.0, 0.0)
+        step(tr * d * b2)  # the combine's backward: the routed pairs' gradient
+        step(tr * d * b2, tr * d * b2, ["experts.w2.out"])  # weighted by the routing weights
+        step(ep_on * tr * d * b2, ep_on * tr * d * b2)  # EP: the combine's all-to-all back
+        mlp("experts", tr, m.d_ff_expert / sh.etp, "experts.", expert=True, last_saved=["experts.input(permuted)"])
+        step(ep_on * tr * d * b2, ep_on * tr * d * b2)  # EP: the dispatch's all-to-all back
+        step(t_router * d * b2, tr * d * b2)  # the token gather's backward (into the tokens' gradient)
+        step(t_router * m.n_experts * 4.0, 0.0, ["router.probs"])
+        step(t_router * d * b2, t_router * m.n_experts * 4.0 + t_router * d * b2, ["router.logits"], pg("router"))
+        if m.n_shared_experts:
+            mlp("shared", T, m.d_ff_expert * m.n_shared_experts / t, "shared.")
+        step(0.0, g_full + T * d * b2 * np.where(m.n_shared_experts > 0, 1.0, 0.0),
+             ["ffn_norm.output(gathered)"])
+    # the FFN norm: its output's gradient reduce-scattered (SP), its backward, summed into the residual gradient
+    step(np.where(sp, T * d / sd * b2, 0.0), np.where(sp, T * d * b2, 0.0))
+    step(T * d / sd * rb, T * d / sd * b2, ["ffn_norm.input", "ffn_norm.rstd"], norm_pg, cast=False)
+    step(0.0, T * d / sd * rb)
+    # attention: wo, SDPA (q, k, v gradients), RoPE, q/k norms, wv / wk / wq (summed), the attention norm
+    ao, q_, kv_ = spec.attn_out_dim / t, spec.q_dim / t, spec.kv_dim / t
+    step(g_full)
+    step(T * ao * b2, g_full, (), pg("wo"))
+    qk_saved = ["q.rotated", "k.rotated"] if spec.qk_norm else ["wq.out", "wk.out"]
+    step(T * (q_ + 2 * kv_) * b2, T * ao * b2, ["sdpa.out", "sdpa.logsumexp", "wv.out", *qk_saved])
+    step(T * (q_ + kv_) * b2, T * (q_ + kv_) * b2, ["rope.cos_sin"])
+    if spec.qk_norm:
+        step(T * (q_ + kv_) * b2, T * (q_ + kv_) * b2, ["wq.out", "wk.out", "q_norm.rstd", "k_norm.rstd"],
+             pg("qk_norm"), cast=False)
+    step(T * d * b2, T * kv_ * b2, (), pg("wv"))
+    step(T * d * b2, T * kv_ * b2 + T * d * b2, (), pg("wk"))
+    step(T * d * b2, T * q_ * b2 + T * d * b2, ["attention_norm.output(gathered)"], pg("wq"))
+    step(np.where(sp, T * d / sd * b2, 0.0), np.where(sp, T * d * b2, 0.0))
+    step(T * d / sd * rb, T * d / sd * b2, ["attention_norm.input", "attention_norm.rstd"], norm_pg, cast=False)
+    step(0.0, T * d / sd * rb)
+    return steps

@@ -40,14 +40,15 @@ a vocab-parallel embedding whose gradient is its shard; see ``layers.saved_tenso
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
-from ..codec import PlanBatch, encode
+from ..codec import PlanBatch, canonical_axes, canonical_key, encode
 from ..hardware import HardwareProfile
 from ..ordering import ac_wraps_compile_recompute_factor
-from ..plan import Plan
+from ..plan import AC_MODES, Plan
 from ..results import Prediction
 from ..spec import ModelSpec
 from . import comm as C
@@ -57,16 +58,22 @@ from .layers import (
     Shapes,
     ac_counts,
     activation_bytes,
+    activation_bytes_split,
     attention_flops,
+    backward_steps,
+    fsdp_shard,
     gemms,
-    layer_params_local,
+    inflight,
+    kept_by_ac_mode,
+    last_param_elems,
+    layer_tensors,
+    rank_ckpt,
     rank_layers,
     saved_tensors,
 )
+from .memory import MEMORY_KEYS, PHASES, Block, RankMemory, Unit, simulate
 
 TIME_KEYS = ("compute_forward", "compute_backward", "recompute", "pp_bubble", "optimizer")
-MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "fsdp_unsharded_params", "fsdp_grad_buffers",
-               "activations", "recompute_transient", "logits_and_loss", "optimizer_temporaries")
 # [derived] AdamW reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq (fp32: 7 x 4 B),
 # plus the gradient-norm read (4 B)
 ADAMW_BYTES_PER_PARAM = 28.0 + 4.0
@@ -83,8 +90,6 @@ MEMORY_BWD_PER_FWD = 2.0
 ROWWISE_KERNEL_SPEED = 0.9
 # [derived] the loss's fp32 traffic per logit: read bf16 logits, write / read the fp32 copy and log-softmax (16 B)
 LOSS_BYTES_PER_LOGIT = 16.0
-PHASES = ("end of forward", "backward of the last layer", "backward of a later microbatch", "end of backward",
-          "optimizer step")
 SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
 
 
@@ -190,7 +195,8 @@ def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
     ``times`` (memory only) the seconds are zeros."""
     if not times:
         z = np.zeros_like(sh.T)
-        return {"fwd": z, "bwd": z, "rec_full": z, "rec_sac": z, "act": activation_bytes(spec, sh, moe), "gemm_fwd": z}
+        return {"fwd": z, "bwd": z, "rec_full": z, "rec_sac": z, "act": activation_bytes(spec, sh, moe), "gemm_fwd": z,
+                "act_split": activation_bytes_split(spec, sh, moe)}
     if compute_scale is None:
         compute_scale = float(hw.corrections.get("compute_scale", 1.0))
     items = layer_compute_items(spec, b, sh, hw, moe, overheads[0])
@@ -203,7 +209,7 @@ def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
            + MEMORY_BWD_PER_FWD * by_kind["memory"] + ovb) * compute_scale
     sac = (sac_t + by_kind["memory"] + 0.5 * by_kind["overhead"]) * compute_scale
     return {"fwd": fwd, "bwd": bwd, "rec_full": fwd, "rec_sac": sac, "act": activation_bytes(spec, sh, moe),
-            "gemm_fwd": by_kind["gemm"] * compute_scale}
+            "gemm_fwd": by_kind["gemm"] * compute_scale, "act_split": activation_bytes_split(spec, sh, moe)}
 
 
 def _gemm_output_bytes(spec, sh, moe):
@@ -215,73 +221,311 @@ def _gemm_output_bytes(spec, sh, moe):
     return out
 
 
-def _inflight(b: PlanBatch, rank: int) -> np.ndarray:
-    """Microbatches whose activations are alive at the peak, in units of one microbatch through all of the rank's
-    layers. 1F1B: pp - r (warm-up forwards + 1); GPipe: all; interleaved (torch ScheduleInterleaved1F1B):
-    ``min(n_micro * v, (v - 1) * pp + 2 * (pp - 1 - r)) + 1`` chunk-microbatches of 1/v of the rank's layers."""
-    pp, v, m = b.pp, b.v, b.n_micro
-    r = np.zeros_like(pp) if rank == FIRST else pp - 1
-    one_f_one_b = np.minimum(m, pp - r)
-    inter = np.minimum(np.minimum(m * v, (v - 1) * pp + 2 * (pp - 1 - r)) + 1, m * v) / v
-    out = np.where(b.sched == SCHED_GPIPE, m, np.where(b.sched == SCHED_INTERLEAVED, inter, one_f_one_b))
-    return np.where(pp == 1, 1.0, out).astype(float)
-
-
 def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = False,
-             memory_only: bool = False, time_bound: bool = False) -> dict:
+             memory_only: bool = False, time_bound: bool = False, above_bytes: float = math.inf) -> dict:
     """Evaluate every plan of ``b``. Returns arrays: step_time_s, peak_memory_bytes, fits, tokens_per_s_per_gpu,
     mfu, peak_rank (0 = first stage, 1 = last), and with ``detail`` the breakdowns, comm bytes and times, and the
     two ranks' ledgers. ``memory_only``: only peak_memory_bytes, without the collectives and step time (what
-    search's memory screen needs; the same numbers as the full evaluation). ``time_bound``: peak_memory_bytes and
-    ``step_time_lower_bound_s`` (``_time_lower_bound``), without the collectives."""
+    search's memory screen needs; the same numbers as the full evaluation). ``above_bytes`` (with
+    ``memory_only``): a plan whose parameters, optimizer states and gradients alone (``_static_bytes``, a lower
+    bound of its peak) exceed it is not replayed on the timeline, its peak given as at least that bound (it does
+    not fit either way). ``time_bound``: only ``step_time_lower_bound_s`` (``_time_lower_bound``), without the
+    collectives and memory."""
     sh = Shapes(spec, b)
     layers = rank_layers(spec, b.pp, b.v)
     kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
     overheads = block_overheads(hw)
     costs = {k: _layer_costs(spec, b, sh, hw, k, overheads, times=not memory_only) for k in kinds}
-    plocal = {k: layer_params_local(spec, b, k) for k in kinds}
+    plocal, pshard = layer_params(spec, b, kinds)
     per_rank: list = []
     for rank in (FIRST, LAST):
-        rv = _rank_view(spec, b, rank, layers, kinds, plocal)
-        if memory_only or time_bound:
+        rv = _rank_view(spec, b, rank, layers, kinds, plocal, pshard)
+        if time_bound:
             c = _rank_compute(spec, b, sh, hw, rv, costs)
-            phases, p_opt = _rank_memory(spec, b, sh, rank, rv, c)
+            per_rank.append(_time_lower_bound(b, hw, c, _rank_params(b, rv)[1]))
+        elif memory_only:
+            c = _rank_compute(spec, b, sh, hw, rv, costs)
+            phases, p_opt = _rank_memory(spec, b, sh, rank, rv, c, above_bytes)
             mem = np.max(np.stack([sum(v.values()) for v in phases.values()]), axis=0)
-            per_rank.append((mem, _time_lower_bound(b, hw, c, p_opt) if time_bound else np.zeros(len(b))))
+            per_rank.append(np.where(_static_bytes(b, rv) > above_bytes, np.maximum(mem, _static_bytes(b, rv)), mem))
         else:
             per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
-    if memory_only or time_bound:
-        out = {"peak_memory_bytes": np.maximum(per_rank[0][0], per_rank[1][0])}
-        if time_bound:
-            out["step_time_lower_bound_s"] = np.maximum(per_rank[0][1], per_rank[1][1])
-        return out
+    if time_bound:
+        return {"step_time_lower_bound_s": np.maximum(per_rank[0], per_rank[1])}
+    if memory_only:
+        return {"peak_memory_bytes": np.maximum(per_rank[0], per_rank[1])}
     return _combine(spec, b, hw, per_rank, detail)
 
 
-def _rank_memory(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict) -> tuple:
+def _rank_params(b: PlanBatch, rv: C.RankView) -> tuple:
+    """(parameters a rank holds after FSDP sharding, those whose optimizer step it runs: 1/dp_replicate of them
+    under the distributed optimizer)."""
+    p_shard = rv.edge_shard + sum(rv.n_of[k] * (rv.pshard[k][0] + rv.pshard[k][1]) for k in rv.kinds)
+    return p_shard, p_shard / np.where(b.zero1, b.dp_replicate, 1)
+
+
+def _static_bytes(b: PlanBatch, rv: C.RankView) -> np.ndarray:
+    """A lower bound of a rank's peak [derived]: at the optimizer step it holds its fp32 parameters and two Adam
+    states (12 B per parameter it steps) and every fp32 gradient of its shard (4 B per parameter it holds)."""
+    p_shard, p_opt = _rank_params(b, rv)
+    return p_opt * 12.0 + p_shard * 4.0
+
+
+def _rank_memory(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict,
+                 above_bytes: float = math.inf) -> tuple:
     """(the memory moments of one rank, the parameters whose optimizer step it runs). Parameters held before
     FSDP sharding (non-expert, expert), per rank after it, and 1/dp_replicate of those under the distributed
-    optimizer."""
+    optimizer. Plans whose ``_static_bytes`` exceed ``above_bytes`` keep the coarse moments (``evaluate``)."""
     ne_local = rv.emb_local + rv.out_local + sum(rv.n_of[k] * rv.plocal[k][0] for k in rv.kinds)
     ex_local = sum(rv.n_of[k] * rv.plocal[k][1] for k in rv.kinds)
-    p_shard = ne_local / b.fsdp + ex_local / b.efsdp
-    p_opt = p_shard / np.where(b.zero1, b.dp_replicate, 1)
-    return _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard, p_opt), p_opt
+    p_shard, p_opt = _rank_params(b, rv)
+    # what FSDP2's all-gathers hold unsharded: each unit's padded shards times the shard group
+    gathered = {"blocks": sum(rv.n_of[k] * (b.fsdp * rv.pshard[k][0] + b.efsdp * rv.pshard[k][1]) for k in rv.kinds),
+                "emb": b.fsdp * rv.emb_shard, "out": b.fsdp * (rv.norm_shard + rv.outw_shard)}
+    phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard, p_opt, gathered)
+    timed = (b.v == 1) & (_static_bytes(b, rv) <= above_bytes)
+    if timed.any():  # the step's timeline (costmodel/memory.py); interleaved plans keep the moments above for now
+        tl = _timeline_phases(spec, b, sh, rank, rv, c, p_shard, p_opt, timed)
+        z = np.zeros(len(b))
+        phases = {ph: {k: np.where(timed, tl[ph][k], phases[ph].get(k, z)) for k in MEMORY_KEYS} for ph in PHASES}
+    return phases, p_opt
 
 
-def _rank_view(spec: ModelSpec, b: PlanBatch, rank: int, layers: dict, kinds: list, plocal: dict) -> C.RankView:
-    """What one rank holds: its layers of each kind, and the embedding / output parameters (before FSDP)."""
+def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, p_shard,
+                     p_opt, rows: np.ndarray) -> dict:
+    """The phases of ``rows`` from the step's timeline (``memory.simulate``), grouped by the structure of the
+    rank's blocks (their kinds, and which ``layer:N`` AC checkpoints)."""
+    n = len(b)
+    out = {ph: {k: np.zeros(n) for k in MEMORY_KEYS} for ph in PHASES}
+    layer_mode = b.ac == AC_MODES["layer"]
+    every = np.where(layer_mode, np.maximum(b.ac_every, 1), 0)
+    before = np.array([o.index("ac") < o.index("pp") for o in b.wrapper_orders] or [False])[b.wrapper_idx]
+    keys = np.stack([b.pp, b.v, every, before & layer_mode], axis=1)
+    uniq, inv = np.unique(keys[rows], axis=0, return_inverse=True)
+    rows_idx = np.nonzero(rows)[0]
+    # memory does not depend on the device order, compile, async TP, or float8 outside TE layers (its recipe not
+    # at all): one simulation per plan that differs in anything else
+    same = np.stack([np.asarray(getattr(b, f.name), dtype=float) for f in dataclasses.fields(b)
+                     if f.name not in _NOT_MEMORY and isinstance(getattr(b, f.name), np.ndarray)]
+                    + [np.asarray(b.float8 & b.te, dtype=float)], axis=1)
+    steps = {moe: (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe)) for moe in {r[0] for r in
+                                                                                               _all_runs(spec)}}
+    for g, (pp, v, k, bp) in enumerate(uniq):
+        idx = rows_idx[np.ravel(inv) == g]
+        _, first, back = np.unique(same[idx], axis=0, return_index=True, return_inverse=True)
+        runs = _block_runs(spec, int(pp), int(v), rank, int(k), bool(bp))
+        q = _rank_memory_inputs(spec, b, sh, rank, rv, c, p_shard, p_opt, idx[first], runs, steps)
+        res = simulate(q)
+        for ph in PHASES:
+            for name in MEMORY_KEYS:
+                out[ph][name][idx] = res[ph][name][np.ravel(back)]
+    return out
+
+
+_NOT_MEMORY = ("mesh_idx", "compile", "async_tp", "float8", "f8_recipe")
+
+
+def _all_runs(spec: ModelSpec) -> list[tuple[bool, bool, int]]:
+    """(MoE?, -, -) for each kind of block the model has."""
+    return [(moe, False, 0) for moe in (False, True) if (spec.n_moe_layers if moe else spec.n_dense_layers) > 0]
+
+
+def _block_runs(spec: ModelSpec, pp: int, v: int, rank: int, every: int, before_pp: bool
+                ) -> list[tuple[bool, bool, int]]:
+    """The rank's blocks in forward order as runs (MoE?, checkpointed by ``layer:every``?, count); ``every`` 0: no
+    ``layer:N`` AC (torchtitan's count: from 1 over this process's blocks, or over the model's when AC comes before
+    the PP split, ``layers._rank_ckpt``)."""
+    n_stages = pp * v
+    base, extra = divmod(spec.n_layers, n_stages)
+    bounds = [0]
+    for st in range(n_stages):
+        bounds.append(bounds[-1] + base + (1 if st < extra else 0))
+    r = 0 if rank == FIRST else pp - 1
+    blocks = [i for st in range(r, n_stages, pp) for i in range(bounds[st], bounds[st + 1])]
+    runs: list[list] = []
+    for j, i in enumerate(blocks):
+        item = (spec.is_moe_layer(i), every > 0 and ((i if before_pp else j) + 1) % every == 0)
+        if runs and tuple(runs[-1][:2]) == item:
+            runs[-1][2] += 1
+        else:
+            runs.append([*item, 1])
+    return [tuple(r) for r in runs]
+
+
+def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, p_shard,
+                        p_opt, idx: np.ndarray, runs: list, steps_of: dict | None = None) -> RankMemory:
+    """The sizes ``memory.simulate`` replays, for the plans ``idx`` (bytes)."""
+    pb, rb = b.param_bytes[idx].astype(float), b.reduce_bytes[idx].astype(float)
+    fsdp_on = (b.dp_replicate * b.dp_shard * b.cp > 1)[idx]
+    gb = np.where(fsdp_on, pb, 4.0)  # unsharded gradients: param dtype under FSDP, the fp32 parameters' without
+    S, Se = b.fsdp[idx].astype(float), b.efsdp[idx].astype(float)
+    ep1 = (b.ep == 1)[idx]
+
+    def unit(shard, local, s, last) -> Unit:
+        linger = np.where(s > 1, last, 0.0)  # (``foreach_reduce`` runs that loop only over a shard group of 2+)
+        return Unit(s * shard * pb, local * gb, s * shard * rb, shard * rb, shard * 4.0, local * rb,
+                    linger * gb, linger * rb)
+
+    has_emb, has_out = rv.has_emb[idx], rv.has_out[idx]
+    costs = c["costs"]
+    blocks = []
+    built: dict = {}  # (MoE?, checkpointed?) -> Block: runs of the same kind share one (and its replay caches)
+    for moe, ckpt, count in runs:
+        if (moe, ckpt) in built:
+            blocks.append((built[moe, ckpt], count))
+            continue
+        ne_s, ex_s = (np.asarray(x)[idx] for x in rv.pshard[moe])
+        ne_l, ex_l = (np.asarray(x)[idx] for x in rv.plocal[moe])
+        split = costs[moe]["act_split"]
+        a = {m: (np.asarray(v[0])[idx], np.asarray(v[1])[idx]) for m, v in split.items()}
+        full = (b.ac[idx] == AC_MODES["full"]) | ((b.ac[idx] == AC_MODES["layer"]) & ckpt)
+        sac = b.ac[idx] == AC_MODES["selective-op"]
+
+        def pick(part, a=a, full=full, sac=sac):
+            return np.where(full, a["full"][part], np.where(sac, a["sac"][part], a["none"][part]))
+
+        act_attn, act_ffn = pick(0), pick(1)
+        none = a["none"][0] + a["none"][1]
+        transient = none - act_attn - act_ffn
+        last_blk, last_ex = (x[idx] for x in last_param_elems(spec, b, moe))
+        blk_unit = unit(ne_s + np.where(ep1, ex_s, 0.0), ne_l + np.where(ep1, ex_l, 0.0), S, last_blk)
+        experts = unit(np.where(ep1, 0.0, ex_s), np.where(ep1, 0.0, ex_l), Se, last_ex) if moe else None
+        def sel(x):
+            return np.broadcast_to(np.asarray(x, dtype=float), (len(b),))[idx]
+
+        all_steps, items = (steps_of or {}).get(moe) or (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe))
+        steps = [{"alloc": sel(st["alloc"]), "free": sel(st["free"]), "saved": st["saved"], "cast": st["cast"],
+                  "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
+        keep = kept_by_ac_mode(items)
+        saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True)
+                 if kk["none"]}
+        built[moe, ckpt] = Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb)
+        blocks.append((built[moe, ckpt], count))
+    emb_local = np.asarray(rv.emb_local)[idx]
+    V, d = spec.vocab_size, float(spec.d_model)
+    # the embedding backward's dense gradient over the whole vocabulary (torch's embedding backward, also under
+    # RowwiseParallel), its vocab shard under TE layers (Megatron's VocabParallelEmbedding)
+    emb_dense = np.where(has_emb, np.where(b.te[idx], emb_local, V * d) * gb, 0.0)
+    n_tok = np.asarray(sh.T)[idx]
+    rope = float(spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim)
+    buffers = b.seq_len[idx].astype(float) * rope * 4.0 * np.where(b.pp[idx] > 1, b.v[idx], 1)  # RoPE cos / sin
+    # what a microbatch in flight keeps beside its blocks' activations: its stage output (the residual stream,
+    # sent on and kept by the schedule until its backward), or on the last stage the loss's saved tensors (the
+    # fp32 log-softmax output, 4 B per logit; the fused loss: the logits) and the final norm's input and output
+    stage_out = (np.asarray(sh.T) * spec.d_model / np.asarray(sh.sp_div) * np.asarray(sh.res_b))[idx]
+    act_b = np.asarray(sh.act_b)[idx]
+    per_logit_saved = np.where(b.fused_loss[idx], act_b, 4.0)
+    loss_saved = (np.asarray(c["logits"])[idx] * per_logit_saved
+                  + np.asarray(sh.T)[idx] * spec.d_model * act_b * (1.0 + 1.0 / np.asarray(sh.sp_div)[idx]))
+    m = b.n_micro[idx].astype(float)
+    w = np.asarray(inflight(b, rank))[idx] * np.where(b.pp[idx] > 1, 1.0, 0.0) + np.where(b.pp[idx] > 1, 0.0, 1.0)
+    m = np.where(b.pp[idx] > 1, m, 1.0)
+    # without FSDP a vocab-sharded (TP) embedding's gradient is a view of the dense whole-vocabulary gradient its
+    # backward made: that storage stays (with FSDP, FSDP2 copies the rank's rows out)
+    all_grads4 = np.asarray(p_shard)[idx] * 4.0 + np.where(~fsdp_on & has_emb & (b.tp[idx] > 1) & ~b.te[idx],
+                                                           (V * d - emb_local) * 4.0, 0.0)
+    return RankMemory(
+        n=len(idx), parameters=np.asarray(p_opt)[idx] * 4.0, optimizer_states=np.asarray(p_opt)[idx] * 8.0,
+        buffers=buffers, all_grads4=all_grads4, fsdp=fsdp_on, raf=b.raf[idx],
+        raf_out=b.raf_always[idx], acc=(b.grad_accum > 1)[idx], has_emb=has_emb, has_out=has_out,
+        emb=unit(np.asarray(rv.emb_shard)[idx], emb_local, S, emb_local), emb_dense_grad=emb_dense,
+        emb_sharded=(b.tp > 1)[idx] & ~b.te[idx],
+        out=unit(np.asarray(rv.norm_shard + rv.outw_shard)[idx], np.asarray(rv.out_local)[idx], S,
+                 np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))),
+        loss=np.asarray(_loss_bytes(spec, b, sh, rv, c))[idx] * np.ones(len(idx)) + 0.0 * n_tok,
+        blocks=blocks, opt_temporaries=np.asarray(p_opt)[idx] * 4.0, flat_held=S > 1,
+        hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
+        pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
+        mb_extra=np.where(has_out, loss_saved, np.where((b.pp > 1)[idx], stage_out, 0.0)),
+        autocast_cache=_autocast_cache(spec, b, rv, idx, fsdp_on),
+        out_refetch=((b.pp > 1) & (b.n_micro > inflight(b, LAST)))[idx],
+        param_bytes=pb, out_weight4=np.asarray(rv.out_local - rv.norm_local)[idx] * 4.0 * np.ones(len(idx)),
+        last_cast4=_last_cast_elems(spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
+
+
+def _last_cast_elems(spec: ModelSpec, b: PlanBatch, moe: bool) -> np.ndarray:
+    """Elements of the last linear weight a block uses in forward (the last weight autocast casts on a stage
+    without the output projection): the MLP's w2; a MoE layer's shared experts' w2, else its router."""
+    by_name = {name: rows * per_row for name, rows, per_row, _ in layer_tensors(spec, b, moe)}
+    if not moe:
+        return by_name["w2"] * np.ones(len(b))
+    assert spec.moe is not None
+    return (by_name["shared.w2"] if spec.moe.n_shared_experts else by_name["router"]) * np.ones(len(b))
+
+
+def _autocast_cache(spec: ModelSpec, b: PlanBatch, rv: C.RankView, idx: np.ndarray, fsdp_on) -> np.ndarray:
+    """Without FSDP a bf16 / fp16 plan runs under torch.autocast (as torchtitan does), which caches the cast copy
+    of every linear weight (and bias) it multiplies — attention and MLP linears, the router, the shared experts, the
+    output projection; not norms, the embedding or the stacked experts (views, not leaves) — from its first use to
+    the end of the region [derived from torch's autocast weight cache; trace]."""
+    pb = b.param_bytes[idx].astype(float)
+    on = ~fsdp_on & (pb < 4.0)
+    total = np.zeros(len(idx))
+    for k in rv.kinds:
+        lin = sum((rows * per_row for name, rows, per_row, expert in layer_tensors(spec, b, k)
+                   if not expert and "norm" not in name), np.zeros(len(b)))
+        total = total + (rv.n_of[k] * lin)[idx]
+    outw = np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))
+    return np.where(on, (total + outw) * pb, 0.0)
+
+
+def _loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: dict):
+    """The loss's peak on the last stage, bytes: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the
+    end of forward under loss parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the
+    log-softmax output, the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read
+    off the live storages at the peak of executor traces). Plus the final norm's input and gathered output. An fp32
+    plan has no separate fp32 copy of its logits: 8 B/logit under loss parallel [derived from the bf16 case]. A
+    fused cross-entropy keeps the logits and writes one gradient of their size (param_dtype each) [derived;
+    full-scale trace of the executor's fused loss: test_trace_of_the_loss_matches_the_model]."""
+    d = spec.d_model
+    per_logit = np.where(b.fused_loss, 2.0 * sh.act_b,
+                         np.where(b.tp > 1, sh.act_b + np.where(sh.act_b < 4, 4.0, 0.0) + 4.0, 12.0))  # [measured]
+    return np.where(rv.has_out, c["logits"] * per_logit + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
+
+
+def layer_params(spec: ModelSpec, b: PlanBatch, kinds: list) -> tuple[dict, dict]:
+    """Per layer kind: (non-expert, routed-expert) parameters a rank holds after TP / EP, and its FSDP2 shards of
+    them (padded per tensor, ``layers.fsdp_shard``; routed experts over efsdp)."""
+    plocal, pshard = {}, {}
+    for k in kinds:
+        ne = ex = ne_s = ex_s = np.zeros(len(b))
+        for _name, rows, per_row, expert in layer_tensors(spec, b, k):
+            if expert:
+                ex, ex_s = ex + rows * per_row, ex_s + fsdp_shard(rows, per_row, b.efsdp)
+            else:
+                ne, ne_s = ne + rows * per_row, ne_s + fsdp_shard(rows, per_row, b.fsdp)
+        plocal[k], pshard[k] = (ne, ex), (ne_s, ex_s)
+    return plocal, pshard
+
+
+def _rank_view(spec: ModelSpec, b: PlanBatch, rank: int, layers: dict, kinds: list, plocal: dict,
+               pshard: dict) -> C.RankView:
+    """What one rank holds: its layers of each kind, and the embedding, final norm and output parameters (after
+    TP, and their FSDP shards). Under TP the vocabulary is sharded like ``torch.chunk``: the rank the model
+    describes (TP coordinate 0) holds ``ceil(V / tp)`` rows."""
     n = len(b)
     t = b.tp.astype(float)
-    V, d = spec.vocab_size, spec.d_model
+    V, d = spec.vocab_size, float(spec.d_model)
+    S = b.fsdp
     has_emb = np.ones(n, bool) if rank == FIRST else b.pp == 1
     has_out = b.pp == 1 if rank == FIRST else np.ones(n, bool)
     n_of = {False: layers["dense"][rank].astype(float), True: layers["moe"][rank].astype(float)}
-    emb_local = np.where(has_emb, V * d / t + spec.max_position_embeddings * d, 0.0)
+    v_rows = np.ceil(V / t)
+    P = float(spec.max_position_embeddings)
+    emb_local = np.where(has_emb, v_rows * d + P * d, 0.0)
+    emb_shard = np.where(has_emb, fsdp_shard(v_rows, d, S) + (fsdp_shard(P, d, S) if P else 0.0), 0.0)
+    norms = 2.0 if spec.norm == "layernorm" else 1.0
+    norm_local = np.where(has_out, norms * d, 0.0)
+    norm_shard = np.where(has_out, norms * fsdp_shard(d, 1.0, S), 0.0)
     # a tied output projection needs its own copy of the embedding on the last stage when pp > 1
     own_out = (b.pp > 1) | (not spec.tie_embeddings)
-    out_local = np.where(has_out, np.where(own_out, V * d / t, 0.0) + d, 0.0)
-    return C.RankView(n_of, kinds, plocal, has_emb, has_out, emb_local, out_local)
+    outw_local = np.where(has_out & own_out, v_rows * d, 0.0)
+    outw_shard = np.where(has_out & own_out, fsdp_shard(v_rows, d, S), 0.0)
+    ckpt = rank_ckpt(spec, b)
+    n_ckpt = {k: ckpt[k][rank].astype(float) for k in (False, True)}
+    return C.RankView(n_of, kinds, plocal, has_emb, has_out, emb_local, outw_local + norm_local, pshard=pshard,
+                      emb_shard=emb_shard, norm_local=norm_local, norm_shard=norm_shard, outw_shard=outw_shard,
+                      n_ckpt=n_ckpt)
 
 
 def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView,
@@ -296,7 +540,7 @@ def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile
     rec, act, transient = np.zeros(n), np.zeros(n), np.zeros(n)
     for k in rv.kinds:
         c = costs[k]
-        n_full, n_sac, n_none = ac_counts(b, rv.n_of[k])
+        n_full, n_sac, n_none = ac_counts(b, rv.n_of[k], rv.n_ckpt[k])
         rec = rec + n_full * c["rec_full"] + n_sac * c["rec_sac"]
         act = act + n_full * c["act"]["full"] + n_sac * c["act"]["sac"] + n_none * c["act"]["none"]
         tr = np.where(n_full > 0, c["act"]["none"] - c["act"]["full"],
@@ -304,7 +548,7 @@ def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile
         transient = np.maximum(transient, tr)
     # AC wrapping a compiled block recomputes more (measured by `parsim orders`, see parsim/ordering.py)
     rec = rec * np.where(b.ac_wraps_compile & b.compile, ac_wraps_compile_recompute_factor(), 1.0)
-    logits = sh.T * spec.vocab_size / sh.t
+    logits = sh.T * np.ceil(spec.vocab_size / sh.t)  # TP coordinate 0 holds ceil(V / tp) vocabulary rows
     out_gemm = hw.gemm_efficiency.time_s(2.0 * logits * spec.d_model, compute_peak(hw, b))
     # a fused cross-entropy reads the logits once in the forward and reads them / writes their gradient in the
     # backward, all in param_dtype [derived]
@@ -313,7 +557,8 @@ def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile
     loss_bwd = np.where(b.fused_loss, 2.0 * sh.act_b, LOSS_BYTES_PER_LOGIT) * logits / hbm
     fwd = fwd + np.where(rv.has_out, out_gemm + loss_fwd, 0.0)
     bwd = bwd + np.where(rv.has_out, GEMM_BWD_PER_FWD * out_gemm + loss_bwd, 0.0)
-    return {"fwd": fwd, "bwd": bwd, "rec": rec, "act": act, "transient": transient, "logits": logits, "gemm": gemm}
+    return {"fwd": fwd, "bwd": bwd, "rec": rec, "act": act, "transient": transient, "logits": logits, "gemm": gemm,
+            "costs": costs}
 
 
 def _bubble(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb):
@@ -379,7 +624,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     mb = {k: np.choose(which, [np.broadcast_to(phases[p].get(k, z), (n,)) for p in names]) for k in MEMORY_KEYS}
     return {"step": sum(tb.values()), "tb": tb, "mem": np.choose(which, [np.broadcast_to(totals[p], (n,))
                                                                          for p in names]),
-            "mb": mb, "phase": which, "ledger": cm["ledger"]}
+            "mb": mb, "phase": which, "phase_totals": totals, "ledger": cm["ledger"]}
 
 
 def _async_tp_exposed_fraction(b: PlanBatch, hw: HardwareProfile, tp_s, gemm_s) -> np.ndarray:
@@ -407,7 +652,7 @@ def _interference(hw: HardwareProfile, ledger) -> np.ndarray:
 
 
 def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, ne_local,
-                   ex_local, p_shard, p_opt) -> dict:
+                   ex_local, p_shard, p_opt, gathered: dict) -> dict:
     """The moments of the step, each itemized by MEMORY_KEYS (see the module docstring). The distributed
     optimizer (Megatron, ZeRO-1) keeps the fp32 master weights and AdamW states of ``p_opt`` parameters (its
     1/dp_replicate share), the whole model in param_dtype and the whole gradient (main grads) in reduce_dtype."""
@@ -415,7 +660,7 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
     ga, m_pass = b.grad_accum.astype(float), b.n_micro.astype(float)
     emb_local, out_local, has_emb = rv.emb_local, rv.out_local, rv.has_emb
-    inflight = _inflight(b, rank)
+    n_inflight = inflight(b, rank)
     dist = b.zero1
     base = {"parameters": p_opt * 4.0, "optimizer_states": p_opt * 8.0}
     # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
@@ -429,18 +674,22 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     accumulated = (ne_local + ex_local - emb_local) * rb + np.where(has_emb, emb_full * rb, 0.0)
     # with gradient accumulation (ga > 1) the grads of the earlier passes are there in every schedule (traces of
     # pp2 GPipe with ga 4 in fp32: the stage's full gradients beside the activations) [measured]
-    steady = (b.pp > 1) & (((b.sched != SCHED_GPIPE) & (m_pass > inflight)) | (ga > 1))
+    steady = (b.pp > 1) & (((b.sched != SCHED_GPIPE) & (m_pass > n_inflight)) | (ga > 1))
     grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, np.where(steady, accumulated, 0.0))
     # FSDP2 wraps the model whenever a data-parallel axis exists (HSDP with a shard group of 1 included) and then
     # keeps unsharded copies of the parameters it gathers, also when the shard group is 1 (seen in traces of
     # pp2 x dp_replicate2 in fp32: 8 MiB of unsharded parameters on stage 0) [measured]
     sharded = (b.fsdp > 1) | (b.efsdp > 1) | (b.dp_replicate > 1)
-    layer_w = (ne_local + ex_local - emb_local - out_local) / np.maximum(rv.n_layers, 1.0)  # one block's weights
-    keep_all = (ne_local + ex_local) * pb  # reshard_after_forward off: the whole stage stays unsharded
-    unsh_fwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, out_local * pb, keep_all), 0.0))
-    unsh_bwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, (out_local + 2.0 * layer_w) * pb,
+    n_lay = np.maximum(rv.n_layers, 1.0)
+    layer_w = (ne_local + ex_local - emb_local - out_local) / n_lay  # one block's weights
+    layer_g = gathered["blocks"] / n_lay  # one block's gathered (padded) weights
+    out_g = gathered["out"]
+    # reshard_after_forward off: the whole stage stays unsharded
+    keep_all = np.where(sharded, gathered["blocks"] + gathered["emb"] + out_g, ne_local + ex_local) * pb
+    unsh_fwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, out_g * pb, keep_all), 0.0))
+    unsh_bwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, (out_g + 2.0 * layer_g) * pb,
                                                                    keep_all), 0.0))
-    acts = inflight * c["act"]
+    acts = n_inflight * c["act"]
     m_all = ga * m_pass
     later = (b.pp > 1) & (m_all > 1)
     # the loss: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the end of forward under loss
@@ -457,12 +706,12 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     # (seen in traces with torch 2.13's RowwiseParallel embedding); without PP FSDP then reduce-scatters it (input
     # in reduce_dtype), with PP it accumulates it unsharded in reduce_dtype at full vocabulary size, beside the
     # other blocks' accumulated grads, while the other in-flight microbatches keep their activations
-    emb_grad = np.where(has_emb, emb_full * pb + np.where(b.pp > 1, emb_full * rb, emb_local * rb), 0.0)
+    emb_grad = np.where(has_emb, emb_full * pb + np.where(b.pp > 1, emb_full * rb, gathered["emb"] * rb), 0.0)
     return {
         "end of forward": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_fwd, activations=acts,
                                logits_and_loss=logits_bytes),
         "backward of the last layer": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_bwd,
-                                           fsdp_grad_buffers=layer_w * (pb + rb), activations=acts,
+                                           fsdp_grad_buffers=layer_w * pb + layer_g * rb, activations=acts,
                                            recompute_transient=c["transient"]),
         # PP: a later microbatch's backward starts beside the gradients the first one accumulated (fp32, the
         # embedding's at full vocabulary), the activations of the microbatches still in flight (the schedule's
@@ -472,12 +721,12 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
         "backward of a later microbatch": dict(base, gradients=np.where(later, accumulated, 0.0),
                                                fsdp_unsharded_params=np.where(later, unsh_bwd, 0.0),
                                                fsdp_grad_buffers=np.where(later, layer_w * pb, 0.0),
-                                               activations=np.where(later, np.minimum(inflight, m_all - 1.0), 0.0)
+                                               activations=np.where(later, np.minimum(n_inflight, m_all - 1.0), 0.0)
                                                * c["act"]),
         "end of backward": dict(base, gradients=np.where(b.pp > 1, accumulated - np.where(has_emb, emb_full * rb, 0.0),
                                                          np.maximum(grads_prev, p_shard * 4.0)),
                                 fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),
-                                fsdp_grad_buffers=emb_grad, activations=np.maximum(inflight - 1.0, 0.0) * c["act"]),
+                                fsdp_grad_buffers=emb_grad, activations=np.maximum(n_inflight - 1.0, 0.0) * c["act"]),
         "optimizer step": dict(base, gradients=p_shard * 4.0, optimizer_temporaries=p_opt * 4.0,
                                fsdp_unsharded_params=np.where(dist, keep_all, 0.0)),
     }
@@ -514,6 +763,7 @@ def _combine(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, per_rank: list,
     out["comm_time_s"] = pick("comm_time", time_rank)
     out["exposed_comm_time_s"] = pick("exposed", time_rank)
     out["ledgers"] = (first["ledger"], last["ledger"])
+    out["ranks"] = per_rank
     return out
 
 
@@ -527,15 +777,16 @@ def _fsdp_exposed(b: PlanBatch, hw: HardwareProfile, cm: dict, fwd, bwd, n_layer
     if not hw.comm_overlap:
         return ag_total + red_total
     ga, m_pass = b.grad_accum.astype(float), b.n_micro.astype(float)
+    # gathers per unit and pass (comm._fsdp_units): forwards (every microbatch's when resharded under PP), and
+    # one backward re-gather when resharded after forward
     fwd_rounds = np.where((b.pp > 1) & b.raf, m_pass, 1.0)
-    bwd_gather = np.where(b.raf | (b.pp > 1), 1.0, 0.0)
+    bwd_gather = np.where(b.raf, 1.0, 0.0)
     lay = np.maximum(n_layers, 1.0)
-    ag_l = ag_total / np.maximum(ga * fwd_rounds * (1.0 + bwd_gather), 1) / (lay + 1.0)
+    ag_l = ag_total / np.maximum(ga * (fwd_rounds + bwd_gather), 1) / (lay + 1.0)
     red_l = red_total / np.maximum(ga, 1) / (lay + 1.0)
     f_l, b_l = fwd / lay, bwd / lay
     exp_fwd = fwd_rounds * (ag_l + n_layers * np.maximum(0.0, ag_l - f_l))
-    exp_bwd = n_layers * np.maximum(0.0, bwd_gather * ag_l + red_l - b_l) + red_l \
-        + (fwd_rounds - 1.0) * bwd_gather * n_layers * np.maximum(0.0, ag_l - b_l)
+    exp_bwd = n_layers * np.maximum(0.0, bwd_gather * ag_l + red_l - b_l) + red_l
     return ga * (exp_fwd + exp_bwd)
 
 
@@ -564,6 +815,60 @@ def _model_flops_per_token(spec: ModelSpec, b: PlanBatch) -> np.ndarray:
     return base + per_seq * b.seq_len
 
 
+def rank_details(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict[int, dict]:
+    """What the model says of each of its two ranks (FIRST: pipeline stage 0, LAST: the last stage; the same rank
+    without PP): peak memory, its phase, the breakdown at the peak, the total of every phase, collective bytes
+    per "<op>/<axis>". For comparing with a trace of one rank (``bench/differential.py``)."""
+    plan.validate_for(spec)
+    b = encode([plan], hw.gpus_per_node)
+    r = evaluate(spec, b, hw, detail=True)
+    out = {}
+    for which, rk in zip((FIRST, LAST), r["ranks"], strict=True):
+        names = canonical_axes(plan, stage_rank(plan, which))
+        out[which] = {
+            "peak_memory_bytes": float(rk["mem"][0]), "peak_phase": PHASES[int(rk["phase"][0])],
+            "memory_breakdown_bytes": {k: float(v[0]) for k, v in rk["mb"].items()},
+            "phase_totals_bytes": {k: float(np.broadcast_to(v, (1,))[0]) for k, v in rk["phase_totals"].items()},
+            "comm_bytes": _named({k: float(v[0]) for k, v in rk["ledger"].bytes_by_key().items()}, names),
+        }
+    return out
+
+
+def stage_rank(plan: Plan, which: int) -> int:
+    """The rank the model's FIRST / LAST view describes: pipeline coordinate 0 / pp - 1, every other coordinate 0
+    (ranks row-major over the device order)."""
+    if which == FIRST or plan.pp == 1:
+        return 0
+    stride = 1
+    for a in reversed(plan.mesh_order):
+        if a == "pp":
+            return (plan.pp - 1) * stride
+        stride *= getattr(plan, a)
+    return 0
+
+
+def _axis_times_renamed(tb: dict, exposed: dict) -> dict:
+    """The breakdown's ``comm_<axis>`` entries (exposed time per axis) regrouped under the canonical axis names of
+    ``exposed``: the same total, named as the collectives are (two axes over the same ranks become one entry)."""
+    out = {k: v for k, v in tb.items() if not k.startswith("comm_") or k == "comm_interference"}
+    for k, e in exposed.items():
+        if not e:
+            continue
+        name = "comm_" + k.split("/", 1)[1]
+        out[name] = out.get(name, 0.0) + e
+    return out
+
+
+def _named(by_key: dict, names: dict) -> dict:
+    """Sum "<op>/<axis>" values under the axes' canonical names (``codec.canonical_axes``), dropping zeros."""
+    out: dict = {}
+    for k, v in by_key.items():
+        if v:
+            c = canonical_key(k, names)
+            out[c] = out.get(c, 0.0) + v
+    return out
+
+
 def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
     """Predict one plan (the same vectorized code on a batch of one)."""
     plan.validate_for(spec)
@@ -571,10 +876,16 @@ def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
     r = evaluate(spec, b, hw, detail=True)
     tb = {k: float(v[0]) for k, v in r["time_breakdown_s"].items() if k in TIME_KEYS or float(v[0]) > 0}
     mb = {k: float(v[0]) for k, v in r["memory_breakdown_bytes"].items()}
-    comm = {k: float(v[0]) for k, v in r["comm_bytes"].items() if float(v[0]) > 0}
-    keys = sorted(set(comm) | {k for k, v in r["comm_time_s"].items() if float(v[0]) > 0})
-    comm_t = {k: float(r["comm_time_s"].get(k, [0.0])[0]) for k in keys}
-    exposed = {k: float(r["exposed_comm_time_s"].get(k, [0.0])[0]) for k in keys}
+    # collectives named as the executor's counter names them (``codec.canonical_axes``): bytes are rank 0's, times
+    # the time-critical rank's
+    comm = _named({k: float(v[0]) for k, v in r["comm_bytes"].items()}, canonical_axes(plan, 0))
+    t_names = canonical_axes(plan, stage_rank(plan, int(r["time_rank"][0])))
+    comm_t = _named({k: float(v[0]) for k, v in r["comm_time_s"].items()}, t_names)
+    exposed = _named({k: float(v[0]) for k, v in r["exposed_comm_time_s"].items()}, t_names)
+    keys = sorted(set(comm) | set(comm_t))
+    comm_t = {k: comm_t.get(k, 0.0) for k in keys}
+    exposed = {k: exposed.get(k, 0.0) for k in keys}
+    tb = _axis_times_renamed(tb, exposed)
     pp_last = plan.pp - 1
     step, tps, q = float(r["step_time_s"][0]), float(r["tokens_per_s_per_gpu"][0]), hw.interval_log_halfwidth
     return Prediction(

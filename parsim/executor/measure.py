@@ -60,28 +60,91 @@ def _group_name(args) -> str | None:
     return None
 
 
-class CommCounter(TorchDispatchMode):
+class CommRecorder:
+    """Bytes and calls per "<op>/<axis>" of the collectives it is shown (``record``)."""
+
     def __init__(self, axis_of_group: dict[str, tuple[str, ...]]):
-        super().__init__()
         self.axis_of_group = axis_of_group
         self.bytes: dict[str, int] = {}
         self.counts: dict[str, int] = {}
 
+    def record(self, func, args, kwargs) -> None:
+        op, idx = OPS[func]
+        name = _group_name(list(args) + list((kwargs or {}).values()))
+        axes = self.axis_of_group.get(name, (f"group:{name}",))
+        # the first axis in priority order whose group has these ranks; an all-to-all is EP's when EP is among them
+        axis = "ep" if op == "all_to_all" and "ep" in axes else axes[0]
+        key = f"{op}/{axis}"
+        self.bytes[key] = self.bytes.get(key, 0) + _nbytes(args[idx])
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if _LOG:  # debugging aid (PARSIM_COMM_LOG=1): every call with its shape and where it was issued
+            import traceback
+
+            where = [f"{f.name}:{f.lineno}" for f in traceback.extract_stack(limit=40)
+                     if "torch/" in f.filename or "parsim" in f.filename][-16:]
+            shape = [tuple(t.shape) for t in (args[idx] if isinstance(args[idx], (list, tuple)) else [args[idx]])]
+            print(f"COMM {key} {_nbytes(args[idx])} {shape} {' < '.join(reversed(where))}")
+
+
+_LOG = bool(__import__("os").environ.get("PARSIM_COMM_LOG"))
+
+
+class _Tap(TorchDispatchMode):
+    """Shows the collectives of one call to a recorder (pushed where the counter's own mode is not on the stack)."""
+
+    def __init__(self, recorder: CommRecorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in OPS:
+            self.recorder.record(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+class CommCounter(CommRecorder, TorchDispatchMode):
+    """Counts the collectives of a real run (a dispatch mode). A Python dispatch mode is popped while a tensor
+    subclass handles an op, so the collectives DTensor issues *inside* its dispatch (an implicit redistribution,
+    e.g. a Partial norm stacked with others in gradient clipping) would be invisible: while counting,
+    ``torch.distributed.tensor._dispatch.redistribute_local_tensor`` runs under a tap when the counter is not on
+    the mode stack. Custom DTensor op handlers that call collectives themselves (loss parallel, context parallel)
+    stay invisible here; traces count below DTensor, in their fake-tensor mode (``trace.CountingFakeTensorMode``),
+    which sees every collective on a local tensor wherever it is issued."""
+
+    def __init__(self, axis_of_group: dict[str, tuple[str, ...]]):
+        CommRecorder.__init__(self, axis_of_group)
+        TorchDispatchMode.__init__(self)
+        self._restore = None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        hit = OPS.get(func)
-        if hit is not None:
-            op, idx = hit
-            name = _group_name(list(args) + list(kwargs.values()))
-            axes = self.axis_of_group.get(name, (f"group:{name}",))
-            if op == "all_to_all" and "ep" in axes:
-                axis = "ep"
-            else:
-                axis = next((a for a in axes if a != "ep"), axes[0])
-            key = f"{op}/{axis}"
-            self.bytes[key] = self.bytes.get(key, 0) + _nbytes(args[idx])
-            self.counts[key] = self.counts.get(key, 0) + 1
+        if func in OPS:
+            self.record(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def __enter__(self):
+        from torch.distributed.tensor import _dispatch
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        orig = _dispatch.redistribute_local_tensor
+
+        def tapped(*a, **k):
+            if self in _get_current_dispatch_mode_stack():
+                return orig(*a, **k)
+            with _Tap(self):
+                return orig(*a, **k)
+
+        _dispatch.redistribute_local_tensor = tapped
+        self._restore = (_dispatch, orig)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if self._restore is not None:
+            mod, orig = self._restore
+            mod.redistribute_local_tensor = orig
+            self._restore = None
+        return out
 
 
 class PeakTracker(TorchDispatchMode):
@@ -95,9 +158,15 @@ class PeakTracker(TorchDispatchMode):
     microbatches, gradient accumulation) and FSDPMemTracker counted loss-parallel DTensors at more than their
     local size (seen here: 4.4 GB where the local storages held 1.6 GB)."""
 
-    def __init__(self, baseline: dict | None = None, resizable=()):
+    def __init__(self, baseline: dict | None = None, resizable=(), phase: dict | None = None, grads_fn=None):
         super().__init__()
         import weakref
+
+        # the step's phase (``phase["now"]``, set by the traced step) and the gradient tensors alive (``grads_fn``):
+        # at each new peak the phase is noted and the step's storages that are gradients are counted apart
+        self.phase = phase if phase is not None else {}
+        self.phase_at_peak = ""
+        self.grads_fn = grads_fn
 
         self._weakref = weakref
         # FSDP2 frees unsharded parameters with storage.resize_(0) (no op the dispatcher sees): those storages
@@ -154,6 +223,9 @@ class PeakTracker(TorchDispatchMode):
             self.peak = self.total + unsharded
             self.at_peak = dict(self.current)
             self.peak_op = self._op
+            self.phase_at_peak = self.phase.get("now", "")
+            if self.grads_fn is not None:
+                self._split_gradients()
             if self.debug:
                 agg = {}
                 for k, (n, c) in self.live.items():
@@ -163,6 +235,23 @@ class PeakTracker(TorchDispatchMode):
                 self.peak_live = sorted(((n, "", o) for o, n in agg.items()), reverse=True)[:30]
             if self.watched:
                 self.at_peak["fsdp_unsharded_params"] = unsharded
+
+    def _split_gradients(self) -> None:
+        """Move the gradients among the storages made during the step from ``step`` to ``gradients``: the
+        ``.grad`` of every parameter and FSDP2's unsharded accumulated gradients (microbatches without sync)."""
+        seen, nbytes = set(), 0
+        for g in self.grads_fn():
+            st = (g._local_tensor if hasattr(g, "_local_tensor") else g).untyped_storage()
+            key = st._cdata
+            if key in seen:
+                continue
+            seen.add(key)
+            size, cat = self.live.get(key, (0, None))
+            if cat == "step":
+                nbytes += size
+        if nbytes:
+            self.at_peak["step"] = self.at_peak.get("step", 0) - nbytes
+            self.at_peak["gradients"] = self.at_peak.get("gradients", 0) + nbytes
 
     def _free(self, key):
         nbytes, cat = self.live.pop(key, (0, None))
@@ -187,9 +276,38 @@ class PeakTracker(TorchDispatchMode):
         return {names.get(k, k): float(v) for k, v in self.at_peak.items()}
 
 
-def track_step(step, parts, opt):
+def grad_tensors(parts) -> list:
+    """The gradients a rank keeps: the sharded gradients of FSDP2's parameters, FSDP2's unsharded accumulated
+    gradients (microbatches without sync) and ``.grad`` of the parameters FSDP does not manage. (The unsharded
+    gradient an FSDP unit's backward produces is a buffer on its way to the reduce-scatter: FSDP2 swaps the module
+    parameters to the unsharded ones while gathered, so ``module.parameters()`` alone would count it too.)"""
+    out, managed = [], set()
+    for m in parts:
+        for mod in m.modules():
+            state = mod._get_fsdp_state() if hasattr(mod, "_get_fsdp_state") else None
+            for group in (getattr(state, "_fsdp_param_groups", None) or []):
+                for fp in group.fsdp_params:
+                    sharded = getattr(fp, "sharded_param", None)
+                    if sharded is not None:
+                        managed.add(id(sharded))
+                        if sharded.grad is not None:
+                            out.append(sharded.grad)
+                    unsharded = getattr(fp, "_unsharded_param", None)
+                    if unsharded is not None:
+                        managed.add(id(unsharded))
+                    acc = getattr(fp, "unsharded_accumulated_grad", None)
+                    if acc is not None:
+                        out.append(acc)
+        for p in m.parameters():
+            if id(p) not in managed and p.grad is not None:
+                out.append(p.grad)
+    return out
+
+
+def track_step(step, parts, opt, phase: dict | None = None):
     """Run ``step()`` under a PeakTracker seeded with this rank's parameters, gradients and optimizer state.
-    Returns (step's result, peak bytes, breakdown at the peak, the op that set the peak)."""
+    Returns (step's result, peak bytes, breakdown at the peak, the op that set the peak); with ``phase`` (a dict
+    whose "now" the step keeps current) the phase at the peak is left in ``phase["at_peak"]``."""
     params = [p for m in parts for p in m.parameters()]
     base = {"parameters": params,
             "gradients": [p.grad for p in params if p.grad is not None],
@@ -201,9 +319,11 @@ def track_step(step, parts, opt):
             state = mod._get_fsdp_state() if hasattr(mod, "_get_fsdp_state") else None
             for group in (getattr(state, "_fsdp_param_groups", None) or []):
                 unsharded += [fp._unsharded_param for fp in group.fsdp_params if hasattr(fp, "_unsharded_param")]
-    tracker = PeakTracker(base, resizable=unsharded)
+    tracker = PeakTracker(base, resizable=unsharded, phase=phase, grads_fn=lambda: grad_tensors(parts))
     with tracker:
         out = step()
+    if phase is not None:
+        phase["at_peak"] = tracker.phase_at_peak
     if tracker.debug:
         for n, c, o in tracker.peak_live:
             print(f"PEAK-LIVE {n / 2**20:9.1f} MiB {c:20s} {o}")

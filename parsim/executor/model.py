@@ -22,9 +22,23 @@ def rope_cache(head_dim: int, seq_len: int, theta: float = 500000.0) -> torch.Te
     return torch.stack([ang.cos(), ang.sin()], dim=-1)  # (seq, hd/2, 2)
 
 
+# RoPE and RMSNorm run as custom ops (``parsim::rope``, ``parsim::rms_norm``, ``parsim::rms_norm_backward``): on
+# a CPU they compute with torch's composite ops; under FakeTensorMode (traces) each is one op whose only
+# allocations are its outputs, as the fused GPU kernels they stand for (the composite's full-size fp32
+# temporaries live in a fused kernel's registers). A trace then holds what a GPU holds, at one op per call.
 def _rotate(x, cos, sin):
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+@torch.library.custom_op("parsim::rope", mutates_args=())
+def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _rotate(x, cos, sin).to(x.dtype)
+
+
+@_rope_op.register_fake
+def _rope_fake(x, cos, sin):
+    return torch.empty_like(x)
 
 
 class _Rope(torch.autograd.Function):
@@ -35,12 +49,12 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin)
+        return _rope_op(x, cos, sin)
 
     @staticmethod
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
-        return _rotate(g, cos, -sin), None, None
+        return _rope_op(g.contiguous(), cos, -sin), None, None
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -49,25 +63,75 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return _Rope.apply(x, c[..., 0][None, :, None, :], c[..., 1][None, :, None, :])
 
 
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like(local, ref):
+    """``local`` as a DTensor laid out like ``ref`` when ``ref`` is one."""
+    if hasattr(ref, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False)
+    return local
+
+
+@torch.library.custom_op("parsim::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / rms(x) * w in x's dtype, fp32 1/rms per row (..., 1)); the math in fp32."""
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return ((xf * r).to(x.dtype) * w).to(x.dtype), r
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x, w, eps):
+    return torch.empty_like(x), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+
+
+@torch.library.custom_op("parsim::rms_norm_backward", mutates_args=())
+def _rms_norm_bwd_op(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input gradient in x's dtype, fp32 weight gradient summed over the rows)."""
+    d = x.shape[-1]
+    xhat = x.float().reshape(-1, d) * rstd.reshape(-1, 1)
+    gf = g.float().reshape(-1, d)
+    gw = gf * w.float()
+    gx = rstd.reshape(-1, 1) * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+    return gx.to(x.dtype).reshape(x.shape), (gf * xhat).sum(0)
+
+
+@_rms_norm_bwd_op.register_fake
+def _rms_norm_bwd_fake(g, x, w, rstd):
+    return torch.empty_like(x), x.new_empty(x.shape[-1], dtype=torch.float32)
+
+
 class _RMSNormFn(torch.autograd.Function):
     """RMSNorm saving its input and the fp32 1/rms per token, like the fused CUDA kernel (the CPU composite
-    keeps fp32 copies of the input and of the normalized input, 4x more), so traces on CPU show GPU memory."""
+    keeps fp32 copies of the input and of the normalized input, 4x more), so traces on CPU show GPU memory.
+    Works on local tensors: a sequence-parallel DTensor input keeps its layout, and the replicated weight's
+    gradient is a partial sum over the mesh dimensions the input is sharded on."""
 
     @staticmethod
     def forward(ctx, x, w, eps):
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        xl, wl = _local(x), _local(w)
+        out, rstd = _rms_norm_op(xl, wl, eps)
         ctx.save_for_backward(x, w, rstd)
-        return (xf * rstd).to(x.dtype) * w
+        return _like(out, x)
 
     @staticmethod
     def backward(ctx, g):
         x, w, rstd = ctx.saved_tensors
-        xhat = x.float() * rstd
-        gw = g.float() * w.float()
-        gx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
-        dw = (g.float() * xhat).sum(dim=tuple(range(g.dim() - 1)))
-        return gx.to(x.dtype), dw.to(w.dtype), None
+        xl, wl = _local(x), _local(w)
+        gx, dw = _rms_norm_bwd_op(_local(g).contiguous(), xl, wl, rstd)
+        dw = dw.to(wl.dtype)
+        if hasattr(w, "device_mesh"):
+            from torch.distributed.tensor import DTensor, Partial, Replicate
+
+            xp = getattr(x, "placements", ())
+            place = [Partial() if i < len(xp) and xp[i].is_shard() else Replicate() for i in range(w.device_mesh.ndim)]
+            dw = DTensor.from_local(dw, w.device_mesh, place, run_check=False)
+        return _like(gx, x), dw, None
 
 
 class RMSNorm(nn.Module):

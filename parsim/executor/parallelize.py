@@ -23,14 +23,14 @@ from ..errors import ParsimError
 from ..plan import AXES, Plan, parse_ac
 
 
-def check_executable(plan: Plan) -> None:
-    """Plan options the executor cannot run: one clear error before any process group is touched."""
-    if plan.te_layers:
-        raise ParsimError("te_layers (Megatron-Core's Transformer Engine layers) is a cost-model option: "
-                          "Transformer Engine runs on CUDA only, the executor has no such layers")
-    if plan.fused_loss and plan.tp > 1:
-        raise ParsimError("the executor's fused cross-entropy runs on whole-vocabulary logits (tp 1); with TP "
-                          "the cost model alone covers it (a vocab-parallel fused loss)")
+def check_executable(plan: Plan, spec=None) -> None:
+    """Plans the executor cannot run (the codec's executor rules): one clear error before any process group is
+    touched."""
+    from ..codec import executor_refusal
+
+    why = executor_refusal(plan, spec)
+    if why:
+        raise ParsimError(why.split(": ", 1)[1])
 
 
 class Meshes:
@@ -74,31 +74,42 @@ class Meshes:
             self.efsdp = ep_mesh[("dp_replicate_e", "efsdp")] if plan.dp_replicate > 1 else ep_mesh["efsdp"]
 
     def expert_norm_group(self):
-        """The group over which routed-expert gradients hold different slices (their norms add up): EP, or TP
-        when the experts are TP-sharded without EP; None when every rank holds all of them."""
-        if self.ep is not None:
-            return self.ep.get_group()
-        return self.tp.get_group() if self.tp is not None else None
+        """The EP group, over which routed-expert gradients hold different experts (their norms add up); None
+        without EP (TP-sharded experts are DTensors whose norm DTensor reduces like any TP weight's)."""
+        return self.ep.get_group() if self.ep is not None else None
 
     def axis_of_group(self) -> dict[str, tuple[str, ...]]:
-        """process-group name -> the parsim axes it serves, for the collective counter. One group can serve
-        several axes (dp_shard = ep = 2 gives the dense FSDP group and the EP group the same ranks, and torch
-        the same process group): the counter then names all-to-alls ep and the rest by the dense axis."""
-        out: dict[str, tuple[str, ...]] = {}
+        """process-group name -> the parsim axes whose group on this rank has the same ranks, in
+        ``codec.AXIS_PRIORITY`` order, for the collective counter (which names a collective by the first of them,
+        all-to-alls ``ep`` when it is among them). Rank sets come from torch's groups: one rank set can be served by
+        several groups (dp_shard = ep = 2: the dense FSDP group and the EP group) and the name must not depend on
+        whether torch shares the group object (``codec.canonical_axes`` applies the same rule to the model)."""
+        import torch.distributed as dist
 
-        def put(group_name, axis):
-            if axis not in out.get(group_name, ()):
-                out[group_name] = out.get(group_name, ()) + (axis,)
+        from ..codec import AXIS_PRIORITY
 
+        groups: dict[str, object] = {}  # axis -> one ProcessGroup serving it
         for name in self.plan.mesh_order:
-            put(self.world[name].get_group().group_name, name)
+            groups[name] = self.world[name].get_group()
         if self.plan.cp > 1:
-            put(self.world[("dp_shard", "cp")]._flatten("dp_shard_cp").get_group().group_name, "dp_shard+cp")
+            groups["dp_shard+cp"] = self.world[("dp_shard", "cp")]._flatten("dp_shard_cp").get_group()
         if self.ep is not None:
-            put(self.ep.get_group().group_name, "ep")
-            eg = self.efsdp
-            for g in (eg.get_group(d) for d in range(eg.ndim)):
-                put(g.group_name, "efsdp")
+            groups["ep"] = self.ep.get_group()
+            groups["efsdp"] = self.efsdp.get_group(self.efsdp.ndim - 1)
+            if self.efsdp.ndim > 1:
+                extra = [self.efsdp.get_group(d) for d in range(self.efsdp.ndim - 1)]
+            else:
+                extra = []
+        else:
+            extra = []
+        ranks = {a: frozenset(dist.get_process_group_ranks(g)) for a, g in groups.items()}
+        out: dict[str, tuple[str, ...]] = {}
+        for g in list(groups.values()) + extra:
+            mine = frozenset(dist.get_process_group_ranks(g))
+            axes = tuple(a for a in AXIS_PRIORITY if ranks.get(a) == mine)
+            if not axes:  # the dp_replicate part of the expert-FSDP mesh: the dense dp_replicate group's ranks
+                axes = ("dp_replicate",)
+            out[g.group_name] = axes
         return out
 
 
@@ -176,22 +187,33 @@ def _tp_moe(moe, plan: Plan, meshes: Meshes) -> None:
     if plan.ep > 1:
         moe.tp_split = True
         return
+    from torch.distributed.tensor import DTensor, Shard
+
     r, t = tp_mesh.get_local_rank(), plan.tp
     ex = moe.experts
     for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+        # TP-sharded on the hidden dimension, as a DTensor (torchtitan's experts under TP): a plain slice would be
+        # the only non-DTensor parameter of a TP model without FSDP, and the optimizer's foreach ops refuse the mix
         full = getattr(ex, name).detach()
         n = full.shape[dim] // t
-        setattr(ex, name, nn.Parameter(full.narrow(dim, r * n, n).clone()))
+        local = full.narrow(dim, r * n, n).clone()
+        setattr(ex, name, nn.Parameter(DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False)))
 
 
 def _sac_policy():
-    """torchtitan's op-level selective AC: save every other mm, SDPA outputs and reduce-scatter outputs."""
+    """torchtitan's op-level selective AC: save every other mm, SDPA outputs, reduce-scatter outputs, the
+    all-to-all outputs of MoE token dispatch (torchtitan's save list for its MoE models) and max."""
     from torch.utils.checkpoint import CheckpointPolicy
 
+    _sac_ignore_profiler_ops()
     save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_efficient_attention.default,
             torch.ops.aten._scaled_dot_product_flash_attention.default,
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-            torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops.aten.max.default}
+            torch.ops._c10d_functional.reduce_scatter_tensor.default,
+            torch.ops._c10d_functional.all_to_all_single.default, torch.ops.aten.max.default}
+    autograd_a2a = getattr(getattr(torch.ops, "_c10d_functional_autograd", None), "all_to_all_single", None)
+    if autograd_a2a is not None:
+        save.add(autograd_a2a.default)
 
     def make():
         count = {"fwd": 0, "rec": 0}
@@ -208,17 +230,39 @@ def _sac_policy():
     return make
 
 
+def _sac_ignore_profiler_ops() -> None:
+    """Selective AC replays the ops of a checkpointed region by invocation count; a nested FSDP unit inside the
+    region (MoE experts wrapped apart, as torchtitan wraps them) enters profiler ranges a different number of
+    times in the recompute than in the forward, and the replay fails ("profiler._record_function_enter_new
+    invocation index 3 encountered during backward but not found in storage": torchtitan#3427, fixed in torch by
+    pytorch#185178, which makes SAC ignore these annotation ops). torch 2.13 lacks the fix: the same ops join
+    SAC's ignore list here. They produce no model value."""
+    from torch.utils import checkpoint as ckpt
+
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        op = getattr(torch.ops.profiler, name, None)
+        for overload in ("default", "_RecordFunction"):
+            o = getattr(op, overload, None) if op is not None else None
+            if o is not None:
+                ckpt.SAC_IGNORED_OPS.add(o)
+
+
 def apply_ac(parts, plan: Plan, meshes):
+    """Checkpoint wrappers on the blocks. ``layer:N`` follows torchtitan: blocks are counted from 1 in the order
+    this process applies AC (its pipeline stages' blocks in order, or the whole model's when AC comes before the PP
+    split) and every N-th is checkpointed."""
     mode, every = parse_ac(plan.ac)
     if mode == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    count = 0
     for m in parts:
         for key in list(m.layers.keys()):
             block = m.layers[key]
-            if mode == "full" or (mode == "layer" and int(key) % every == 0):
+            count += 1
+            if mode == "full" or (mode == "layer" and count % every == 0):
                 wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
             elif mode == "selective-op":
                 make = _sac_policy()
@@ -275,19 +319,24 @@ def apply_fsdp(parts, plan: Plan, meshes: Meshes):
             if getattr(block, "is_moe", False) and plan.ep > 1:
                 # torchtitan: when efsdp x ep > n_experts, dim-0 sharding would pad the local experts (4 experts
                 # over 8 ranks: half the shards empty, every gather twice the bytes): shard dim 1 instead
+                # (dim 1 only where the shard group divides it: FSDP2 pads dim 0 but refuses uneven other dims)
                 n_local = inner.moe.n_experts // plan.ep
-                place = (lambda p: Shard(1)) if meshes.efsdp.size() > n_local else None
+                shards = plan.efsdp
+                place = ((lambda p, s=shards: Shard(1) if p.shape[1] % s == 0 else Shard(0))
+                         if meshes.efsdp.size() > n_local else None)
                 fully_shard(inner.moe.experts, mesh=meshes.efsdp, mp_policy=mp, reshard_after_forward=raf,
                             shard_placement_fn=place)
             fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=raf)
         if getattr(m, "tok_embeddings", None) is not None:
             fully_shard(m.tok_embeddings, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=raf)
         if getattr(m, "output", None) is not None:
-            # torchtitan groups [norm, output]; the output alone keeps FSDPMemTracker working (a multi-module
-            # group trips its one-call-per-iteration check) and moves only the final norm's d weights to the root
-            fully_shard(m.output, mesh=meshes.fsdp, mp_policy=mp,
+            # torchtitan: [norm, output] one unit, kept unsharded after forward (the backward needs it at once)
+            # unless reshard_after_forward is "always"
+            fully_shard([m.norm, m.output], mesh=meshes.fsdp, mp_policy=mp,
                         reshard_after_forward=plan.fsdp_reshard_after_forward == "always")
-        fully_shard(m, mesh=meshes.fsdp, mp_policy=mp, reshard_after_forward=raf)
+        # the root holds no parameters of its own; reshard_after_forward left unset as torchtitan leaves it (FSDP2
+        # then keeps a root's parameters after forward)
+        fully_shard(m, mesh=meshes.fsdp, mp_policy=mp)
         # gloo's AVG reduction is silently wrong (pytorch#162338): FSDP2 on gloo divided the gradients of some
         # groups (last block, final norm, output) by the dp size and not others. The loss is normalized by the
         # global token count, so a plain SUM is right on every backend: SUM collectives (force_sum) *and* a divide

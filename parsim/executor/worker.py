@@ -76,13 +76,17 @@ def loss_context(plan: Plan, device_type: str = "cpu"):
 def clip_and_step(params, opt, pp_group=None, ep_group=None, expert_ids=frozenset()):
     """Clip to the global gradient norm and step. Gradients live on several meshes (FSDP x TP, the expert-FSDP
     mesh): each group's norm is reduced over its own mesh (DTensor), expert norms are summed over ``ep_group``
-    (the EP group, each EP rank holding different experts, or TP when experts are TP-sharded without EP) and
+    (the EP group, each EP rank holding different experts; without EP the experts are dense weights here) and
     everything over the PP stages."""
     groups: dict = {}
     for p in params:
         if p.grad is None:
             continue
-        key = ("expert" if id(p) in expert_ids else "dense", id(getattr(p.grad, "device_mesh", None)))
+        # grouped by mesh *equality*, as torchtitan's one get_total_norm over the dense (or the expert) grads: the
+        # FSDP param groups hold distinct but equal mesh objects, and one norm per object would reduce each
+        # group's norm separately (one tiny all-reduce per group and mesh dimension)
+        expert = ep_group is not None and id(p) in expert_ids
+        key = ("expert" if expert else "dense", getattr(p.grad, "device_mesh", None))
         groups.setdefault(key, []).append(p.grad)
     total_sq = None
     for (kind, _), grads in groups.items():

@@ -1,0 +1,739 @@
+"""Peak memory of one rank as a timeline of the allocations a training step makes, itemized.
+
+The step is replayed at the granularity of FSDP2 units, blocks and microbatches, with the buffers torch keeps alive
+and frees in the order its code does (torch 2.13's ``torch.distributed.fsdp._fully_shard`` and pipelining; every
+rule below was checked against the executor's full-scale traces, ``bench/differential.py``):
+
+* forward, per unit (embedding, each block, a MoE block's routed experts (EP), [final norm, output]): the
+  all-gather writes a flat padded buffer of the unit (``fsdp_gather_buffers``, S x shard x param bytes); the
+  copy-out then allocates the unit's unsharded parameters (``fsdp_unsharded_params``, padded per tensor) and, in
+  forward, frees the *previous* unit's flat buffer (FSDP2 keeps it to overlap the copy-out with the next
+  all-gather; the root's post-forward frees the last one). ``reshard_after_forward`` frees a unit's parameters
+  after its forward (the [norm, output] unit keeps them unless "always").
+* the loss on the last stage (``logits_and_loss``): its peak, and what each microbatch still in flight keeps for
+  its backward (the log-softmax output, the final norm's input and output).
+* backward, per unit in reverse order: pre-backward gathers a resharded unit (its flat buffer freed right after
+  the copy-out in backward) and prefetches the next unit's flat buffer; the unit's backward frees its activations
+  (after recomputing them under AC: ``recompute_transient``) and produces its unsharded gradients in param dtype;
+  post-backward reshards the unit, releases the previous unit's reduce-scatter input, allocates this unit's
+  (padded, reduce dtype) while its gradients are still alive, then its reduce-scatter output (the shard, reduce
+  dtype), frees the unsharded gradients and keeps the shard as the gradient (fp32; with gradient accumulation
+  added into the existing one). The embedding's post-backward runs in the root's final callback, its dense
+  gradient still alive. These buffers are ``fsdp_grad_buffers``.
+* pipeline parallel (the trace replays torch's schedule): the first ``W`` microbatches' forwards (the schedule's
+  in-flight bound), each keeping its activations and its stage output (the loss's saved tensors on the last
+  stage); the first backward of a pass reshards every unit and gathers each again, and keeps it unsharded; a
+  microbatch's backward other than the last converts its unsharded gradients into reduce-dtype accumulators
+  (FSDP2's ``unsharded_accumulated_grad``, "gradients") or adds into them; the last one reduces them as above
+  (the accumulators alive beside the reduce-scatter input).
+* without FSDP (no data parallelism) torch.autocast runs the matmuls in param dtype and caches each linear weight's
+  cast copy from its first use to the end of the autocast region (after the last backward:
+  ``autocast_weight_cache``); gradients are the fp32 parameters' own.
+* the optimizer step: every sharded gradient and one fp32 temporary per parameter (foreach AdamW).
+
+Blocks of one kind in a row change the running total by the same amount each, so within such a run the extremes
+of every moment are at its first, second or last block: only those are replayed, the change of one block added
+for the rest (``_run``). Microbatches likewise: the first backward of a pass, one later one, the last one. A
+moment is recorded under the phase the trace attributes it to (``executor.trace``): forward, loss and the output
+projection's backward "end of forward"; the [norm, output] unit's post-backward and the blocks "backward of the last
+layer" (the pass's first microbatch) or "backward of a later microbatch"; the embedding's backward "end of
+backward"; clipping and the optimizer "optimizer step". Each phase keeps its largest moment, itemized
+(MEMORY_KEYS), which sums to the phase's total.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "buffers", "fsdp_unsharded_params",
+               "fsdp_gather_buffers", "fsdp_grad_buffers", "autocast_weight_cache", "autocast_weight_grads",
+               "activations",
+               "recompute_transient", "logits_and_loss", "optimizer_temporaries")
+PHASES = ("end of forward", "backward of the last layer", "backward of a later microbatch", "end of backward",
+          "optimizer step")
+FWD, BWD1, BWD2, BWD_END, OPT = PHASES
+_DEBUG = bool(__import__("os").environ.get("PARSIM_MEM_DEBUG"))
+# how a microbatch's backward treats its unsharded gradients
+REDUCE, ACC_FIRST, ACC_LATER, ACC_REDUCE = "reduce", "acc_first", "acc_later", "acc_reduce"
+# (PP) the stage's reduce after its last backward: the accumulators reduced, nothing new added
+FINAL = "final"
+
+
+class Timeline:
+    """Running itemized totals of a batch of plans and, per phase, the largest moment seen (itemized). Moments
+    are recorded only for the plans ``mask`` selects (``only``)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.cur = {k: np.zeros(n) for k in MEMORY_KEYS}
+        self.best = {p: np.full(n, -np.inf) for p in PHASES}
+        self.items = {p: {k: np.zeros(n) for k in MEMORY_KEYS} for p in PHASES}
+        self.mask = np.ones(n, bool)
+
+    def add(self, key: str, x, mask=None) -> None:
+        if mask is not None:
+            if not np.any(mask):
+                return
+            x = np.where(mask, x, 0.0)
+        elif isinstance(x, (int, float)) and x == 0:
+            return
+        self.cur[key] = self.cur[key] + x  # (x: a scalar or one value per plan)
+
+    def mark(self, phase: str, mask=None) -> None:
+        total = np.add.reduce(list(self.cur.values()))
+        if _DEBUG:  # PARSIM_MEM_DEBUG=1: every moment of plan 0, MiB
+            import inspect
+
+            where = inspect.stack()[1].function
+            print(f"MEM {phase[:22]:22s} {where:22s} total {total[0] / 2**20:10.3f} " + " ".join(
+                f"{k[:12]}={v[0] / 2**20:.3f}" for k, v in self.cur.items() if v[0]))
+        better = (total > self.best[phase]) & self.mask
+        if mask is not None:
+            better = better & np.broadcast_to(mask, (self.n,))
+        if not better.any():
+            return
+        self.best[phase] = np.where(better, total, self.best[phase])
+        items = self.items[phase]
+        for k in MEMORY_KEYS:
+            items[k] = np.where(better, self.cur[k], items[k])
+
+    def mark_series(self, phase: str, pre: dict, post: dict) -> None:
+        """S moments in a row, as S rounds of: add ``pre[key][j]``, ``mark(phase)``, add ``post[key][j]``
+        (arrays of shape (S, n), or scalars for no change) — vectorized over the rounds."""
+        moved = [k for k in MEMORY_KEYS if np.ndim(pre.get(k, 0.0)) == 2 or np.ndim(post.get(k, 0.0)) == 2]
+        at, end = {}, {}
+        for k in moved:
+            p, q = pre.get(k, 0.0), post.get(k, 0.0)
+            both = np.cumsum(p + q, axis=0)
+            at[k] = self.cur[k] + both - q  # the running total at moment j: everything before, and pre[j]
+            end[k] = self.cur[k] + both[-1]
+        rest = np.add.reduce([v for k, v in self.cur.items() if k not in at]) if len(at) < len(self.cur) else 0.0
+        total = rest + np.add.reduce(list(at.values()))
+        j = np.argmax(total, axis=0)  # (the first of equal moments, as mark's strict comparison keeps)
+        cols = np.arange(self.n)
+        top = total[j, cols]
+        better = (top > self.best[phase]) & self.mask
+        if better.any():
+            self.best[phase] = np.where(better, top, self.best[phase])
+            items = self.items[phase]
+            for k in MEMORY_KEYS:
+                items[k] = np.where(better, at[k][j, cols] if k in at else self.cur[k], items[k])
+        for k, v in end.items():
+            self.cur[k] = v
+
+    def apply_series(self, phase: str, series: dict) -> None:
+        """``mark_series`` from its precomputed summary (``series_summary``): the rounds' largest moment above the
+        running totals (``top``), the changes of every key at that moment (``at``) and after the last (``end``)."""
+        base = np.add.reduce(list(self.cur.values()))
+        top = base + series["top"]
+        if _DEBUG:  # PARSIM_MEM_DEBUG=1: the series' largest moment of plan 0, MiB
+            print(f"MEM {phase[:22]:22s} {'series':22s} total {top[0] / 2**20:10.3f} " + " ".join(
+                f"{k[:12]}={(v[0] + series['at'].get(k, np.zeros(1))[0]) / 2**20:.3f}" for k, v in self.cur.items()
+                if v[0] or k in series["at"]))
+        better = (top > self.best[phase]) & self.mask
+        if better.any():
+            self.best[phase] = np.where(better, top, self.best[phase])
+            items = self.items[phase]
+            for k in MEMORY_KEYS:
+                items[k] = np.where(better, self.cur[k] + series["at"][k] if k in series["at"] else self.cur[k],
+                                    items[k])
+        for k, v in series["end"].items():
+            self.cur[k] = self.cur[k] + v
+
+    def snapshot(self) -> dict:
+        return {k: v.copy() for k, v in self.cur.items()}
+
+    def advance(self, before: dict, times: float) -> None:
+        """Repeat ``times`` more the change since ``before`` (blocks of a run between its second and last)."""
+        if times > 0:
+            for k in MEMORY_KEYS:
+                self.cur[k] = self.cur[k] + times * (self.cur[k] - before[k])
+
+    @contextlib.contextmanager
+    def only(self, mask):
+        """Replay something that happens only for the plans ``mask`` selects: moments recorded for them only and
+        the running totals of the others left as they were."""
+        mask = np.broadcast_to(np.asarray(mask, bool), (self.n,))
+        before, saved = self.snapshot(), self.mask
+        self.mask = saved & mask
+        try:
+            yield
+        finally:
+            self.mask = saved
+            for k in MEMORY_KEYS:
+                self.cur[k] = np.where(mask, self.cur[k], before[k])
+
+    def phases(self) -> dict:
+        """phase -> itemized largest moment (zeros for a phase never reached)."""
+        return {p: {k: np.where(np.isfinite(self.best[p]), v, 0.0) for k, v in self.items[p].items()}
+                for p in PHASES}
+
+
+@dataclass
+class Unit:
+    """One FSDP unit's sizes on a rank, bytes (arrays over the plans): parameters gathered (padded, param dtype),
+    its unsharded gradients (param dtype; fp32 without FSDP), its reduce-scatter input (padded, reduce dtype) and
+    output (shard, reduce dtype), its sharded fp32 gradient, its unsharded gradient accumulator (reduce dtype, PP).
+    ``gathered`` doubles as the flat all-gather buffer."""
+
+    gathered: np.ndarray | float
+    grads: np.ndarray | float
+    rs_in: np.ndarray | float
+    rs_out: np.ndarray | float
+    shard4: np.ndarray | float
+    acc: np.ndarray | float = 0.0
+    # the unit's last parameter's unsharded gradient (param dtype) / accumulator (reduce dtype): alive until the
+    # reduce is done (``layers.last_param_elems``)
+    last_grad: np.ndarray | float = 0.0
+    last_acc: np.ndarray | float = 0.0
+
+
+@dataclass
+class Block:
+    """One block: its FSDP unit, the routed experts' own unit (EP) or None, per microbatch the bytes it keeps for
+    the backward (its FFN / MoE part freed first in backward), and the recompute transient of its backward."""
+
+    unit: Unit
+    experts: Unit | None
+    act: np.ndarray
+    transient: np.ndarray
+    act_ffn: np.ndarray | float = 0.0
+    # the block's backward at op level (layers.backward_steps): steps, the bytes of every tensor it saves (no AC),
+    # bytes of one weight-gradient element (param dtype under FSDP, fp32 without)
+    steps: list = field(default_factory=list)
+    saved: dict = field(default_factory=dict)
+    grad_elem_bytes: np.ndarray | float = 0.0
+    _plan: list | None = None  # ``_step_plan``'s cache
+    series_cache: dict = field(default_factory=dict)  # id(mode) -> (mode, {run index: summary}): ``_steps_series``
+
+    def step_plan(self, n: int) -> list:
+        """The steps as runs of stacked arrays between the routed experts' events (``_steps_series``), built once."""
+        if self._plan is None:
+            self._plan = _step_plan(self, n)
+        return self._plan
+
+
+@dataclass
+class RankMemory:
+    """Everything the timeline of one rank needs (arrays over the plans of one run structure)."""
+
+    n: int
+    parameters: np.ndarray
+    optimizer_states: np.ndarray
+    buffers: np.ndarray
+    all_grads4: np.ndarray  # every sharded gradient, fp32 (without FSDP: the plain gradients)
+    fsdp: np.ndarray  # bool: FSDP wraps the model
+    raf: np.ndarray  # bool: blocks and embedding resharded after forward
+    raf_out: np.ndarray  # bool: [norm, output] resharded after forward
+    acc: np.ndarray  # bool: gradients of earlier passes exist (gradient accumulation)
+    has_emb: np.ndarray
+    has_out: np.ndarray
+    emb: Unit
+    emb_dense_grad: np.ndarray  # the embedding backward's dense gradient
+    emb_sharded: np.ndarray  # bool: the embedding weight is vocab-sharded (TP): its gradient is a clone of its rows
+    out: Unit
+    loss: np.ndarray  # the loss's peak on the last stage (logits, the loss's transients and what it keeps)
+    blocks: list  # (Block, count) runs in forward order
+    opt_temporaries: np.ndarray
+    flat_held: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))  # S > 1 (flat kept across units)
+    hsdp: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))  # HSDP (all-reduce over dp_replicate)
+    reduce_bytes: np.ndarray = field(default_factory=lambda: np.full(1, 4.0))
+    flow: np.ndarray = field(default_factory=lambda: np.zeros(1))  # the residual stream's gradient in backward
+    # pipeline parallel: a stage of a pipeline, microbatches per pass, the schedule's in-flight bound and the
+    # microbatches in flight at a later backward, what an in-flight microbatch keeps beside its blocks' activations
+    # (its stage output, or on the last stage the loss's saved tensors)
+    pp: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))
+    m: np.ndarray = field(default_factory=lambda: np.ones(1))
+    w: np.ndarray = field(default_factory=lambda: np.ones(1))
+    w_later: np.ndarray = field(default_factory=lambda: np.ones(1))
+    mb_extra: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    autocast_cache: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    out_refetch: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))  # PP: the extra [norm, output] gather
+    held_until_end: list = field(default_factory=list)  # HSDP all-reduce buffers alive until the end of backward
+    # autocast without FSDP: the cast weights' gradients of a backward other than the step's first are deferred
+    # (``_deferred_casts``): param bytes per element, the output projection's fp32 gradient bytes, the fp32
+    # gradient bytes of the stage's last cast weight (the first one converted where there is no output projection)
+    param_bytes: np.ndarray = field(default_factory=lambda: np.full(1, 2.0))
+    out_weight4: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    last_cast4: np.ndarray = field(default_factory=lambda: np.zeros(1))
+
+    def deferred(self, mode) -> np.ndarray:
+        """Where a backward's cast-weight gradients are deferred: autocast on and not the step's first backward."""
+        return (self.autocast_cache > 0) & ~_first(self, mode)
+
+    def act_mb(self) -> np.ndarray:
+        """What one microbatch in flight keeps: its blocks' activations and ``mb_extra``."""
+        return sum((np.asarray(b.act, dtype=float) * c for b, c in self.blocks), np.zeros(self.n)) + self.mb_extra
+
+
+def simulate(q: RankMemory) -> dict:
+    """The phases of one step (the last pass of gradient accumulation: the earlier passes' gradients present),
+    itemized."""
+    tl = Timeline(q.n)
+    tl.add("parameters", q.parameters)
+    tl.add("optimizer_states", q.optimizer_states)
+    tl.add("buffers", q.buffers)
+    tl.add("gradients", q.all_grads4, q.acc)
+    # autocast (no FSDP): the compute-dtype copies of the linear weights, cached from their first use until the
+    # autocast region ends after the last backward
+    tl.add("autocast_weight_cache", q.autocast_cache)
+    act = q.act_mb()
+    multi = q.m >= 2
+    # warm-up forwards: the first gathers every unit (a pipeline keeps them: reshard_after_forward is off by
+    # default under PP), the W-th is replayed in full (with "always" it gathers again), those between add their
+    # activations
+    _forward(tl, q, act_before=np.zeros(q.n))
+    with tl.only(q.w >= 2):
+        tl.add("activations", act * np.maximum(q.w - 2, 0.0))
+        _forward(tl, q, act_before=act * np.maximum(q.w - 1, 0.0), gathered=~q.raf)
+    # the pass's first backward (the only one without PP: it reduces; under PP every backward accumulates)
+    _backward(tl, q, np.where(q.pp, ACC_FIRST, REDUCE), BWD1, regather=q.raf)
+    # a later microbatch (not the last). When forwards remain (m > W) one ran since, bringing the in-flight count
+    # back to W (and, resharding after forward, gathering and resharding every unit again); else it is the drain
+    steady = q.m > q.w
+    with tl.only(q.m >= 3):
+        tl.add("activations", act * (q.w_later - 1.0 - np.maximum(q.w - 1.0, 0.0)))
+        with tl.only(steady):
+            _forward(tl, q, act_before=act * (q.w_later - 1.0), gathered=~q.raf)
+        tl.add("activations", act, ~steady)
+        _backward(tl, q, ACC_LATER, BWD2, regather=q.raf & steady)
+    # the last microbatch (one in flight); a forward precedes it when the schedule keeps one microbatch in flight
+    with tl.only(multi):
+        tl.cur["activations"] = act.copy()
+        _backward(tl, q, ACC_LATER, BWD2, regather=q.raf & (q.w <= 1))
+    with tl.only(q.pp):
+        _reduce_after(tl, q)
+    # clipping and the optimizer: every gradient, the foreach temporaries
+    for k in ("fsdp_unsharded_params", "fsdp_gather_buffers", "fsdp_grad_buffers", "autocast_weight_cache",
+              "activations", "recompute_transient", "logits_and_loss"):
+        tl.cur[k] = np.zeros(q.n)
+    tl.cur["gradients"] = np.asarray(q.all_grads4, dtype=float) * np.ones(q.n)
+    tl.add("optimizer_temporaries", q.opt_temporaries)
+    tl.mark(OPT)
+    return tl.phases()
+
+
+def _gather(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, forward: bool, held: list) -> None:
+    """Pre-forward / pre-backward all-gather of a resharded unit (``on``): its flat buffer, the copy-out into its
+    parameters (a moment), then in forward the previous unit's flat buffer is freed and this one's held, in
+    backward this one's is freed."""
+    fs = q.fsdp & on
+    tl.add("fsdp_gather_buffers", u.gathered, fs)
+    if forward and held:
+        tl.add("fsdp_gather_buffers", -held[0][0], held[0][1])
+        held.clear()
+    tl.add("fsdp_unsharded_params", u.gathered, fs)
+    tl.mark(phase, fs)
+    if forward:
+        held.append((np.where(fs & q.flat_held, u.gathered, 0.0), fs))
+        tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), fs & ~q.flat_held)
+    else:
+        tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), fs)
+
+
+def _forward(tl: Timeline, q: RankMemory, act_before, gathered=None, forward_units=True) -> None:
+    """One microbatch's forward with ``act_before`` already in flight. ``gathered``: where the units are still
+    unsharded from an earlier forward (they gather again only where resharded after it); the loss's peak at the
+    end (last stage), else the microbatch's stage output kept. ``forward_units`` False: only the end of the
+    forward (a later microbatch with every unit unsharded: the same moments as the first's, less the gathers)."""
+    held: list = []
+    need = np.ones(q.n, bool) if gathered is None else ~np.asarray(gathered, bool)
+    if forward_units:
+        _gather(tl, q, q.emb, q.has_emb & need, FWD, True, held)
+        tl.add("fsdp_unsharded_params", -np.asarray(q.emb.gathered, dtype=float), q.fsdp & q.has_emb & q.raf & need)
+        for blk, count in q.blocks:
+            def body(last: bool, blk=blk):
+                _gather(tl, q, blk.unit, need, FWD, True, held)
+                if blk.experts is not None:
+                    _gather(tl, q, blk.experts, need, FWD, True, held)
+                    tl.add("fsdp_unsharded_params", -np.asarray(blk.experts.gathered, dtype=float),
+                           q.fsdp & q.raf & need)
+                tl.add("activations", blk.act)
+                tl.add("fsdp_unsharded_params", -np.asarray(blk.unit.gathered, dtype=float), q.fsdp & q.raf & need)
+
+            _run(tl, count, body)
+        _gather(tl, q, q.out, q.has_out & (need | q.raf_out), FWD, True, held)
+        # ("always": the [norm, output] unit reshards after its forward, before the loss)
+        tl.add("fsdp_unsharded_params", -np.asarray(q.out.gathered, dtype=float), q.fsdp & q.has_out & q.raf_out)
+        if held:  # the root's post-forward frees the last flat buffer
+            tl.add("fsdp_gather_buffers", -held[0][0], held[0][1])
+        # the microbatch keeps its stage output (or its loss's saved tensors, below the peak)
+        tl.add("activations", q.mb_extra)
+    tl.add("logits_and_loss", q.loss - q.mb_extra, q.has_out)
+    tl.mark(FWD)
+    tl.add("logits_and_loss", -(q.loss - q.mb_extra), q.has_out)
+    tl.mark(FWD)
+
+
+def _run(tl: Timeline, count: int, body) -> None:
+    """``count`` blocks of one kind in a row: the first, the second (a typical one: the same kind before it), the
+    change it made repeated for the blocks up to the one before the last, that one replayed (the running totals
+    grown over all before it; its successor is a block of the same size), and the last (its successor differs).
+    ``body(last)`` replays one block and records its moments."""
+    if count <= 0:
+        return
+    body(count == 1)
+    if count == 1:
+        return
+    if count > 2:
+        before = tl.snapshot()
+        body(False)
+        if count > 3:
+            tl.advance(before, count - 4)
+            body(False)
+    body(True)
+
+
+def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev: list, grads_alive: bool,
+                   mode) -> None:
+    """What a unit does with its unsharded gradients after its backward (``mode`` per plan):
+
+    * REDUCE / ACC_REDUCE (the pass's last microbatch): reshard, release the previous reduce-scatter input, reduce:
+      the input (padded, reduce dtype) allocated with the gradients alive (a moment; ACC_REDUCE: the accumulators,
+      the new gradients already added into them), the output (the shard, reduce dtype) and, when the reduce dtype
+      is not fp32, its fp32 copy (a moment); the unsharded gradients go (for the [norm, output] unit and the
+      embedding only after the output: the autograd engine still holds them when their post-backward runs from
+      it); the shard becomes the fp32 gradient, added into the existing one with gradient accumulation. HSDP
+      all-reduces the output first and keeps that reduce-dtype buffer until the end of backward
+      (FSDPParamGroup._all_reduce_state, released in finalize_backward; pytorch#140044): a buffer of its own
+      unless it is the fp32 gradient itself.
+    * ACC_FIRST (PP, a pass's first microbatch of several): no sync, the unit stays gathered: the gradients are
+      copied into a reduce-dtype accumulator (a moment), then freed.
+    * ACC_LATER: added into the accumulator in place, then freed."""
+    fs = q.fsdp & on
+    red = (mode == REDUCE) | (mode == ACC_REDUCE) | (mode == FINAL)
+    accr = (mode == ACC_REDUCE) | (mode == FINAL)
+    # the accumulators: made from the first microbatch's gradients, grown by the later ones
+    tl.add("gradients", u.acc, fs & (mode == ACC_FIRST))
+    tl.mark(phase, fs & (mode == ACC_FIRST))
+    tl.add("fsdp_grad_buffers", -np.asarray(u.grads, dtype=float), fs & ((mode == ACC_FIRST) | (mode == ACC_LATER)
+                                                                         | ((mode == ACC_REDUCE) & (not grads_alive))))
+    r = fs & red
+    tl.add("fsdp_unsharded_params", -np.asarray(u.gathered, dtype=float), r)
+    # the previous unit's reduce-scatter input goes when this unit's reduce starts (where this unit reduces: a
+    # unit a plan does not have leaves it alive)
+    prev = rs_prev.pop() if rs_prev else (0.0, np.zeros(q.n, bool))
+    tl.add("fsdp_grad_buffers", -np.asarray(prev[0], dtype=float), prev[1] & r)
+    # the reduce takes the accumulators over (FSDP2 drops its own reference: a buffer now)
+    tl.add("gradients", -np.asarray(u.acc, dtype=float), r & accr)
+    tl.add("fsdp_grad_buffers", u.acc, r & accr)
+    tl.add("fsdp_grad_buffers", u.rs_in, r)
+    tl.mark(phase, r)
+    # after the copy-in the gradients go, but for the last one (``foreach_reduce``'s loop variable)
+    tl.add("fsdp_grad_buffers", -(np.asarray(u.grads, dtype=float) - u.last_grad), r & ~accr & (not grads_alive))
+    tl.add("fsdp_grad_buffers", -(np.asarray(u.acc, dtype=float) - u.last_acc), r & accr)
+    fp32 = q.reduce_bytes == 4.0
+    tl.add("fsdp_grad_buffers", u.rs_out, r)
+    tl.add("fsdp_grad_buffers", u.shard4, r & ~fp32)  # the fp32 copy of a reduce-dtype output
+    tl.mark(phase, r)
+    tl.add("fsdp_grad_buffers", -np.asarray(u.grads, dtype=float), r & grads_alive)
+    tl.add("fsdp_grad_buffers", -np.asarray(u.last_grad, dtype=float), r & ~accr & (not grads_alive))
+    tl.add("fsdp_grad_buffers", -np.asarray(u.last_acc, dtype=float), r & accr)
+    held = r & q.hsdp & (~fp32 | q.acc)
+    q.held_until_end.append(np.where(held, u.rs_out, 0.0))
+    tl.add("fsdp_grad_buffers", -np.asarray(u.rs_out, dtype=float), r & ~held)  # freed, or now the gradient
+    tl.add("fsdp_grad_buffers", -np.asarray(u.shard4, dtype=float), r & ~fp32)
+    tl.add("gradients", u.shard4, r & ~q.acc)
+    rs_prev.append((np.where(r, u.rs_in, prev[0]), r | (prev[1] & ~r)))
+
+
+def _emb_acc(q: RankMemory):
+    """The embedding's accumulator without gradient sync: the whole vocabulary's under TP (``_backward``)."""
+    return np.where(q.emb_sharded & q.fsdp, q.emb_dense_grad / q.param_bytes * q.reduce_bytes, q.emb.acc)
+
+
+def _reduce_after(tl: Timeline, q: RankMemory) -> None:
+    """Under PP torch's schedules run every backward without gradient sync or reshard and reduce once after the
+    stage's last (``perform_reduce_grad``): each FSDP unit in FSDP's state order (the embedding, the blocks in
+    forward order, the [norm, output] unit) reshards and reduce-scatters its accumulators (``_post_backward``,
+    FINAL); the final callback then drops the last reduce-scatter input and the HSDP buffers [torch 2.13
+    pipelining/stage.py; trace]."""
+    rs_prev: list = []
+    q_emb = dataclasses.replace(q.emb, acc=_emb_acc(q), last_acc=_emb_acc(q))
+    _post_backward(tl, q, q_emb, q.has_emb, BWD_END, rs_prev, False, FINAL)
+    for blk, count in q.blocks:
+        def body(_last, blk=blk):
+            if blk.experts is not None:
+                _post_backward(tl, q, blk.unit, True, BWD_END, rs_prev, False, FINAL)
+                _post_backward(tl, q, blk.experts, True, BWD_END, rs_prev, False, FINAL)
+            else:
+                _post_backward(tl, q, blk.unit, True, BWD_END, rs_prev, False, FINAL)
+        _run(tl, count, body)
+    _post_backward(tl, q, q.out, q.has_out, BWD_END, rs_prev, False, FINAL)
+    if rs_prev:
+        tl.add("fsdp_grad_buffers", -rs_prev[0][0], rs_prev[0][1])
+    for x in q.held_until_end:
+        tl.add("fsdp_grad_buffers", -x)
+    q.held_until_end.clear()
+
+
+def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather, reshard_all=False) -> None:
+    """One microbatch's backward. ``regather``: where its units are resharded and gathered again (resharded after
+    forward; under PP all of them before the pass's first backward, ``reshard_all``, then kept until the last).
+    Plain gradients (no FSDP) are the parameters' own, fp32."""
+    rs_prev: list = []
+    tl.cur["fsdp_unsharded_params"] = np.where(reshard_all & q.fsdp, 0.0, tl.cur["fsdp_unsharded_params"])
+    # the last stage starts with the loss's backward (its peak is the forward's moment); others with the
+    # gradient their successor sends
+    tl.add("activations", q.flow)
+    tl.add("activations", -np.asarray(q.mb_extra, dtype=float))
+    first_blk = q.blocks[-1][0] if q.blocks else None
+    nxt = first_blk.unit.gathered if first_blk is not None else np.where(q.has_emb, q.emb.gathered, 0.0)
+    out_gather = q.has_out & (regather & (q.raf_out | q.pp))
+    _gather(tl, q, q.out, out_gather, phase, False, [])
+    tl.add("fsdp_gather_buffers", nxt, q.fsdp & regather)
+    tl.add("fsdp_grad_buffers", q.out.grads, q.has_out & q.fsdp)
+    out_def = np.where(q.deferred(mode), q.out_weight4, 0.0)
+    _plain_grads(tl, q, q.out.grads, q.has_out, mode, out_def)
+    _post_backward(tl, q, q.out, q.has_out, phase, rs_prev, True, mode)
+    _plain_grads_done(tl, q, q.out.grads - out_def, q.has_out, mode)
+    # (PP, the last microbatch: the extra prefetch of the [norm, output] unit the pass's last block makes; its flat
+    # buffer stays to the end of the backward, comm._fsdp_units)
+    extra = q.has_out & q.fsdp & (mode == ACC_REDUCE) & q.out_refetch
+    runs = list(reversed(q.blocks))
+    for r, (blk, count) in enumerate(runs):
+        after = runs[r + 1][0].unit.gathered if r + 1 < len(runs) else np.where(q.has_emb, q.emb.gathered, 0.0)
+        _run(tl, count, lambda last, blk=blk, after=after: _block_backward(
+            tl, q, blk, after if last else blk.unit.gathered, rs_prev, mode, phase, regather))
+    tl.add("fsdp_gather_buffers", q.out.gathered, extra)
+    # the embedding (first stage): its gradient reaches it; torch's embedding backward makes a dense gradient of
+    # the whole vocabulary, and under TP (vocab-sharded weight) the rank's rows of it are cloned into the
+    # parameter's gradient before the dense one goes; the final callback's reduce
+    _gather_in_backward(tl, q, q.emb, q.has_emb & regather, phase)
+    tl.add("activations", -q.flow)
+    # (without FSDP the parameter's gradient is a view of the dense one: that whole storage is the gradient.
+    # Without gradient sync (PP) FSDP2 accumulates the gradient as autograd made it: under TP the local tensor of
+    # the vocab-sharded weight's gradient is the dense whole-vocabulary one, and its reduce-dtype accumulator
+    # (``to_accumulated_grad_if_needed``) is as large [trace: a (vocab, d) fp32 copy])
+    acc_mode = (mode == ACC_FIRST) | (mode == ACC_LATER)
+    rows = q.emb_sharded & q.fsdp & ~acc_mode
+    dense_kept = np.where(rows, q.emb_dense_grad, 0.0)
+    emb_grad = np.where(rows, q.emb.grads, q.emb_dense_grad)
+    tl.add("fsdp_grad_buffers", dense_kept, q.has_emb)
+    tl.add("fsdp_grad_buffers", emb_grad, q.has_emb & q.fsdp)
+    _plain_grads(tl, q, emb_grad, q.has_emb, mode)
+    tl.mark(BWD_END, q.has_emb)
+    tl.add("fsdp_grad_buffers", -dense_kept, q.has_emb)
+    q_emb = dataclasses.replace(q.emb, grads=emb_grad, acc=_emb_acc(q), last_acc=_emb_acc(q))
+    _post_backward(tl, q, q_emb, q.has_emb, BWD_END, rs_prev, True, mode)
+    _plain_grads_done(tl, q, emb_grad, q.has_emb, mode)
+    if rs_prev:  # the final callback waits for and drops the last reduce-scatter input
+        tl.add("fsdp_grad_buffers", -rs_prev[0][0], rs_prev[0][1])
+    for x in q.held_until_end:  # finalize_backward releases the HSDP all-reduce buffers
+        tl.add("fsdp_grad_buffers", -x)
+    q.held_until_end.clear()
+    tl.add("fsdp_gather_buffers", -np.asarray(q.out.gathered, dtype=float), extra)
+    _deferred_casts(tl, q, mode, phase)
+
+
+def _first(q: RankMemory, mode) -> np.ndarray:
+    """The step's first backward (no earlier pass of gradient accumulation, the pass's first microbatch)."""
+    return ~q.acc & ((mode == REDUCE) | (mode == ACC_FIRST))
+
+
+def _plain_grads(tl: Timeline, q: RankMemory, grads, on, mode, deferred=0.0) -> None:
+    """Without FSDP a parameter's gradient is its own ``.grad`` (fp32): made by the step's first backward and
+    kept; a later one's new gradient is a buffer until added in — but for ``deferred`` (fp32 bytes of cast-weight
+    gradients, ``_deferred_casts``), held in param dtype until the end of the backward."""
+    nf = ~q.fsdp & on
+    if not np.any(nf):
+        return
+    first = _first(q, mode)
+    tl.add("gradients", grads, nf & first)
+    tl.add("fsdp_grad_buffers", grads - deferred, nf & ~first)
+    tl.add("autocast_weight_grads", deferred * q.param_bytes / 4.0, nf & ~first)
+
+
+def _plain_grads_done(tl: Timeline, q: RankMemory, grads, on, mode) -> None:
+    """A later backward's new (not deferred) gradients ``grads`` added into the parameters' and freed."""
+    nf = ~q.fsdp & on
+    tl.add("fsdp_grad_buffers", -np.asarray(grads, dtype=float), nf & ~_first(q, mode))
+
+
+def _deferred_casts(tl: Timeline, q: RankMemory, mode, phase: str) -> None:
+    """Autocast without FSDP caches each linear weight's cast copy from its first use in the step; the cast's
+    autograd node belongs to the first forward's graph, so its sequence number is below every node of a later
+    microbatch's or pass's graph, and the engine (which runs the ready node of highest sequence number first)
+    runs it only when nothing else is left: the cast weights' gradients (param dtype) wait until the end of that
+    backward (after the embedding's), then are converted to fp32 and added one by one, the last cast first (the
+    output projection on the last stage) [derived from torch.autograd's engine ordering and autocast's weight
+    cache; trace]. The first conversion is the largest moment; then the held gradients go."""
+    d = q.deferred(mode) & ~q.fsdp
+    first = np.where(q.has_out, q.out_weight4, q.last_cast4)
+    tl.add("autocast_weight_grads", first, d)
+    tl.mark(BWD_END, d & q.has_emb)
+    tl.mark(phase, d & ~q.has_emb)
+    tl.cur["autocast_weight_grads"] = np.where(d, 0.0, tl.cur["autocast_weight_grads"])
+
+
+def _gather_in_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str) -> None:
+    """A unit prefetched by the previous unit's pre-backward (resharded): the copy-out moment, then its flat
+    buffer freed; a unit still unsharded needs nothing."""
+    fs = q.fsdp & on
+    tl.add("fsdp_unsharded_params", u.gathered, fs)
+    tl.mark(phase, fs)
+    tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), fs)
+
+
+def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list, mode, phase: str,
+                    regather) -> None:
+    """One block's backward: copy-out of its prefetched parameters and the next unit's prefetch (a MoE block with EP
+    prefetches its experts, whose pre-backward prefetches the next unit), the recompute (every tensor of the block
+    saved again), then op by op (``layers.backward_steps``): activation gradients made, weight gradients made (a
+    moment each), saved tensors and consumed gradients freed; with EP the experts' own copy-out before their
+    first op and their reduce after their last; the post-backward."""
+    _gather_in_backward(tl, q, blk.unit, regather, phase)
+    ex = blk.experts
+    # the next unit's prefetch: the experts' own unit (EP) or the next block's / the embedding's
+    tl.add("fsdp_gather_buffers", np.where(_own_unit(ex), ex.gathered, nxt) if ex is not None else nxt,
+           q.fsdp & regather)
+    tl.add("recompute_transient", blk.transient)
+    tl.mark(phase)
+    tl.add("recompute_transient", -blk.transient)
+    tl.add("activations", blk.transient)
+    none_total = np.asarray(blk.act, dtype=float) + blk.transient
+    totals = [np.asarray(blk.unit.grads, dtype=float), np.asarray(ex.grads if ex is not None else 0.0, dtype=float)]
+    defer = q.deferred(mode)
+    made, deferred, freed = _steps_series(tl, q, blk, nxt, mode, phase, regather, rs_prev, totals, defer)
+    tl.add("activations", -(none_total - freed))  # what the steps do not name (e.g. MLA's latent tensors)
+    rest = totals[0] - made[0]  # (what the steps do not name: MLA's projections, cast linears)
+    _grads_made(tl, q, rest, mode, np.where(defer, rest, 0.0))
+    deferred = deferred + np.where(defer, rest, 0.0)
+    tl.mark(phase)
+    _post_backward(tl, q, blk.unit, True, phase, rs_prev, False, mode)
+    _plain_grads_done(tl, q, blk.unit.grads - deferred, True, mode)
+
+
+def _own_unit(ex: Unit) -> np.ndarray:
+    """Plans whose routed experts are an FSDP unit of their own (EP; with ep 1 they belong to the block's)."""
+    return np.asarray(ex.gathered, dtype=float) > 0
+
+
+def _step_plan(blk: Block, n: int) -> list:
+    """``blk.steps`` as a list of ("gather",) / ("post",) events (the routed experts' copy-out before their first
+    op, their post-backward after their last) and ("run", arrays) of the steps between, stacked (S, n): alloc,
+    frees (consumed gradients and saved tensors), the saved tensors alone, gradient bytes per unit, cast flags."""
+    ex = blk.experts
+    out: list = []
+    seg: list = []
+
+    def stack(f):
+        return np.stack([np.broadcast_to(np.asarray(f(st), dtype=float), (n,)) for st in seg])
+
+    def flush():
+        if seg:
+            saved = stack(lambda st: sum(np.asarray(blk.saved.get(k, 0.0), dtype=float) for k in st["saved"]))
+            out.append(("run", {"alloc": stack(lambda st: st["alloc"]), "free": stack(lambda st: st["free"]) + saved,
+                                "saved": saved.sum(axis=0),
+                                "p": [stack(lambda st, i=i: np.asarray(st["pgrad"][i], dtype=float)
+                                            * blk.grad_elem_bytes) for i in ((0, 1) if ex is not None else (0,))],
+                                # (autocast caches no routed expert: their steps' gradients are never deferred)
+                                "cast": np.array([st.get("cast", True) and not np.any(st["pgrad"][1])
+                                                  for st in seg])[:, None]}))
+            seg.clear()
+
+    started = False
+    for st in blk.steps:
+        if ex is not None and not started and {"experts.w2.input", "experts.gelu.out"} & set(st["saved"]):
+            flush()
+            started = True
+            out.append(("gather",))
+        seg.append(st)
+        if ex is not None and "experts.input(permuted)" in st["saved"]:
+            flush()
+            out.append(("post",))
+    flush()
+    return out
+
+
+def series_summary(n: int, pre: dict, post: dict) -> dict:
+    """What ``Timeline.apply_series`` needs of S rounds (add ``pre[j]``, a moment, add ``post[j]``), relative to
+    the running totals before them: the moment with the largest total per plan (the first of equals), the change
+    of every moved key at that moment and after the last round. Which moment is largest does not depend on the
+    totals before (they add to every moment alike), so one summary serves every replay."""
+    moved = [k for k in MEMORY_KEYS if np.ndim(pre.get(k, 0.0)) == 2 or np.ndim(post.get(k, 0.0)) == 2]
+    at, end = {}, {}
+    for k in moved:
+        p, q = pre.get(k, 0.0), post.get(k, 0.0)
+        both = np.cumsum(p + q, axis=0)
+        at[k] = both - q
+        end[k] = both[-1]
+    total = np.add.reduce(list(at.values()))
+    j = np.argmax(total, axis=0)
+    cols = np.arange(n)
+    return {"top": total[j, cols], "at": {k: v[j, cols] for k, v in at.items()}, "end": end}
+
+
+def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str, regather, rs_prev: list,
+                  totals: list, defer) -> tuple:
+    """The op steps of a block's backward (``_block_backward``), each: its allocations and weight gradients made
+    (``_grads_made``), a moment, its frees. Replayed as runs of steps (``Timeline.mark_series``) split where the
+    routed experts' copy-out (before their first op) and post-backward (after their last) happen.
+    Returns (gradient bytes made [unit, experts], the deferred part, activation bytes freed)."""
+    ex = blk.experts
+    made = [np.zeros(q.n), np.zeros(q.n)]
+    deferred, freed = np.zeros(q.n), np.zeros(q.n)
+    nf = ~q.fsdp
+    first = _first(q, mode)
+    cache = blk.series_cache.get(id(mode))
+    if cache is None or cache[0] is not mode:  # (the summaries depend on the block and the microbatch's mode)
+        cache = (mode, {})
+        blk.series_cache[id(mode)] = cache
+    done: dict = cache[1]
+    for n_item, item in enumerate(blk.step_plan(q.n)):
+        if item[0] == "gather":
+            assert ex is not None
+            _gather_in_backward(tl, q, ex, regather, phase)
+            tl.add("fsdp_gather_buffers", np.where(_own_unit(ex), nxt, 0.0), q.fsdp & regather)
+            continue
+        if item[0] == "post":
+            assert ex is not None
+            _grads_made(tl, q, totals[1] - made[1], mode)
+            made[1] = totals[1]
+            _post_backward(tl, q, ex, _own_unit(ex), phase, rs_prev, False, mode)
+            _plain_grads_done(tl, q, ex.grads, True, mode)
+            continue
+        r = item[1]
+        if n_item in done:
+            summary, made_, d_sum = done[n_item]
+            made = list(made_)
+            deferred = deferred + d_sum
+            freed = freed + r["saved"]
+            tl.apply_series(phase, summary)
+            continue
+        d_sum = 0.0
+        gbuf: np.ndarray | float = 0.0
+        grads: np.ndarray | float = 0.0
+        acw: np.ndarray | float = 0.0
+        ps = r["p"]
+        if ex is not None and len(ps) == 2:  # (with ep 1 the routed experts' gradients are the block unit's)
+            own = _own_unit(ex)
+            ps = [ps[0] + np.where(own, 0.0, ps[1]), np.where(own, ps[1], 0.0)]
+        for i, p in enumerate(ps):
+            cum = np.minimum(made[i] + np.cumsum(p, axis=0), np.maximum(totals[i], made[i]))
+            x = np.diff(cum, axis=0, prepend=made[i][None, :])
+            made[i] = cum[-1]
+            d = np.where(defer & r["cast"], x, 0.0) if i == 0 else np.zeros_like(x)  # (routed experts: no cache)
+            if i == 0:
+                d_sum = d.sum(axis=0)  # type: ignore[assignment]
+                deferred = deferred + d_sum
+            gbuf = gbuf + np.where(q.fsdp, x, 0.0) + np.where(nf & ~first, x - d, 0.0)
+            grads = grads + np.where(nf & first, x, 0.0)
+            acw = acw + np.where(nf & ~first, d * q.param_bytes / 4.0, 0.0)
+        freed = freed + r["saved"]
+        summary = series_summary(q.n, {"activations": r["alloc"], "fsdp_grad_buffers": gbuf, "gradients": grads,
+                                       "autocast_weight_grads": acw}, {"activations": -r["free"]})
+        done[n_item] = (summary, tuple(made), d_sum)
+        tl.apply_series(phase, summary)
+    return made, deferred, freed
+
+
+def _grads_made(tl: Timeline, q: RankMemory, x, mode, deferred=0.0) -> None:
+    """Weight gradients produced by the backward: FSDP's unsharded gradients (a buffer until its post-backward),
+    or without FSDP the parameters' own (``_plain_grads``; ``deferred``: the part held in param dtype)."""
+    tl.add("fsdp_grad_buffers", x, q.fsdp)
+    _plain_grads(tl, q, x, True, mode, deferred)
