@@ -76,7 +76,7 @@ class Timeline:
 
     def add(self, key: str, x, mask=None) -> None:
         if mask is not None:
-            if not np.any(mask):
+            if not (mask.any() if isinstance(mask, np.ndarray) else mask):
                 return
             x = np.where(mask, x, 0.0)
         elif isinstance(x, (int, float)) and x == 0:
@@ -93,7 +93,7 @@ class Timeline:
                 f"{k[:12]}={v[0] / 2**20:.3f}" for k, v in self.cur.items() if v[0]))
         better = (total > self.best[phase]) & self.mask
         if mask is not None:
-            better = better & np.broadcast_to(mask, (self.n,))
+            better = better & mask
         if not better.any():
             return
         self.best[phase] = np.where(better, total, self.best[phase])
@@ -287,26 +287,31 @@ def simulate(q: RankMemory) -> dict:
     # default under PP), the W-th is replayed in full (with "always" it gathers again), those between add their
     # activations
     _forward(tl, q, act_before=np.zeros(q.n))
-    with tl.only(q.w >= 2):
-        tl.add("activations", act * np.maximum(q.w - 2, 0.0))
-        _forward(tl, q, act_before=act * np.maximum(q.w - 1, 0.0), gathered=~q.raf)
+    if np.any(q.w >= 2):  # (here and below: a replay for no plan changes nothing and is skipped)
+        with tl.only(q.w >= 2):
+            tl.add("activations", act * np.maximum(q.w - 2, 0.0))
+            _forward(tl, q, act_before=act * np.maximum(q.w - 1, 0.0), gathered=~q.raf)
     # the pass's first backward (the only one without PP: it reduces; under PP every backward accumulates)
     _backward(tl, q, np.where(q.pp, ACC_FIRST, REDUCE), BWD1, regather=q.raf)
     # a later microbatch (not the last). When forwards remain (m > W) one ran since, bringing the in-flight count
     # back to W (and, resharding after forward, gathering and resharding every unit again); else it is the drain
     steady = q.m > q.w
-    with tl.only(q.m >= 3):
-        tl.add("activations", act * (q.w_later - 1.0 - np.maximum(q.w - 1.0, 0.0)))
-        with tl.only(steady):
-            _forward(tl, q, act_before=act * (q.w_later - 1.0), gathered=~q.raf)
-        tl.add("activations", act, ~steady)
-        _backward(tl, q, ACC_LATER, BWD2, regather=q.raf & steady)
+    if np.any(q.m >= 3):
+        with tl.only(q.m >= 3):
+            tl.add("activations", act * (q.w_later - 1.0 - np.maximum(q.w - 1.0, 0.0)))
+            if np.any(steady & (q.m >= 3)):
+                with tl.only(steady):
+                    _forward(tl, q, act_before=act * (q.w_later - 1.0), gathered=~q.raf)
+            tl.add("activations", act, ~steady)
+            _backward(tl, q, ACC_LATER, BWD2, regather=q.raf & steady)
     # the last microbatch (one in flight); a forward precedes it when the schedule keeps one microbatch in flight
-    with tl.only(multi):
-        tl.cur["activations"] = act.copy()
-        _backward(tl, q, ACC_LATER, BWD2, regather=q.raf & (q.w <= 1))
-    with tl.only(q.pp):
-        _reduce_after(tl, q)
+    if np.any(multi):
+        with tl.only(multi):
+            tl.cur["activations"] = act.copy()
+            _backward(tl, q, ACC_LATER, BWD2, regather=q.raf & (q.w <= 1))
+    if np.any(q.pp):
+        with tl.only(q.pp):
+            _reduce_after(tl, q)
     # clipping and the optimizer: every gradient, the foreach temporaries
     for k in ("fsdp_unsharded_params", "fsdp_gather_buffers", "fsdp_grad_buffers", "autocast_weight_cache",
               "activations", "recompute_transient", "logits_and_loss"):
