@@ -43,9 +43,15 @@ SGD_LR = 0.5
 def make_optimizer(params, name: str):
     """AdamW for real runs; SGD for parity checks (its update is proportional to the gradient, so a gradient
     scaled wrongly — e.g. gloo's AVG path — shows in the losses, which Adam's normalization would hide)."""
+    # one param group per mesh (plain tensors apart): a foreach kernel over a list mixing DTensors and plain
+    # tensors fails ("got mixed torch.Tensor and DTensor"), as with TP and no FSDP, where norms stay plain
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    groups = [{"params": ps} for ps in by_mesh.values()]
     if name == "sgd":
-        return torch.optim.SGD(params, lr=SGD_LR)
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True)
+        return torch.optim.SGD(groups, lr=SGD_LR)
+    return torch.optim.AdamW(groups, lr=LR, weight_decay=WD, foreach=True)
 
 
 def batch_for_step(step: int, global_batch: int, seq: int, vocab: int) -> torch.Tensor:
