@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 FIRST, LAST = 0, 1  # the two ranks the model evaluates: pipeline stage 0 and the last stage
 
 
-def _stage_bounds(n_layers: int, n_stages: int) -> list[int]:
+def stage_bounds(n_layers: int, n_stages: int) -> list[int]:
     """Layer index where each stage starts (and the end): even stages, the first ones one layer longer when the
     layers do not divide."""
     base, extra = divmod(n_layers, n_stages)
@@ -47,7 +47,7 @@ def _rank_layers(spec: ModelSpec, pp: int, v: int) -> tuple:
     """(n_dense, n_moe) for the first and the last pipeline rank. Stages are filled evenly, the first stages
     taking one extra layer when the layers do not divide; stage s runs on rank s % pp (loop placement)."""
     n_stages = pp * v
-    bounds = _stage_bounds(spec.n_layers, n_stages)
+    bounds = stage_bounds(spec.n_layers, n_stages)
     out = []
     for rank in (0, pp - 1):
         dense = moe = 0
@@ -68,7 +68,7 @@ def _rank_ckpt(spec: ModelSpec, pp: int, v: int, every: int, before_pp: bool) ->
     before the PP split, the whole model's (then a block's global index decides) [derived from torchtitan's
     _apply_layer_sac; executor: parallelize.apply_ac]."""
     n_stages = pp * v
-    bounds = _stage_bounds(spec.n_layers, n_stages)
+    bounds = stage_bounds(spec.n_layers, n_stages)
     out = []
     for rank in (0, pp - 1):
         blocks = [i for s in range(rank, n_stages, pp) for i in range(bounds[s], bounds[s + 1])]

@@ -58,7 +58,7 @@ PHASES = ("end of forward", "backward of the last layer", "backward of a later m
 FWD, BWD1, BWD2, BWD_END, OPT = PHASES
 _DEBUG = bool(__import__("os").environ.get("PARSIM_MEM_DEBUG"))
 # how a microbatch's backward treats its unsharded gradients
-REDUCE, ACC_FIRST, ACC_LATER, ACC_REDUCE = "reduce", "acc_first", "acc_later", "acc_reduce"
+REDUCE, ACC_FIRST, ACC_LATER = "reduce", "acc_first", "acc_later"
 # (PP) the stage's reduce after its last backward: the accumulators reduced, nothing new added
 FINAL = "final"
 
@@ -101,33 +101,10 @@ class Timeline:
         for k in MEMORY_KEYS:
             items[k] = np.where(better, self.cur[k], items[k])
 
-    def mark_series(self, phase: str, pre: dict, post: dict) -> None:
-        """S moments in a row, as S rounds of: add ``pre[key][j]``, ``mark(phase)``, add ``post[key][j]``
-        (arrays of shape (S, n), or scalars for no change) — vectorized over the rounds."""
-        moved = [k for k in MEMORY_KEYS if np.ndim(pre.get(k, 0.0)) == 2 or np.ndim(post.get(k, 0.0)) == 2]
-        at, end = {}, {}
-        for k in moved:
-            p, q = pre.get(k, 0.0), post.get(k, 0.0)
-            both = np.cumsum(p + q, axis=0)
-            at[k] = self.cur[k] + both - q  # the running total at moment j: everything before, and pre[j]
-            end[k] = self.cur[k] + both[-1]
-        rest = np.add.reduce([v for k, v in self.cur.items() if k not in at]) if len(at) < len(self.cur) else 0.0
-        total = rest + np.add.reduce(list(at.values()))
-        j = np.argmax(total, axis=0)  # (the first of equal moments, as mark's strict comparison keeps)
-        cols = np.arange(self.n)
-        top = total[j, cols]
-        better = (top > self.best[phase]) & self.mask
-        if better.any():
-            self.best[phase] = np.where(better, top, self.best[phase])
-            items = self.items[phase]
-            for k in MEMORY_KEYS:
-                items[k] = np.where(better, at[k][j, cols] if k in at else self.cur[k], items[k])
-        for k, v in end.items():
-            self.cur[k] = v
-
     def apply_series(self, phase: str, series: dict) -> None:
-        """``mark_series`` from its precomputed summary (``series_summary``): the rounds' largest moment above the
-        running totals (``top``), the changes of every key at that moment (``at``) and after the last (``end``)."""
+        """S moments in a row (rounds of: add, a moment, add) from their summary (``series_summary``): the
+        rounds' largest moment above the running totals (``top``), the changes of every key at that moment (``at``)
+        and after the last (``end``)."""
         base = np.add.reduce(list(self.cur.values()))
         top = base + series["top"]
         if _DEBUG:  # PARSIM_MEM_DEBUG=1: the series' largest moment of plan 0, MiB
@@ -252,7 +229,6 @@ class RankMemory:
     w_later: np.ndarray = field(default_factory=lambda: np.ones(1))
     mb_extra: np.ndarray = field(default_factory=lambda: np.zeros(1))
     autocast_cache: np.ndarray = field(default_factory=lambda: np.zeros(1))
-    out_refetch: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))  # PP: the extra [norm, output] gather
     held_until_end: list = field(default_factory=list)  # HSDP all-reduce buffers alive until the end of backward
     # autocast without FSDP: the cast weights' gradients of a backward other than the step's first are deferred
     # (``_deferred_casts``): param bytes per element, the output projection's fp32 gradient bytes, the fp32
@@ -397,26 +373,25 @@ def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev
                    mode) -> None:
     """What a unit does with its unsharded gradients after its backward (``mode`` per plan):
 
-    * REDUCE / ACC_REDUCE (the pass's last microbatch): reshard, release the previous reduce-scatter input, reduce:
-      the input (padded, reduce dtype) allocated with the gradients alive (a moment; ACC_REDUCE: the accumulators,
-      the new gradients already added into them), the output (the shard, reduce dtype) and, when the reduce dtype
-      is not fp32, its fp32 copy (a moment); the unsharded gradients go (for the [norm, output] unit and the
-      embedding only after the output: the autograd engine still holds them when their post-backward runs from
-      it); the shard becomes the fp32 gradient, added into the existing one with gradient accumulation. HSDP
-      all-reduces the output first and keeps that reduce-dtype buffer until the end of backward
-      (FSDPParamGroup._all_reduce_state, released in finalize_backward; pytorch#140044): a buffer of its own
-      unless it is the fp32 gradient itself.
-    * ACC_FIRST (PP, a pass's first microbatch of several): no sync, the unit stays gathered: the gradients are
-      copied into a reduce-dtype accumulator (a moment), then freed.
+    * REDUCE (no PP) / FINAL (PP: the stage's reduce after its last backward): reshard, release the previous
+      reduce-scatter input, reduce: the input (padded, reduce dtype) allocated with the gradients alive (a moment;
+      FINAL: the accumulators, every microbatch's gradients already added into them), the output (the shard,
+      reduce dtype) and, when the reduce dtype is not fp32, its fp32 copy (a moment); the unsharded gradients go
+      (for the [norm, output] unit and the embedding only after the output: the autograd engine still holds them
+      when their post-backward runs from it); the shard becomes the fp32 gradient, added into the existing one
+      with gradient accumulation. HSDP all-reduces the output first and keeps that reduce-dtype buffer until the
+      end of backward (FSDPParamGroup._all_reduce_state, released in finalize_backward; pytorch#140044): a buffer
+      of its own unless it is the fp32 gradient itself.
+    * ACC_FIRST (PP, the pass's first backward): no sync, the unit stays gathered: the gradients are copied into
+      a reduce-dtype accumulator (a moment), then freed.
     * ACC_LATER: added into the accumulator in place, then freed."""
     fs = q.fsdp & on
-    red = (mode == REDUCE) | (mode == ACC_REDUCE) | (mode == FINAL)
-    accr = (mode == ACC_REDUCE) | (mode == FINAL)
+    red = (mode == REDUCE) | (mode == FINAL)
+    accr = mode == FINAL
     # the accumulators: made from the first microbatch's gradients, grown by the later ones
     tl.add("gradients", u.acc, fs & (mode == ACC_FIRST))
     tl.mark(phase, fs & (mode == ACC_FIRST))
-    tl.add("fsdp_grad_buffers", -np.asarray(u.grads, dtype=float), fs & ((mode == ACC_FIRST) | (mode == ACC_LATER)
-                                                                         | ((mode == ACC_REDUCE) & (not grads_alive))))
+    tl.add("fsdp_grad_buffers", -np.asarray(u.grads, dtype=float), fs & ((mode == ACC_FIRST) | (mode == ACC_LATER)))
     r = fs & red
     tl.add("fsdp_unsharded_params", -np.asarray(u.gathered, dtype=float), r)
     # the previous unit's reduce-scatter input goes when this unit's reduce starts (where this unit reduces: a
@@ -469,19 +444,13 @@ def _reduce_after(tl: Timeline, q: RankMemory) -> None:
                 _post_backward(tl, q, blk.unit, True, BWD_END, rs_prev, False, FINAL)
         _run(tl, count, body)
     _post_backward(tl, q, q.out, q.has_out, BWD_END, rs_prev, False, FINAL)
-    if rs_prev:
-        tl.add("fsdp_grad_buffers", -rs_prev[0][0], rs_prev[0][1])
-    for x in q.held_until_end:
-        tl.add("fsdp_grad_buffers", -x)
-    q.held_until_end.clear()
+    _final_callback(tl, q, rs_prev)
 
 
-def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather, reshard_all=False) -> None:
-    """One microbatch's backward. ``regather``: where its units are resharded and gathered again (resharded after
-    forward; under PP all of them before the pass's first backward, ``reshard_all``, then kept until the last).
+def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
+    """One microbatch's backward. ``regather``: where its units were resharded after forward and gather again.
     Plain gradients (no FSDP) are the parameters' own, fp32."""
     rs_prev: list = []
-    tl.cur["fsdp_unsharded_params"] = np.where(reshard_all & q.fsdp, 0.0, tl.cur["fsdp_unsharded_params"])
     # the last stage starts with the loss's backward (its peak is the forward's moment); others with the
     # gradient their successor sends
     tl.add("activations", q.flow)
@@ -496,15 +465,11 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather, reshard_a
     _plain_grads(tl, q, q.out.grads, q.has_out, mode, out_def)
     _post_backward(tl, q, q.out, q.has_out, phase, rs_prev, True, mode)
     _plain_grads_done(tl, q, q.out.grads - out_def, q.has_out, mode)
-    # (PP, the last microbatch: the extra prefetch of the [norm, output] unit the pass's last block makes; its flat
-    # buffer stays to the end of the backward, comm._fsdp_units)
-    extra = q.has_out & q.fsdp & (mode == ACC_REDUCE) & q.out_refetch
     runs = list(reversed(q.blocks))
     for r, (blk, count) in enumerate(runs):
         after = runs[r + 1][0].unit.gathered if r + 1 < len(runs) else np.where(q.has_emb, q.emb.gathered, 0.0)
         _run(tl, count, lambda last, blk=blk, after=after: _block_backward(
             tl, q, blk, after if last else blk.unit.gathered, rs_prev, mode, phase, regather))
-    tl.add("fsdp_gather_buffers", q.out.gathered, extra)
     # the embedding (first stage): its gradient reaches it; torch's embedding backward makes a dense gradient of
     # the whole vocabulary, and under TP (vocab-sharded weight) the rank's rows of it are cloned into the
     # parameter's gradient before the dense one goes; the final callback's reduce
@@ -526,13 +491,18 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather, reshard_a
     q_emb = dataclasses.replace(q.emb, grads=emb_grad, acc=_emb_acc(q), last_acc=_emb_acc(q))
     _post_backward(tl, q, q_emb, q.has_emb, BWD_END, rs_prev, True, mode)
     _plain_grads_done(tl, q, emb_grad, q.has_emb, mode)
-    if rs_prev:  # the final callback waits for and drops the last reduce-scatter input
+    _final_callback(tl, q, rs_prev)
+    _deferred_casts(tl, q, mode, phase)
+
+
+def _final_callback(tl: Timeline, q: RankMemory, rs_prev: list) -> None:
+    """FSDP2's final callback: it waits for and drops the last reduce-scatter input; finalize_backward releases the
+    HSDP all-reduce buffers."""
+    if rs_prev:
         tl.add("fsdp_grad_buffers", -rs_prev[0][0], rs_prev[0][1])
-    for x in q.held_until_end:  # finalize_backward releases the HSDP all-reduce buffers
+    for x in q.held_until_end:
         tl.add("fsdp_grad_buffers", -x)
     q.held_until_end.clear()
-    tl.add("fsdp_gather_buffers", -np.asarray(q.out.gathered, dtype=float), extra)
-    _deferred_casts(tl, q, mode, phase)
 
 
 def _first(q: RankMemory, mode) -> np.ndarray:
@@ -676,7 +646,7 @@ def series_summary(n: int, pre: dict, post: dict) -> dict:
 def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str, regather, rs_prev: list,
                   totals: list, defer) -> tuple:
     """The op steps of a block's backward (``_block_backward``), each: its allocations and weight gradients made
-    (``_grads_made``), a moment, its frees. Replayed as runs of steps (``Timeline.mark_series``) split where the
+    (``_grads_made``), a moment, its frees. Replayed as runs of steps (``Timeline.apply_series``) split where the
     routed experts' copy-out (before their first op) and post-backward (after their last) happen.
     Returns (gradient bytes made [unit, experts], the deferred part, activation bytes freed)."""
     ex = blk.experts

@@ -70,6 +70,7 @@ from .layers import (
     rank_ckpt,
     rank_layers,
     saved_tensors,
+    stage_bounds,
 )
 from .memory import MEMORY_KEYS, PHASES, Block, RankMemory, Unit, simulate
 
@@ -247,7 +248,8 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
             c = _rank_compute(spec, b, sh, hw, rv, costs)
             phases, p_opt = _rank_memory(spec, b, sh, rank, rv, c, above_bytes)
             mem = np.max(np.stack([sum(v.values()) for v in phases.values()]), axis=0)
-            per_rank.append(np.where(_static_bytes(b, rv) > above_bytes, np.maximum(mem, _static_bytes(b, rv)), mem))
+            static = _static_bytes(b, rv)
+            per_rank.append(np.where(static > above_bytes, np.maximum(mem, static), mem))
         else:
             per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
     if time_bound:
@@ -282,9 +284,12 @@ def _rank_memory(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.Ran
     # what FSDP2's all-gathers hold unsharded: each unit's padded shards times the shard group
     gathered = {"blocks": sum(rv.n_of[k] * (b.fsdp * rv.pshard[k][0] + b.efsdp * rv.pshard[k][1]) for k in rv.kinds),
                 "emb": b.fsdp * rv.emb_shard, "out": b.fsdp * (rv.norm_shard + rv.outw_shard)}
-    phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard, p_opt, gathered)
     timed = (b.v == 1) & (_static_bytes(b, rv) <= above_bytes)
-    if timed.any():  # the step's timeline (costmodel/memory.py); interleaved plans keep the moments above for now
+    if timed.all():  # the step's timeline (costmodel/memory.py)
+        return _timeline_phases(spec, b, sh, rank, rv, c, p_shard, p_opt, timed), p_opt
+    # interleaved plans (and those the search screen bounds) keep the coarse moments for now
+    phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard, p_opt, gathered)
+    if timed.any():
         tl = _timeline_phases(spec, b, sh, rank, rv, c, p_shard, p_opt, timed)
         z = np.zeros(len(b))
         phases = {ph: {k: np.where(timed, tl[ph][k], phases[ph].get(k, z)) for k in MEMORY_KEYS} for ph in PHASES}
@@ -308,8 +313,7 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
     same = np.stack([np.asarray(getattr(b, f.name), dtype=float) for f in dataclasses.fields(b)
                      if f.name not in _NOT_MEMORY and isinstance(getattr(b, f.name), np.ndarray)]
                     + [np.asarray(b.float8 & b.te, dtype=float)], axis=1)
-    steps = {moe: (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe)) for moe in {r[0] for r in
-                                                                                               _all_runs(spec)}}
+    steps = {moe: (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe)) for moe in rv.kinds}
     for g, (pp, v, k, bp) in enumerate(uniq):
         idx = rows_idx[np.ravel(inv) == g]
         _, first, back = np.unique(same[idx], axis=0, return_index=True, return_inverse=True)
@@ -325,21 +329,13 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
 _NOT_MEMORY = ("mesh_idx", "compile", "async_tp", "float8", "f8_recipe")
 
 
-def _all_runs(spec: ModelSpec) -> list[tuple[bool, bool, int]]:
-    """(MoE?, -, -) for each kind of block the model has."""
-    return [(moe, False, 0) for moe in (False, True) if (spec.n_moe_layers if moe else spec.n_dense_layers) > 0]
-
-
 def _block_runs(spec: ModelSpec, pp: int, v: int, rank: int, every: int, before_pp: bool
                 ) -> list[tuple[bool, bool, int]]:
     """The rank's blocks in forward order as runs (MoE?, checkpointed by ``layer:every``?, count); ``every`` 0: no
     ``layer:N`` AC (torchtitan's count: from 1 over this process's blocks, or over the model's when AC comes before
     the PP split, ``layers._rank_ckpt``)."""
     n_stages = pp * v
-    base, extra = divmod(spec.n_layers, n_stages)
-    bounds = [0]
-    for st in range(n_stages):
-        bounds.append(bounds[-1] + base + (1 if st < extra else 0))
+    bounds = stage_bounds(spec.n_layers, n_stages)
     r = 0 if rank == FIRST else pp - 1
     blocks = [i for st in range(r, n_stages, pp) for i in range(bounds[st], bounds[st + 1])]
     runs: list[list] = []
@@ -353,8 +349,9 @@ def _block_runs(spec: ModelSpec, pp: int, v: int, rank: int, every: int, before_
 
 
 def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, p_shard,
-                        p_opt, idx: np.ndarray, runs: list, steps_of: dict | None = None) -> RankMemory:
-    """The sizes ``memory.simulate`` replays, for the plans ``idx`` (bytes)."""
+                        p_opt, idx: np.ndarray, runs: list, steps_of: dict) -> RankMemory:
+    """The sizes ``memory.simulate`` replays, for the plans ``idx`` (bytes). ``steps_of``: per block kind, its
+    backward steps and saved tensors over the whole batch (``layers.backward_steps``, ``layers.saved_tensors``)."""
     pb, rb = b.param_bytes[idx].astype(float), b.reduce_bytes[idx].astype(float)
     fsdp_on = (b.dp_replicate * b.dp_shard * b.cp > 1)[idx]
     gb = np.where(fsdp_on, pb, 4.0)  # unsharded gradients: param dtype under FSDP, the fp32 parameters' without
@@ -393,7 +390,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         def sel(x):
             return np.broadcast_to(np.asarray(x, dtype=float), (len(b),))[idx]
 
-        all_steps, items = (steps_of or {}).get(moe) or (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe))
+        all_steps, items = steps_of[moe]
         steps = [{"alloc": sel(st["alloc"]), "free": sel(st["free"]), "saved": st["saved"], "cast": st["cast"],
                   "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
         keep = kept_by_ac_mode(items)
@@ -406,7 +403,6 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     # the embedding backward's dense gradient over the whole vocabulary (torch's embedding backward, also under
     # RowwiseParallel), its vocab shard under TE layers (Megatron's VocabParallelEmbedding)
     emb_dense = np.where(has_emb, np.where(b.te[idx], emb_local, V * d) * gb, 0.0)
-    n_tok = np.asarray(sh.T)[idx]
     rope = float(spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim)
     buffers = b.seq_len[idx].astype(float) * rope * 4.0 * np.where(b.pp[idx] > 1, b.v[idx], 1)  # RoPE cos / sin
     # what a microbatch in flight keeps beside its blocks' activations: its stage output (the residual stream,
@@ -432,13 +428,12 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         emb_sharded=(b.tp > 1)[idx] & ~b.te[idx],
         out=unit(np.asarray(rv.norm_shard + rv.outw_shard)[idx], np.asarray(rv.out_local)[idx], S,
                  np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))),
-        loss=np.asarray(_loss_bytes(spec, b, sh, rv, c))[idx] * np.ones(len(idx)) + 0.0 * n_tok,
+        loss=np.asarray(_loss_bytes(spec, b, sh, rv, c))[idx] * np.ones(len(idx)),
         blocks=blocks, opt_temporaries=np.asarray(p_opt)[idx] * 4.0, flat_held=S > 1,
         hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
         pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
         mb_extra=np.where(has_out, loss_saved, np.where((b.pp > 1)[idx], stage_out, 0.0)),
         autocast_cache=_autocast_cache(spec, b, rv, idx, fsdp_on),
-        out_refetch=((b.pp > 1) & (b.n_micro > inflight(b, LAST)))[idx],
         param_bytes=pb, out_weight4=np.asarray(rv.out_local - rv.norm_local)[idx] * 4.0 * np.ones(len(idx)),
         last_cast4=_last_cast_elems(spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
 
