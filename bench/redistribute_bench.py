@@ -134,10 +134,10 @@ def summarize(rows: list[dict], res: dict) -> tuple[pd.DataFrame, dict]:
 
 def measure_overhead(profile: str, timeout_s: float) -> None:
     """Measure DTensor's per-step cost on the 2x2 gloo mesh and write it into the profile (this machine's)."""
-    from parsim.hardware import PROFILES_DIR
+    from parsim.hardware import PACKAGED_PROFILES_DIR
 
     res = run(None, 0, timeout_s)
-    path = PROFILES_DIR / f"{profile}.json"
+    path = PACKAGED_PROFILES_DIR / f"{profile}.json"
     d = json.loads(path.read_text())
     d["corrections"]["redistribute_step_overhead_s"] = res["step_overhead_s"]
     d["corrections"]["redistribute_copy_bytes_per_s"] = res["copy_bytes_per_s"]

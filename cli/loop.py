@@ -36,7 +36,7 @@ def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | No
     plans = V.measured_plans(spec, nproc)
     if max_plans:
         plans = plans[:max_plans]
-    from cli.main import profile_measured_here
+    from parsim.cli.main import profile_measured_here
 
     hw = profile_measured_here(profile or f"cpu-gloo-{nproc}", nproc)  # this machine's, before anything runs
     out = Path(out_dir)
@@ -53,7 +53,8 @@ def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | No
 
 def _measured_summary(out: Path, profile: str | None, hw) -> dict:
     """Rows and summary over every measurement in the folder (earlier models and rank counts included)."""
-    from cli.main import profile_measured_here
+    from parsim.cli.main import profile_measured_here
+
     from parsim import validate as V
 
     lines = V.load_measurements(out / "measurements.jsonl")
@@ -153,7 +154,7 @@ def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str
     import os
 
     from parsim import calibrate as C
-    from parsim.hardware import PROFILES_DIR, load_profile
+    from parsim.hardware import load_profile, profile_write_dir
     from parsim.jsonio import atomic_write_json, check_output_path
     from parsim.validate import summarize
 
@@ -162,7 +163,7 @@ def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str
     names = tuple(p.strip() for p in params.split(",")) if params else (
         C.GPU_PARAMETERS if gpu else C.DEFAULT_PARAMETERS)
     profiles = {n: load_profile(n) for n in sorted({r["profile"] for r in rows if r.get("profile")})}
-    target = Path(out_dir) if out_dir else PROFILES_DIR
+    target = Path(out_dir) if out_dir else profile_write_dir()
     for n in profiles:
         check_output_path(target / f"{n}-cal.json", make_parents=True)
     res = C.calibrate(rows, profiles, names, folds)

@@ -113,8 +113,29 @@ def guarded(fn):
         except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
             typer.echo(f"error: {_one_line(str(e))}", err=True)
             raise typer.Exit(2) from None
+        except ModuleNotFoundError as e:  # a torch import no require_torch() foresaw: still one line
+            if (e.name or "").split(".")[0] != "torch":
+                raise
+            typer.echo(f"error: {_needs_torch(fn.__name__)}", err=True)
+            raise typer.Exit(2) from None
 
     return wrapper
+
+
+def require_torch(command: str) -> None:
+    """Commands that run torch code say so up front, in one line with exit code 2, when torch is missing (not a
+    traceback, and not a torchrun child that fails after the command reported success)."""
+    import importlib.util
+
+    from parsim.errors import ParsimError
+
+    if importlib.util.find_spec("torch") is None:
+        raise ParsimError(_needs_torch(command))
+
+
+def _needs_torch(command: str) -> str:
+    return (f"`parsim {command}` needs PyTorch, which is not installed (pip install torch; predict, search, report "
+            "and explain run without it)")
 
 
 def _one_line(msg: str) -> str:
@@ -272,6 +293,8 @@ def search(
 
     check_int("--top", top, 1, 10_000)
     check_int("--execute", execute, 0, top)
+    if execute:
+        require_torch("search --execute")
     if explain is not None:
         check_int("--explain", explain, 1, top)
     gpus, space = search_space(flags, no_pp=no_pp, no_cp=no_cp, max_tp=max_tp, max_pp=max_pp, ac_modes=ac_modes,
@@ -290,7 +313,7 @@ def search(
     spec = load_model(flags["model"])
     # plans run here are predicted with a profile of this machine (measured first when the given one is not)
     hw = profile_measured_here(flags["profile"]) if execute else profile_for_this_machine(flags["profile"])
-    from cli.views import run_search_cli
+    from parsim.cli.views import run_search_cli
 
     run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,
                    emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json, execute=execute,
@@ -347,6 +370,7 @@ def run(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Run a plan for real under torchrun (gloo on CPU, NCCL on GPUs) and measure it."""
+    require_torch("run")
     import dataclasses
 
     from parsim.errors import ParsimError
@@ -414,6 +438,7 @@ def trace(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Trace one training step of a plan at full scale in one CPU process (fake process group + FakeTensorMode)."""
+    require_torch("trace")
     from parsim.errors import ParsimError
     from parsim.executor.trace import trace_plan
     from parsim.jsonio import atomic_write_json, check_output_path
@@ -448,7 +473,8 @@ def trace(
 @guarded
 def profile(
     nproc_per_node: int = typer.Option(..., "--nproc-per-node", help="ranks (GPUs, or CPU ranks with gloo)"),
-    out: str = typer.Option(..., "--out", help="profile name (writes profiles/NAME.json and NAME.samples.csv) "
+    out: str = typer.Option(..., "--out", help="profile name (writes NAME.json and NAME.samples.csv in the profile "
+                            "folder) "
                             "or a path anywhere (DIR/NAME.json)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted profile"),
     restart: bool = typer.Option(False, "--restart", help="discard an interrupted profile and start over"),
@@ -458,7 +484,8 @@ def profile(
     ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,send", "--ops"),
     model: str = typer.Option("tiny", "--model", help="model whose block is timed (and GEMM shapes taken)"),
     seq_len: int = typer.Option(512, "--seq-len"),
-    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="default: the profiles/ folder"),
+    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="default: $PARSIM_PROFILES_DIR, else a checkout's "
+                                            "profiles/, else ~/.local/share/parsim/profiles"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu to profile gloo on a GPU machine"),
     nnodes: int = typer.Option(1, "--nnodes", help="nodes profiled together (one parsim profile per node, e.g. "
                                "under srun): collectives across nodes are measured; node 0 writes the profile"),
@@ -469,6 +496,7 @@ def profile(
 ):
     """Measure collectives and compute on this machine (or on several nodes), fit them, write a hardware
     profile."""
+    require_torch("profile")
     from parsim.errors import ParsimError
 
     if resume and restart:
@@ -521,7 +549,8 @@ def redistribute(
 ):
     """Plan a DTensor redistribution: parsim's cheapest path (Dijkstra over layouts with shard orders, edge costs
     from the profile), beside torch's own planner's path costed the same way."""
-    from cli.views import print_redistribution
+    from parsim.cli.views import print_redistribution
+
     from parsim.redistribute import redistribution
 
     def torch_planner(mesh_shape, tensor_shape, a, b):  # torch imported only when its path is asked for
@@ -561,6 +590,7 @@ def orders(
     if stored:
         doc = orders_document(load_observed(out))
     else:
+        require_torch("orders")
         from parsim.executor.orders import CASES, run_orders
 
         names = case or list(CASES)
@@ -575,7 +605,7 @@ def orders(
     if as_json:
         emit_json(doc)
         return
-    from cli.views import print_orders
+    from parsim.cli.views import print_orders
 
     print_orders(doc)
 
@@ -613,13 +643,16 @@ def validate(
     """Put predictions beside measurements: run a small space here (resumable), or predict published runs."""
     from pathlib import Path
 
-    from cli.loop import print_summary, validate_measured, validate_published
+    from parsim.cli.loop import print_summary, validate_measured, validate_published
+
     from parsim.errors import ParsimError
     from parsim.jsonio import check_output_path
     from parsim.procs import check_timeout
 
     if Path(out).exists() and not Path(out).is_dir():
         raise ParsimError(f"--out {out} exists and is not a folder")
+    if not published:
+        require_torch("validate --model")
     check_output_path(out + "/summary.json", make_parents=True)
     if published:
         summary = validate_published(published, out, profile, calibrated=not uncalibrated)
@@ -643,11 +676,13 @@ def calibrate(
                                          "comm_scale_dp comm_scale_pp comm_scale_ep comm_scale_all_reduce "
                                          "[measured rows: the CPU set; published rows: the GPU set]"),
     folds: int = typer.Option(5, "--folds", help="cross-validation folds (grouped by plan family / source table)"),
-    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="where NAME-cal.json goes [profiles/]"),
+    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="where NAME-cal.json goes [the profile folder, as "
+                                            "for profile --out-dir]"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Fit named profile parameters to validation results; report out-of-fold accuracy; size the intervals."""
-    from cli.loop import calibrate_dirs, print_calibration
+    from parsim.cli.loop import calibrate_dirs, print_calibration
+
     from parsim.errors import ParsimError
 
     if not 2 <= folds <= 100:
@@ -670,7 +705,8 @@ def report(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Predicted vs measured per plan or published row: table, statistics, and an HTML page with plots."""
-    from cli.loop import load_rows
+    from parsim.cli.loop import load_rows
+
     from parsim.errors import ParsimError
     from parsim.jsonio import check_output_path
     from parsim.report_html import build_table, write_html
@@ -691,9 +727,8 @@ def report(
     if as_json:
         emit_json({"stats": stats, "rows": table.astype(object).where(table.notna(), None).to_dict("records")})
         return
+    from parsim.cli.loop import print_summary_table
     from rich.console import Console
-
-    from cli.loop import print_summary_table
 
     con = Console()
     print_summary_table(con, stats)

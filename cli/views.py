@@ -163,7 +163,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from parsim.emit import to_megatron_args, to_torchtitan_python, to_torchtitan_toml
+    from parsim.emit import megatron_gaps, to_megatron_args, to_torchtitan_python, to_torchtitan_toml, torchtitan_gaps
     from parsim.errors import ParsimError
     from parsim.jsonio import atomic_write_json, atomic_write_text
     from parsim.search import result_to_dict, search
@@ -210,13 +210,19 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
             said_tt += (f"; as emitted (float8 rowwise): step {rw.step_time_s:.3f} s, "
                         f"{rw.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {100 * rw.mfu:.1f}%")
         atomic_write_text(emit_torchtitan, emit(best, spec, said_tt))
+        version = "0.3.0" if torchtitan_format == "python" else "0.2"
+        for gap in torchtitan_gaps(best, spec, version):  # also at the top of the file
+            err.print(f"parsim: torchtitan {version} cannot express: {gap}", markup=False, highlight=False,
+                      soft_wrap=True)
     if emit_megatron and best:
         atomic_write_text(emit_megatron, to_megatron_args(best, spec, said))
+        for gap in megatron_gaps(best, spec):
+            err.print(f"parsim: Megatron-LM cannot express: {gap}", markup=False, highlight=False, soft_wrap=True)
     executed = _execute(spec, hw, res, execute, model_arg or spec.name, err) if execute else []
     if execute_out and executed:
         atomic_write_json(execute_out, executed)
     if as_json:
-        from cli.main import emit_json
+        from parsim.cli.main import emit_json
 
         d = result_to_dict(res, spec, hw, gpus, space, top)
         if explain:

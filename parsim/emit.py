@@ -20,16 +20,31 @@ from __future__ import annotations
 from .plan import AXES, DEFAULT_ORDER, Plan, parse_ac
 from .spec import ModelSpec
 
-# parsim preset -> (torchtitan module, flavor) in torchtitan 0.3.0's model registries
+# parsim preset -> (torchtitan model module, flavor, torchtitan 0.3.0 recipe in <module>.config_registry)
 TORCHTITAN_MODELS = {
-    "llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B"), "llama3-405b": ("llama3", "405B"),
-    "deepseek-v3": ("deepseek_v3", "671B"), "qwen3-30b-a3b": ("qwen3", "30B-A3B"),
+    "llama3-8b": ("llama3", "8B", "llama3_8b"), "llama3-70b": ("llama3", "70B", "llama3_70b"),
+    "llama3-405b": ("llama3", "405B", "llama3_405b"), "deepseek-v3": ("deepseek_v3", "671B", "deepseek_v3_671b"),
+    "qwen3-30b-a3b": ("qwen3", "30B-A3B", "qwen3_30b_a3b"),
 }
 # torchtitan's own wrapper order (models/llama3/infra/parallelize.py): PP first, then TP, AC, per-block compile, FSDP
 TORCHTITAN_ORDER = DEFAULT_ORDER
 
 
-def _gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
+def torchtitan_model(spec: ModelSpec) -> tuple[str, str, str] | None:
+    """(module, flavor, recipe) of the torchtitan registry model with exactly these dimensions, or None. A model
+    given as an HF folder matches when every dimension equals a preset's (its name aside); a near miss (a 16-layer
+    d=2048 llama is not 8B) has no torchtitan model."""
+    import dataclasses
+
+    from .spec import PRESETS
+
+    for name, entry in TORCHTITAN_MODELS.items():
+        if dataclasses.replace(spec, name=name) == PRESETS[name]:
+            return entry
+    return None
+
+
+def torchtitan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
     """What torchtitan ``version`` ("0.3.0" or "0.2") cannot express of this plan, one line each."""
     out = []
     if tuple(plan.mesh_order) != AXES:
@@ -41,10 +56,18 @@ def _gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
         out.append(f"wrapper order {'>'.join(plan.wrapper_order)}: torchtitan applies PP > TP > AC > compile > "
                    "FSDP and has no option for another order")
     if plan.ep > 1 and plan.ep_from == "dp_replicate":
+        borrowed = plan.dp_shard * plan.cp * plan.tp
         out.append("EP borrowed from dp_replicate (DDP-style, Megatron): torchtitan borrows EP from "
-                   "dp_shard x cp x tp; expert_parallel_degree is emitted, its ranks will come from there")
+                   f"dp_shard x cp x tp ({borrowed}); " + (
+                       f"expert_parallel_degree={plan.ep} is emitted, its ranks will come from there"
+                       if _torchtitan_ep(plan) == plan.ep else
+                       f"EP {plan.ep} does not divide it, so expert_parallel_degree=1 is emitted (experts "
+                       "replicated, sharded by FSDP: more expert memory, no all-to-all)"))
     if plan.etp > 1 and version == "0.3.0":
         out.append(f"expert tensor parallel {plan.etp}: removed in torchtitan (PR #3167); experts run without TP")
+    if plan.etp not in (1, plan.tp) and version == "0.2":
+        out.append(f"expert tensor parallel {plan.etp} with tp {plan.tp}: torchtitan 0.2 takes ETP = TP or 1; "
+                   "expert_tensor_parallel_degree=1 is emitted")
     if plan.float8 and plan.float8_recipe == "tensorwise" and version == "0.3.0":
         out.append("float8 tensorwise: removed in torchtitan 0.3.0 (PR #3127); the rowwise recipe is emitted, "
                    "which runs rowwise GEMMs at 90-100% of tensorwise speed on most shapes")
@@ -52,9 +75,6 @@ def _gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
     if mode == "layer" and version == "0.3.0":
         out.append(f"AC of one layer in {every} (layer:{every}): torchtitan 0.3.0 has FullAC, SelectiveAC (per op) and "
                    "MemoryBudgetAC only; FullAC is emitted (more recompute, less memory than planned)")
-    if plan.pp > 1 and plan.pp_stages_per_rank > 1 and spec.n_layers % (plan.pp * plan.pp_stages_per_rank):
-        out.append(f"{plan.pp * plan.pp_stages_per_rank} pipeline stages do not divide {spec.n_layers} layers: "
-                   "pipeline_parallel_layers_per_stage is left to torchtitan's default split")
     if plan.async_tp and not plan.compile:
         out.append("async TP without compile: torchtitan's async TP needs torch.compile; enable compile")
     if plan.distributed_optimizer:
@@ -66,93 +86,142 @@ def _gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
     if plan.fused_loss:
         out.append("fused cross-entropy: torchtitan has no loss option; with compile it compiles the loss "
                    "(compile.components model, loss), which fuses it")
-    if spec.name not in TORCHTITAN_MODELS:
-        out.append(f"model {spec.name}: no torchtitan flavor known to parsim; set model_spec yourself")
+    if torchtitan_model(spec) is None:
+        out.append(f"model {spec.name}: its dimensions match no torchtitan registry flavour (llama3 8B/70B/405B, "
+                   "qwen3 30B-A3B, deepseek_v3 671B); torchtitan builds models from its registries only, so the "
+                   "config refuses to build until you add a flavour with these dimensions and name it there")
     return out
 
 
-def _layers_per_stage(plan: Plan, spec: ModelSpec) -> int | None:
-    stages = plan.pp * plan.pp_stages_per_rank
-    if plan.pp > 1 and plan.pp_stages_per_rank > 1 and spec.n_layers % stages == 0:
-        return spec.n_layers // stages
-    return None
+def _torchtitan_ep(plan: Plan) -> int:
+    """The EP degree torchtitan can build: it unflattens dp_shard x cp x tp into (efsdp, ep), so EP must divide
+    that product (torchtitan.distributed.parallel_dims, 0.3.0 and 0.2.x)."""
+    return plan.ep if (plan.dp_shard * plan.cp * plan.tp) % plan.ep == 0 else 1
 
 
-def _header(plan: Plan, spec: ModelSpec, n_gpus: int, prediction: str, gaps: list[str], comment: str) -> list[str]:
+def _stage_fqns(plan: Plan, spec: ModelSpec, output: str) -> list[list[str]] | None:
+    """The modules of every pipeline stage as parsim costs them (``layers.stage_bounds``: even stages, the first
+    ones one layer longer; embedding on the first stage, final norm and output projection on the last), for
+    torchtitan's ``module_fqns_per_model_part``. torchtitan's own split counts the embedding and the output as
+    one layer each (first/last_stage_less_layers), which leaves e.g. 17 stages for 80 layers at 4 ranks x 4."""
+    if plan.pp == 1:
+        return None
+    from .costmodel.layers import stage_bounds
+
+    b = stage_bounds(spec.n_layers, plan.pp * plan.pp_stages_per_rank)
+    parts = [[f"layers.{i}" for i in range(b[s], b[s + 1])] for s in range(len(b) - 1)]
+    parts[0].insert(0, "tok_embeddings")
+    parts[-1] += ["norm", output]
+    return parts
+
+
+def _header(plan: Plan, spec: ModelSpec, n_gpus: int, prediction: str, gaps: list[str], comment: str,
+            target: str = "torchtitan") -> list[str]:
     lines = [f"parsim plan {plan.plan_id} for {spec.name} on {n_gpus} GPUs: {plan.describe()}, AC {plan.ac}, "
              f"compile {plan.compile}, float8 {plan.float8_recipe if plan.float8 else False}"]
     if prediction:
         lines.append(f"parsim predicted: {prediction}")
     if gaps:
-        lines.append("What torchtitan cannot express of this plan:")
+        lines.append(f"What {target} cannot express of this plan:")
         lines += [f"- {g}" for g in gaps]
     else:
-        lines.append("torchtitan expresses every field of this plan.")
+        lines.append(f"{target} expresses every field of this plan.")
     return [f"{comment}{ln}" if ln else comment.rstrip() for ln in lines]
 
 
-def to_torchtitan_python(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
-    """The plan as a torchtitan 0.3.0 config module (see the module docstring)."""
-    gaps = _gaps(plan, spec, "0.3.0")
+def _ac_030(plan: Plan) -> str:
     mode, _ = parse_ac(plan.ac)
-    ac = {"none": "None", "full": "FullAC.Config()", "layer": "FullAC.Config()",
-          "selective-op": "SelectiveAC.Config()"}[mode]
+    return {"none": "None", "full": "FullAC.Config()", "layer": "FullAC.Config()",
+            "selective-op": "SelectiveAC.Config()"}[mode]
+
+
+def _parallelism_030(plan: Plan, spec: ModelSpec) -> list[str]:
     par = [f"data_parallel_replicate_degree={plan.dp_replicate}", f"data_parallel_shard_degree={plan.dp_shard}",
            f"fsdp_reshard_after_forward={plan.fsdp_reshard_after_forward!r}",
            f"tensor_parallel_degree={plan.tp}", f"enable_sequence_parallel={bool(plan.sequence_parallel)}",
            f"pipeline_parallel_degree={plan.pp}", f"pipeline_parallel_schedule={plan.pp_schedule!r}",
            f"pipeline_parallel_microbatch_size={plan.micro_batch_size}",
-           f"context_parallel_degree={plan.cp}", f"expert_parallel_degree={plan.ep}"]
-    lps = _layers_per_stage(plan, spec)
-    if lps is not None:
-        par.append(f"pipeline_parallel_layers_per_stage={lps}")
-    module, flavor = TORCHTITAN_MODELS.get(spec.name, (None, None))
+           f"context_parallel_degree={plan.cp}", f"expert_parallel_degree={_torchtitan_ep(plan)}"]
+    fqns = _stage_fqns(plan, spec, "lm_head")
+    if fqns is not None:  # one stage per line
+        par.append("module_fqns_per_model_part=[\n" + "".join(f"            {part!r},\n" for part in fqns)
+                   + "        ]")
+    return par
+
+
+def _model_spec_030(plan: Plan, spec: ModelSpec) -> list[str]:
+    model = torchtitan_model(spec)
+    if model is None:
+        return ["    raise NotImplementedError(NOT_EXPRESSED[-1])"]
+    module, flavor, _ = model
     recipe = "rowwise" if plan.float8_recipe == "tensorwise" else plan.float8_recipe
-    if module is None:
-        model_body = [f"    raise NotImplementedError({('no torchtitan flavor for ' + spec.name)!r})"]
-    else:
-        conv = (f"[Float8LinearConverter.Config(recipe_name={recipe!r}, model_compile_enabled={plan.compile})]"
-                if plan.float8 else "None")
-        model_body = [f"    from torchtitan.models.{module} import model_registry",
-                      *(["    from torchtitan.components.quantization import Float8LinearConverter"]
-                        if plan.float8 else []),
-                      "",
-                      f"    return model_registry({flavor!r}, converters={conv})"]
+    # torchtitan's recipes keep the output projection (and a MoE router) in bf16
+    keep = ["lm_head", "router.gate"] if spec.moe else ["lm_head"]
+    conv = (f"[Float8LinearConverter.Config(recipe_name={recipe!r}, filter_fqns={keep!r}, "
+            f"model_compile_enabled={plan.compile})]" if plan.float8 else "None")
+    return [f"    from torchtitan.models.{module} import model_registry",
+            *(["    from torchtitan.components.quantization import Float8LinearConverter"] if plan.float8 else []),
+            "",
+            f"    return model_registry({flavor!r}, attn_backend='flex', converters={conv})"]
+
+
+def to_torchtitan_python(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
+    """The plan as a torchtitan 0.3.0 config module: torchtitan's own recipe for the model (``llama3_70b()`` ...:
+    loss, dataloader, optimizer, checkpointing) with what the plan decides replaced (see the module docstring)."""
+    gaps = torchtitan_gaps(plan, spec, "0.3.0")
+    model = torchtitan_model(spec)
+    recipe = f"(\"torchtitan.models.{model[0]}.config_registry\", \"{model[2]}\")" if model else "None"
+    no_graphs = plan.pp > 1 or plan.ep > 1
+    notes = ["attention: torchtitan 0.3.0 language models take FlexAttention with block-causal masks (SDPA is "
+             "refused); attn_backend='flex' is written out, parsim costs it as causal attention"]
+    if no_graphs:
+        notes.append("training.disable_cuda_graphs=True: torchtitan 0.3.0 captures no CUDA graphs with "
+                     "pipeline or expert parallelism (its own check)")
     doc = ['"""torchtitan 0.3.0 config written by parsim.', "",
-           *_header(plan, spec, plan.world_size, prediction, gaps, ""), "",
+           *_header(plan, spec, plan.world_size, prediction, gaps, ""), "", *[f"Note: {n}" for n in notes], "",
            "Run: put this file on PYTHONPATH and start torchtitan with", "    torchrun --nproc_per_node "
            "<GPUs per node> -m torchtitan.train --module <this file's module name> --config parsim_plan",
-           '"""', ""]
+           '"""', "", "import dataclasses", "import sys", "",
+           "# torchtitan's recipe for the model (module, function); parsim replaces what the plan decides",
+           f"RECIPE = {recipe}", "NOT_EXPRESSED = [", *[f"    {g!r}," for g in gaps], "]", ""]
+    train_extra = ", disable_cuda_graphs=True" if no_graphs else ""
     body = [
-        "", "def parsim_parallelism():",
+        "", "def _recipe():",
+        "    import importlib", "",
+        "    if RECIPE is None:", "        raise NotImplementedError(NOT_EXPRESSED[-1])",
+        "    return getattr(importlib.import_module(RECIPE[0]), RECIPE[1])()", "", "",
+        "def parsim_parallelism():",
         "    from torchtitan.config import ParallelismConfig", "",
-        "    return ParallelismConfig(", *[f"        {p}," for p in par], "    )", "", "",
-        "def parsim_training():",
+        "    return ParallelismConfig(", *[f"        {p}," for p in _parallelism_030(plan, spec)], "    )", "", "",
+        "def parsim_training(base=None):",
         "    from torchtitan.config import TrainingConfig", "",
-        f"    return TrainingConfig(local_batch_size={plan.local_batch_size}, "
+        "    return dataclasses.replace(base if base is not None else TrainingConfig(),",
+        f"                               local_batch_size={plan.local_batch_size}, "
         f"global_batch_size={plan.global_batch_size}, seq_len={plan.seq_len},",
-        f"                          mixed_precision_param={plan.param_dtype!r}, "
-        f"mixed_precision_reduce={plan.reduce_dtype!r})", "", "",
+        f"                               mixed_precision_param={plan.param_dtype!r}, "
+        f"mixed_precision_reduce={plan.reduce_dtype!r}{train_extra})", "", "",
         "def parsim_compile():",
         "    from torchtitan.config import CompileConfig", "",
         f"    return CompileConfig(enable={plan.compile}, components=['model', 'loss'], "
         f"enable_async_tensor_parallel={bool(plan.async_tp and plan.compile)})", "", "",
         "def parsim_activation_checkpoint():",
         "    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401", "",
-        f"    return {ac}", "", "",
-        "def parsim_model_spec():", *model_body, "", "",
+        f"    return {_ac_030(plan)}", "", "",
+        "def parsim_model_spec():", *_model_spec_030(plan, spec), "", "",
         "def parsim_plan():",
-        "    from torchtitan.trainer import Trainer", "",
-        "    return Trainer.Config(model_spec=parsim_model_spec(), training=parsim_training(),",
-        "                          parallelism=parsim_parallelism(), compile=parsim_compile(),",
-        "                          activation_checkpoint=parsim_activation_checkpoint())", "",
+        "    for line in NOT_EXPRESSED:",
+        "        print(f\"parsim: torchtitan cannot express: {line}\", file=sys.stderr)",
+        "    base = _recipe()",
+        "    return dataclasses.replace(base, model_spec=parsim_model_spec(), training=parsim_training(base.training),",
+        "                               parallelism=parsim_parallelism(), compile=parsim_compile(),",
+        "                               activation_checkpoint=parsim_activation_checkpoint())", "",
     ]
     return "\n".join(doc + body)
 
 
 def to_torchtitan_toml(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
     """The plan as a torchtitan v0.2.x job config (the last TOML schema, ``torchtitan/config/job_config.py``)."""
-    gaps = _gaps(plan, spec, "0.2")
+    gaps = torchtitan_gaps(plan, spec, "0.2")
     mode, every = parse_ac(plan.ac)
     ac_mode = {"none": "none", "full": "full", "selective-op": "selective", "layer": "selective"}[mode]
     ac_opt = "op" if mode == "selective-op" else str(every)
@@ -160,7 +229,7 @@ def to_torchtitan_toml(plan: Plan, spec: ModelSpec, prediction: str = "") -> str
     def b(v):
         return "true" if v else "false"
 
-    module, flavor = TORCHTITAN_MODELS.get(spec.name, ("llama3", "set-me"))
+    module, flavor, _ = torchtitan_model(spec) or ("llama3", "set-me", "")
     lines = [*_header(plan, spec, plan.world_size, prediction, gaps, "# "), "",
              "[model]", f'name = "{module}"', f'flavor = "{flavor}"',
              f"converters = [{chr(34) + 'quantize.linear.float8' + chr(34) if plan.float8 else ''}]", "",
@@ -174,34 +243,34 @@ def to_torchtitan_toml(plan: Plan, spec: ModelSpec, prediction: str = "") -> str
              f"enable_async_tensor_parallel = {b(plan.async_tp and plan.compile)}",
              f"pipeline_parallel_degree = {plan.pp}", f'pipeline_parallel_schedule = "{plan.pp_schedule}"',
              f"pipeline_parallel_microbatch_size = {plan.micro_batch_size}"]
-    lps = _layers_per_stage(plan, spec)
-    if lps is not None:
-        lines.append(f"pipeline_parallel_layers_per_stage = {lps}")
-    lines += [f"context_parallel_degree = {plan.cp}", f"expert_parallel_degree = {plan.ep}",
-              f"expert_tensor_parallel_degree = {plan.etp}", "",
+    fqns = _stage_fqns(plan, spec, "output")
+    if fqns is not None:
+        lines.append("module_fqns_per_model_part = [" + ", ".join(
+            "[" + ", ".join(f'"{m}"' for m in part) + "]" for part in fqns) + "]")
+    lines += [f"context_parallel_degree = {plan.cp}", f"expert_parallel_degree = {_torchtitan_ep(plan)}",
+              f"expert_tensor_parallel_degree = {plan.etp if plan.etp == plan.tp else 1}", "",
               "[activation_checkpoint]", f'mode = "{ac_mode}"', f'selective_ac_option = "{ac_opt}"', "",
               "[compile]", f"enable = {b(plan.compile)}", 'components = ["model", "loss"]', ""]
     if plan.float8:
+        # 0.2.2 asserts on a recipe_name together with the float8 all-gather: tensorwise is the recipe-less config
         tw = plan.float8_recipe == "tensorwise"
-        lines += ["[quantize.linear.float8]", f'recipe_name = "{plan.float8_recipe}"',
-                  f"enable_fsdp_float8_all_gather = {b(tw and plan.dp_shard * plan.cp > 1)}",
-                  f"precompute_float8_dynamic_scale_for_fsdp = {b(tw and plan.dp_shard * plan.cp > 1)}",
+        fsdp_f8 = tw and plan.dp_shard * plan.cp > 1
+        lines += ["[quantize.linear.float8]", *([] if tw else [f'recipe_name = "{plan.float8_recipe}"']),
+                  f"enable_fsdp_float8_all_gather = {b(fsdp_f8)}",
+                  f"precompute_float8_dynamic_scale_for_fsdp = {b(fsdp_f8)}",
                   'filter_fqns = ["output"]', ""]
     return "\n".join(lines)
 
 
-def to_megatron_args(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
-    """The plan as Megatron-LM ``pretrain_gpt.py`` arguments (a shell snippet), where Megatron can express it.
-
-    Megatron's data parallelism is DDP (optionally with its distributed optimizer): parsim's dp_replicate. FSDP
-    (dp_shard > 1) maps to Megatron's ``--use-torch-fsdp2`` only roughly (no HSDP mesh, no reshard choice), and CP
-    is Megatron's ring attention; what has no Megatron flag is written at the top. Megatron words: micro batch =
-    sequences per forward/backward pass, global batch = sequences per optimizer step (gradient accumulation and
-    pipeline microbatches are both implied by global / (micro x dp))."""
+def megatron_gaps(plan: Plan, spec: ModelSpec) -> list[str]:
+    """What Megatron-LM cannot express of this plan (or expresses differently), one line each."""
     gaps = []
+    mode, every = parse_ac(plan.ac)
     if plan.dp_shard > 1:
-        gaps.append(f"FSDP over {plan.dp_shard} ranks: emitted as --use-torch-fsdp2 (Megatron's FSDP2 wrapper); "
-                    "parsim's reshard and HSDP choices have no Megatron flag")
+        gaps.append(f"FSDP over {plan.dp_shard} ranks: emitted as Megatron-FSDP (--use-megatron-fsdp, "
+                    "optim_grads_params = ZeRO-3, which validates with PP and EP; torch FSDP2 does not)"
+                    + ("; reshard-after-forward never has no Megatron-FSDP flag (it reshards after forward)"
+                       if plan.fsdp_reshard_after_forward == "never" else ""))
     if tuple(plan.mesh_order) != AXES:
         gaps.append("device order: Megatron orders its groups tp-cp-ep-dp-pp (--use-tp-pp-dp-mapping changes "
                     "it); parsim's order is not emitted")
@@ -209,54 +278,129 @@ def to_megatron_args(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
         gaps.append("wrapper order: no Megatron equivalent")
     if plan.compile:
         gaps.append("torch.compile: Megatron uses fused kernels (TE, apex) instead; no flag emitted")
-    mode, every = parse_ac(plan.ac)
     if mode == "selective-op":
         gaps.append("per-op selective AC: emitted as Megatron's --recompute-granularity selective (core attention "
                     "only), which saves more than torchtitan's per-op policy")
+    if mode == "layer":
+        gaps.append(f"AC of one layer in {every}: emitted as --recompute-method block with the same number of "
+                    "recomputed layers per stage; Megatron recomputes the first ones of each stage, not every "
+                    f"{every}-th")
     if plan.ep > 1 and plan.ep_from == "dp_shard" and plan.tp > 1:
         gaps.append("EP borrowed from dp_shard x cp x tp (dp2ep): Megatron's EP comes from the data-parallel ranks "
                     "(and --expert-tensor-parallel-size); the EP degree is emitted")
-    mb = plan.micro_batch_size
+    if plan.pp > 1 and plan.pp_schedule == "GPipe":
+        gaps.append("GPipe schedule: Megatron runs 1F1B (the same bubble, less activation memory)")
+    if (plan.float8 or plan.async_tp and plan.tp > 1) and not plan.te_layers:
+        gaps.append("float8 and TP communication overlap need Transformer Engine layers: --transformer-impl "
+                    "transformer_engine is emitted, while parsim predicted its own layers (predict with --te-layers "
+                    "for Megatron's activation memory)")
+    if plan.float8 and plan.float8_recipe != "tensorwise":
+        gaps.append(f"float8 {plan.float8_recipe}: Megatron/TE has tensorwise (delayed / current scaling), "
+                    "blockwise and mxfp8, not torchao's rowwise: blockwise emitted")
+    return gaps
+
+
+def _megatron_model_args(spec: ModelSpec, plan: Plan) -> list[str]:
+    """The model's size flags, from its spec (Megatron-LM's GPT arguments)."""
+    args = [f"--num-layers {spec.n_layers}", f"--hidden-size {spec.d_model}",
+            f"--num-attention-heads {spec.n_heads}", f"--ffn-hidden-size {spec.d_ff}",
+            f"--seq-length {plan.seq_len}"]
+    if spec.max_position_embeddings:
+        args += ["--position-embedding-type learned_absolute",
+                 f"--max-position-embeddings {spec.max_position_embeddings}"]
+    else:
+        args += ["--position-embedding-type rope", f"--max-position-embeddings {plan.seq_len}"]
+    if not spec.mla:
+        args.append(f"--kv-channels {spec.head_dim}")
+        if spec.n_kv_heads != spec.n_heads:
+            args += ["--group-query-attention", f"--num-query-groups {spec.n_kv_heads}"]
+    else:
+        m = spec.mla
+        args += ["--multi-latent-attention", f"--kv-lora-rank {m.kv_lora_rank}",
+                 f"--qk-head-dim {m.qk_nope_head_dim}", f"--qk-pos-emb-head-dim {m.qk_rope_head_dim}",
+                 f"--v-head-dim {m.v_head_dim}", *([f"--q-lora-rank {m.q_lora_rank}"] if m.q_lora_rank else [])]
+    # parsim's model (and torchtitan's) has no dropout; Megatron's default 0.1 would add dropout masks
+    args += ["--attention-dropout 0", "--hidden-dropout 0"]
+    args.append("--normalization " + ("RMSNorm" if spec.norm == "rmsnorm" else "LayerNorm"))
+    if spec.mlp == "swiglu":
+        args.append("--swiglu")
+    if not spec.tie_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    if not spec.bias:
+        args.append("--disable-bias-linear")
+        if {"wq", "wk", "wv"} <= set(spec.linear_biases):
+            args.append("--add-qkv-bias")
+    if spec.qk_norm:
+        args.append("--qk-layernorm")
+    if spec.moe:
+        m = spec.moe
+        pattern = [0 if not spec.is_moe_layer(i) else 1 for i in range(spec.n_layers)]
+        args += [f"--num-experts {m.n_experts}", f"--moe-router-topk {m.top_k}",
+                 f"--moe-ffn-hidden-size {m.d_ff_expert}", "--moe-grouped-gemm"]
+        if m.n_shared_experts:
+            args.append(f"--moe-shared-expert-intermediate-size {m.n_shared_experts * m.d_ff_expert}")
+        if any(p == 0 for p in pattern):
+            args.append("--moe-layer-freq " + str(pattern).replace(" ", ""))
+    return args
+
+
+def _megatron_parallel_args(plan: Plan, spec: ModelSpec) -> list[str]:
+    mode, every = parse_ac(plan.ac)
     args = [f"--tensor-model-parallel-size {plan.tp}", f"--pipeline-model-parallel-size {plan.pp}",
-            f"--context-parallel-size {plan.cp}", f"--micro-batch-size {mb}",
-            f"--global-batch-size {plan.global_batch_size}", f"--seq-length {plan.seq_len}", "--bf16"]
+            f"--context-parallel-size {plan.cp}", f"--micro-batch-size {plan.micro_batch_size}",
+            f"--global-batch-size {plan.global_batch_size}", "--bf16"]
     if plan.tp > 1 and plan.sequence_parallel:
         args.append("--sequence-parallel")
     if plan.async_tp and plan.tp > 1:
         args.append("--tp-comm-overlap")
     if plan.pp > 1 and plan.pp_schedule == "Interleaved1F1B" and plan.pp_stages_per_rank > 1:
         args.append(f"--num-virtual-stages-per-pipeline-rank {plan.pp_stages_per_rank}")
-    elif plan.pp > 1 and plan.pp_schedule == "GPipe":
-        gaps.append("GPipe schedule: Megatron runs 1F1B (the same bubble, less activation memory)")
     if plan.ep > 1:
         args.append(f"--expert-model-parallel-size {plan.ep}")
     if plan.etp > 1:
         args.append(f"--expert-tensor-parallel-size {plan.etp}")
-    if mode in ("full", "layer"):
-        n = 1 if mode == "full" else every
-        args += ["--recompute-granularity full", "--recompute-method uniform", f"--recompute-num-layers {n}"]
-        if mode == "layer":
-            gaps.append(f"AC of one layer in {every}: emitted as uniform full recompute of blocks of {every} layers "
-                        "(Megatron checkpoints a block's input and recomputes the block)")
+    if mode == "full":
+        args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+    elif mode == "layer":
+        per_stage = spec.n_layers // (plan.pp * plan.pp_stages_per_rank)
+        args += ["--recompute-granularity full", "--recompute-method block",
+                 f"--recompute-num-layers {max(1, per_stage // every)}"]
     elif mode == "selective-op":
         args.append("--recompute-granularity selective")
-    if plan.distributed_optimizer or plan.dp_replicate > 1:
-        args.append("--use-distributed-optimizer" if plan.distributed_optimizer else "# DDP without optimizer sharding")
     if plan.dp_shard > 1:
-        args.append("--use-torch-fsdp2")
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads_params",
+                 "--no-gradient-accumulation-fusion", "--ckpt-format fsdp_dtensor"]
+        if plan.dp_replicate > 1:
+            args.append(f"--num-distributed-optimizer-instances {plan.dp_replicate}")
+    elif plan.distributed_optimizer:
+        args.append("--use-distributed-optimizer")
     if plan.float8:
         recipe = {"tensorwise": "tensorwise", "rowwise": "blockwise", "rowwise_with_gw_hp": "blockwise"}
         args += ["--fp8-format hybrid", f"--fp8-recipe {recipe[plan.float8_recipe]}"]
-        if plan.float8_recipe != "tensorwise":
-            gaps.append(f"float8 {plan.float8_recipe}: Megatron/TE has tensorwise (delayed / current scaling), "
-                        "blockwise and mxfp8, not torchao's rowwise: blockwise emitted")
-    args.append("--transformer-impl " + ("transformer_engine" if plan.te_layers else "local"))
+    te = plan.te_layers or plan.float8 or (plan.async_tp and plan.tp > 1)
+    args.append("--transformer-impl " + ("transformer_engine" if te else "local"))
     if plan.fused_loss:
         args.append("--cross-entropy-loss-fusion")
     if plan.reduce_dtype == "float32":
         args.append("--accumulate-allreduce-grads-in-fp32")
+    return args
+
+
+def to_megatron_args(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
+    """The plan as Megatron-LM ``pretrain_gpt.py`` arguments (a shell snippet): the model's size flags from its
+    spec and the parallel, batch, recompute and precision flags from the plan, over Megatron's defaults.
+
+    Megatron's data parallelism is DDP (optionally with its distributed optimizer): parsim's dp_replicate. FSDP
+    (dp_shard > 1) maps to Megatron-FSDP (``--use-megatron-fsdp``, ZeRO-3 ``optim_grads_params``; HSDP's replicas
+    as ``--num-distributed-optimizer-instances``), the mapping Megatron's ``validate_args`` accepts with PP and EP;
+    what has no Megatron flag is written at the top. Megatron words: micro batch = sequences per forward/backward
+    pass, global batch = sequences per optimizer step (gradient accumulation and pipeline microbatches are both
+    implied by global / (micro x dp))."""
+    gaps = megatron_gaps(plan, spec)
+    args = _megatron_model_args(spec, plan) + _megatron_parallel_args(plan, spec)
     head = _header(plan, spec, plan.world_size, prediction, [], "# ")
-    head[-1] = "# Megatron-LM arguments (pretrain_gpt.py); model size flags (--num-layers ...) are yours to add."
+    head[-1] = ("# Megatron-LM arguments (pretrain_gpt.py); data and tokenizer flags (--data-path, --tokenizer-type "
+                "...) are yours to add.")
     lines = [*head, *(["# What Megatron cannot express of this plan:"] + [f"# - {g}" for g in gaps] if gaps else []),
-             "MEGATRON_PARALLEL_ARGS=(", *[f"  {a}" for a in args if not a.startswith("#")], ")"]
+             "MEGATRON_ARGS=(", *[f"  {a}" for a in args], ")"]
     return "\n".join(lines) + "\n"

@@ -17,7 +17,9 @@ all_to_all across nodes sends (n - rpn)/n of its buffer over the NIC and (rpn-1)
 
 from __future__ import annotations
 
+import importlib.resources
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
@@ -29,7 +31,8 @@ from .jsonio import atomic_write_json, read_json  # noqa: F401 (atomic_write_jso
 
 SCHEMA_VERSION = 1
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send")
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+# the profiles shipped with parsim: package data of parsim.profiles (the repository's profiles/ folder)
+PACKAGED_PROFILES_DIR = Path(str(importlib.resources.files("parsim.profiles")))
 # Interval half-widths (log of the ratio) of profiles no calibration has sized, 90% split-conformal quantiles of
 # |log(predicted / measured)| of the uncalibrated model:
 UNCALIBRATED_LOG_HALFWIDTH = {
@@ -360,15 +363,35 @@ def _sub(cls, d, where: str):
         raise ParsimError(f"{where}: {e}") from None
 
 
+def profile_write_dir() -> Path:
+    """Where ``profile --out NAME`` and ``calibrate`` write profiles by name: ``$PARSIM_PROFILES_DIR`` when set; in a
+    source checkout (the packaged folder sits beside a pyproject.toml: an editable install) the repository's
+    profiles/; otherwise the user's data folder (``$XDG_DATA_HOME/parsim/profiles``, ``~/.local/share/...``), never
+    the installed package."""
+    if os.environ.get("PARSIM_PROFILES_DIR"):
+        return Path(os.environ["PARSIM_PROFILES_DIR"])
+    if (PACKAGED_PROFILES_DIR.parent / "pyproject.toml").exists():
+        return PACKAGED_PROFILES_DIR
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "parsim" / "profiles"
+
+
+def profile_dirs() -> list[Path]:
+    """Where profiles are looked up by name, first hit wins: the write folder, then the packaged profiles."""
+    return list(dict.fromkeys([profile_write_dir(), PACKAGED_PROFILES_DIR]))
+
+
 def list_profiles() -> list[str]:
-    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+    return sorted({p.stem for d in profile_dirs() for p in d.glob("*.json") if p.stem != "orders"})
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
-    """A profile name from ``profiles/`` (e.g. ``h100-sxm-spec``) or a path to a profile JSON."""
+    """A profile by name (the write folder, then the packaged profiles: e.g. ``h100-sxm-spec``) or a path to a
+    profile JSON."""
     p = Path(name_or_path)
     if not p.suffix and not p.exists():
-        p = PROFILES_DIR / f"{name_or_path}.json"
+        p = next((d / f"{name_or_path}.json" for d in profile_dirs() if (d / f"{name_or_path}.json").exists()),
+                 PACKAGED_PROFILES_DIR / f"{name_or_path}.json")
     if not p.exists():
         raise ParsimError(f"unknown profile {name_or_path!r} (known: {', '.join(list_profiles())})")
     return HardwareProfile.from_dict(read_json(p, "corrupt profile"), origin=str(p))

@@ -22,6 +22,7 @@ wrapping compile that the cost model charges comes from the same data (``ac_wrap
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from .plan import DEFAULT_ORDER, WRAPPERS
 
-ORDERS_FILE = Path(__file__).resolve().parent.parent / "profiles" / "orders.json"
+ORDERS_FILE = Path(str(importlib.resources.files("parsim.profiles"))) / "orders.json"
 # [assumed] AC wrapping a compiled block recomputes its forward twice, where no measurement exists
 ASSUMED_AC_WRAPS_COMPILE_FACTOR = 2.0
 FAILING = ("failed", "differs")

@@ -111,7 +111,10 @@ class ModelSpec:
     tie_embeddings: bool = False
     mlp: str = "swiglu"  # swiglu | gelu
     norm: str = "rmsnorm"  # rmsnorm | layernorm
-    bias: bool = False  # biases on attention and MLP linears (GPT-2, GPT-NeoX, Megatron GPT)
+    bias: bool = False  # biases on every attention and MLP linear (GPT-2, GPT-NeoX, Megatron GPT)
+    # biases on these linears only (names of attention_matrices / mlp_matrices): Qwen2's q, k, v projections
+    # ("wq", "wk", "wv"); HF attention_bias (q, k, v, o) and mlp_bias (w1, w2, w3)
+    linear_biases: tuple[str, ...] = ()
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
     max_position_embeddings: int = 0  # > 0: learned absolute position embeddings (GPT-2)
     moe: MoESpec | None = None
@@ -131,6 +134,10 @@ class ModelSpec:
         if self.moe is not None and not isinstance(self.moe, MoESpec) or \
                 self.mla is not None and not isinstance(self.mla, MLASpec):
             raise ParsimError("ModelSpec.moe / mla must be objects of their fields")
+        biasable = {"wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b", "w1", "w2", "w3"}
+        if not isinstance(self.linear_biases, tuple) or not set(self.linear_biases) <= biasable:
+            raise ParsimError(f"ModelSpec.linear_biases must be a tuple of {sorted(biasable)}, got "
+                              f"{self.linear_biases!r}")
         if self.mlp not in ("swiglu", "gelu"):
             raise ParsimError(f"mlp must be swiglu or gelu, got {self.mlp!r}")
         if self.norm not in ("rmsnorm", "layernorm"):
@@ -225,12 +232,15 @@ class ModelSpec:
             "wo": (self.attn_out_dim, d),
         }
 
+    def has_bias(self, linear: str) -> bool:
+        """Whether the linear named ``linear`` (an attention or MLP matrix, "shared." prefix allowed) has a bias."""
+        return self.bias or linear.removeprefix("shared.") in self.linear_biases
+
     def attention_params(self) -> int:
         n = sum(i * o for i, o in self.attention_matrices().values())
         if self.mla:
             n += self.mla.kv_lora_rank + self.mla.q_lora_rank  # the two latent RMSNorms
-        if self.bias:
-            n += sum(o for _, o in self.attention_matrices().values())
+        n += sum(o for name, (_, o) in self.attention_matrices().items() if self.has_bias(name))
         if self.qk_norm:
             n += 2 * self.head_dim
         return n
@@ -242,10 +252,8 @@ class ModelSpec:
         return {"w1": (d, d_ff), "w2": (d_ff, d)}
 
     def mlp_params(self, d_ff: int) -> int:
-        n = sum(i * o for i, o in self.mlp_matrices(d_ff).values())
-        if self.bias:
-            n += d_ff + self.d_model
-        return n
+        mats = self.mlp_matrices(d_ff)
+        return sum(i * o for i, o in mats.values()) + sum(o for name, (_, o) in mats.items() if self.has_bias(name))
 
     def expert_params(self) -> int:
         """Parameters of one routed expert."""
@@ -318,6 +326,8 @@ class ModelSpec:
                 d["moe"] = MoESpec(**d["moe"])
             if d.get("mla") is not None:
                 d["mla"] = MLASpec(**d["mla"])
+            if isinstance(d.get("linear_biases"), list):
+                d["linear_biases"] = tuple(d["linear_biases"])
             return ModelSpec(**d)
         except TypeError as e:
             raise ParsimError(f"bad model spec: {e}") from None
@@ -363,6 +373,20 @@ def _hf_get(cfg: dict, key: str, default=None, required=True):
     return default
 
 
+def _hf_linear_biases(cfg: dict) -> tuple[str, ...]:
+    """Linears that carry a bias in transformers' modelling code: Qwen2 always on q/k/v (o has none);
+    ``attention_bias`` on q/k/v/o (Llama, Mistral, Qwen3; DeepSeek-V3's MLA: the down-projections and o);
+    ``mlp_bias`` on gate/up/down (Llama)."""
+    out: list[str] = []
+    if cfg.get("model_type") == "qwen2":
+        out += ["wq", "wk", "wv"]
+    if cfg.get("attention_bias"):
+        out += ["wq_a", "wkv_a", "wo"] if cfg.get("model_type") == "deepseek_v3" else ["wq", "wk", "wv", "wo"]
+    if cfg.get("mlp_bias"):
+        out += ["w1", "w2", "w3"]
+    return tuple(dict.fromkeys(out))
+
+
 def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
     """Build a ModelSpec from a Hugging Face ``config.json`` dict (model_type llama, mistral, mixtral, qwen2,
     qwen3, qwen3_moe, deepseek_v3, gpt_neox, gpt2)."""
@@ -377,6 +401,7 @@ def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
             n_kv_heads=g("num_key_value_heads", heads), vocab_size=g("vocab_size"),
             tie_embeddings=bool(g("tie_word_embeddings", False)),
             head_dim=int(g("head_dim", 0, req=False) or 0),
+            linear_biases=_hf_linear_biases(cfg),
         )
         if mt == "mixtral":
             moe = MoESpec(n_experts=g("num_local_experts"), top_k=g("num_experts_per_tok"),

@@ -2,9 +2,8 @@ import json
 import subprocess
 import sys
 
+from parsim.cli.main import app
 from typer.testing import CliRunner
-
-from cli.main import app
 
 runner = CliRunner()
 
@@ -61,7 +60,7 @@ def test_bad_inputs_one_line_exit_2(tmp_path):
 
 def test_core_imports_no_torch():
     code = ("import sys; import parsim.costmodel, parsim.search, parsim.spec, parsim.plan, parsim.hardware, "
-            "parsim.report, cli.main; print('torch' in sys.modules)")
+            "parsim.report, parsim.cli.main; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -70,9 +69,8 @@ def test_an_emitted_plan_carries_its_model(tmp_path):
     """`search --emit-plan` records the model; `predict --plan` uses it, and refuses a --model that contradicts it."""
     import json
 
+    from parsim.cli.main import app
     from typer.testing import CliRunner
-
-    from cli.main import app
 
     runner = CliRunner()
     f = tmp_path / "best.json"
@@ -116,7 +114,7 @@ def test_hf_model_folders_names_and_unmodelled_features(tmp_path):
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "sliding_window": 4096,
         "max_position_embeddings": 32768}))
     # a real process: the warning goes to stderr as one line, the JSON document on stdout stays pure
-    r = subprocess.run([sys.executable, "-m", "cli", "predict", "--model", str(folder), "--gpus", "8", "--json"],
+    r = subprocess.run([sys.executable, "-m", "parsim", "predict", "--model", str(folder), "--gpus", "8", "--json"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["model"] == "Mistral-7B"
@@ -137,8 +135,9 @@ def test_hf_model_folders_names_and_unmodelled_features(tmp_path):
 def test_a_profile_from_another_machine_is_measured_here_before_running(tmp_path, monkeypatch):
     """`validate --model` and `search --execute` predict runs on this machine: with a measured CPU profile from
     another machine they profile this one first (``parsim profile`` defaults, under ``<name>-<machine tag>``)."""
+    from parsim.cli.main import profile_measured_here
+
     import parsim.profiler.run as profiler_run
-    from cli.main import profile_measured_here
     from parsim.hardware import load_profile
     from parsim.machine import machine_tag, this_machine
 

@@ -1,174 +1,293 @@
-"""Emitted torchtitan configs, checked against torchtitan's own config classes.
+"""What parsim hands over, loaded by each framework's own config machinery (issue: configs the frameworks accept).
 
-torchtitan 0.3.0 (Python configs): installed with ``pip install --no-deps`` plus what its config classes import
-(tyro, spmd_types, docstring-parser, typeguard); the emitted module's parallelism, training, compile and AC
-functions build torchtitan's own objects in a subprocess. The model spec (float8 converter: triton, torchao, an
-SM89 GPU) and ``Trainer.Config`` (the data stack: datasets, tokenizers, tensorboard, ~1 GB) are not built here.
+A matrix of plans (FSDP, HSDP, TP+SP, PP 1F1B / GPipe / interleaved with uneven layers, CP, EP dp2ep and DDP-style,
+ETP, float8 tensorwise / rowwise, async TP, every AC mode, compile) over the presets is emitted in each format and
+handed to the framework's own code in a child process (``tests/frameworks/*_check.py``):
 
-torchtitan 0.2.2 (the last TOML schema): its ``config/job_config.py`` (dataclasses only; the package's
-``__init__`` pulls tokenizers and triton) is loaded from the wheel with a stand-in for torchtitan's logger, and the
-emitted TOML is turned into its ``JobConfig`` section by section: an unknown key or section fails.
+* torchtitan 0.3.0 (Python configs): a venv beside this interpreter's torch gets ``torchtitan==0.3.0`` with its own
+  dependencies (the data stack included: the emitted config starts from torchtitan's recipe, whose dataloader and
+  loss import it), triton and torchao; the check runs ``ConfigManager --module/--config`` and the Trainer's checks
+  before the GPU (mesh on a fake process group, model on meta with the float8 converter, loss, batch, PP split).
+* torchtitan 0.2.2 (the last TOML release): the same, through ``--job.config_file`` and 0.2.2's Trainer checks.
+* Megatron-LM: its training arguments are not in the ``megatron-core`` wheel nor on any package registry; the test
+  runs Megatron-LM's ``parse_args`` + ``validate_args`` from a checkout named by ``PARSIM_MEGATRON_LM`` (the
+  folder holding ``megatron/``) and skips without one.
+
+The venvs are built once per session (about 30 s each from the package registry); without the registry the tests
+skip with the reason.
 """
 
-import dataclasses
 import json
+import os
 import subprocess
-import sys
 import tomllib
-import types
-import typing
-import zipfile
+import venv
+from pathlib import Path
 
 import pytest
 
-from parsim.emit import to_torchtitan_python, to_torchtitan_toml
-from parsim.plan import Plan
-from parsim.spec import PRESETS
+from parsim.costmodel.layers import stage_bounds
+from parsim.emit import TORCHTITAN_MODELS, to_megatron_args, to_torchtitan_python, to_torchtitan_toml
+from parsim.plan import Plan, parse_ac
+from parsim.spec import PRESETS, from_hf_config
 
-PLANS = {
-    "70b-fsdp-cp-float8": (PRESETS["llama3-70b"], Plan(dp_shard=128, cp=2, seq_len=8192, global_batch_size=512,
-                                                       ac="selective-op", compile=True, float8=True)),
-    "405b-pp-interleaved": (PRESETS["llama3-405b"], Plan(pp=8, dp_shard=8, tp=8, seq_len=8192, local_batch_size=16,
-                                                         micro_batch_size=1, pp_schedule="Interleaved1F1B",
-                                                         pp_stages_per_rank=2, ac="full", compile=True,
-                                                         async_tp=True, fsdp_reshard_after_forward="always")),
-    "8b-hsdp-layer-ac-order": (PRESETS["llama3-8b"], Plan(dp_replicate=2, dp_shard=4, seq_len=4096, ac="layer:2",
-                                                          mesh_order=("pp", "cp", "tp", "dp_shard", "dp_replicate"))),
+CHECKS = Path(__file__).resolve().parent / "frameworks"
+MATRIX = {
+    "fsdp-8b-full-compile": ("llama3-8b", dict(dp_shard=64, ac="full", compile=True)),
+    "hsdp-8b-layer2-never": ("llama3-8b", dict(dp_replicate=4, dp_shard=8, ac="layer:2",
+                                               fsdp_reshard_after_forward="never")),
+    "tp-sp-70b-asynctp-f8tensorwise-sac": ("llama3-70b", dict(dp_shard=16, tp=8, compile=True, async_tp=True,
+                                                              float8=True, ac="selective-op")),
+    "pp-1f1b-70b": ("llama3-70b", dict(pp=8, dp_shard=4, tp=8, local_batch_size=8, micro_batch_size=1, ac="full")),
+    "pp-gpipe-8b": ("llama3-8b", dict(pp=4, dp_shard=2, local_batch_size=4, micro_batch_size=1,
+                                      pp_schedule="GPipe")),
+    "pp-interleaved-uneven-405b-f8rowwise": ("llama3-405b", dict(
+        pp=8, dp_shard=8, tp=8, local_batch_size=16, micro_batch_size=1, pp_schedule="Interleaved1F1B",
+        pp_stages_per_rank=2, ac="full", compile=True, float8=True, float8_recipe="rowwise",
+        fsdp_reshard_after_forward="always")),
+    "pp-interleaved-70b-4ranks": ("llama3-70b", dict(pp=4, dp_shard=8, tp=8, local_batch_size=16,
+                                                     micro_batch_size=1, pp_schedule="Interleaved1F1B",
+                                                     pp_stages_per_rank=4, ac="selective-op", compile=True)),
+    "cp-8b": ("llama3-8b", dict(dp_shard=8, cp=4, seq_len=32768, ac="full")),
+    "ep-dp2ep-qwen3": ("qwen3-30b-a3b", dict(dp_shard=16, ep=8, ac="full", compile=True)),
+    "ep-ddp-style-qwen3": ("qwen3-30b-a3b", dict(dp_replicate=8, dp_shard=2, ep=4, ep_from="dp_replicate")),
+    "etp-qwen3": ("qwen3-30b-a3b", dict(dp_shard=8, tp=2, ep=4, etp=2)),
+    "ep-pp-interleaved-deepseek": ("deepseek-v3", dict(pp=8, dp_shard=32, ep=32, local_batch_size=8,
+                                                       micro_batch_size=1, pp_schedule="Interleaved1F1B",
+                                                       pp_stages_per_rank=2, ac="selective-op")),
+    "f8-rowwise-gw-hp-8b": ("llama3-8b", dict(dp_shard=8, float8=True, float8_recipe="rowwise_with_gw_hp",
+                                              compile=True)),
+    "ddp-distopt-8b-ga": ("llama3-8b", dict(dp_replicate=8, local_batch_size=2, global_batch_size=64,
+                                            distributed_optimizer=True)),
 }
 
 
-def _pip(target, *pkgs):
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *pkgs],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot install {pkgs} from the package registry: {r.stderr.strip()[-300:]}")
+def _plans() -> dict:
+    return {k: (PRESETS[m], Plan(**{"seq_len": 8192, **kw})) for k, (m, kw) in MATRIX.items()}
 
 
-def test_emitted_python_says_what_torchtitan_cannot_express():
-    spec, plan = PLANS["8b-hsdp-layer-ac-order"]
-    py = to_torchtitan_python(plan, spec)
-    compile(py, "emitted.py", "exec")
-    assert "device order dp_shard,dp_replicate" in py and "AC of one layer in 2" in py
-    assert "FullAC.Config()" in py
-    spec, plan = PLANS["70b-fsdp-cp-float8"]
-    py = to_torchtitan_python(plan, spec)
-    assert "float8 tensorwise: removed in torchtitan 0.3.0" in py and "recipe_name='rowwise'" in py
-    assert "model_registry('70B'" in py
+PLANS = _plans()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(PLANS))
-def test_torchtitan_030_builds_its_config_objects_from_the_emitted_module(name, tmp_path_factory):
-    target = tmp_path_factory.getbasetemp() / "torchtitan-0.3.0"
-    if not (target / "torchtitan").is_dir():
-        _pip(target, "torchtitan==0.3.0", "tyro", "spmd_types==0.2.3", "docstring-parser", "typeguard")
-    spec, plan = PLANS[name]
-    mod = tmp_path_factory.mktemp("emitted") / f"plan_{name.replace('-', '_')}.py"
-    mod.write_text(to_torchtitan_python(plan, spec))
-    code = f"""
-import importlib.util, json, sys
-s = importlib.util.spec_from_file_location("emitted", {str(mod)!r}); m = importlib.util.module_from_spec(s)
-s.loader.exec_module(m)
-p, t, c, a = m.parsim_parallelism(), m.parsim_training(), m.parsim_compile(), m.parsim_activation_checkpoint()
-import torchtitan.config as tc
-assert isinstance(p, tc.ParallelismConfig) and isinstance(t, tc.TrainingConfig) and isinstance(c, tc.CompileConfig)
-print(json.dumps({{"p": vars(p) if hasattr(p, "__dict__") else {{}}, "ac": None if a is None else type(a).__qualname__,
-                  "t": [t.local_batch_size, t.global_batch_size, t.seq_len], "c": [c.enable,
-                  c.enable_async_tensor_parallel],
-                  "deg": [p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree,
-                          p.pipeline_parallel_degree, p.context_parallel_degree, p.expert_parallel_degree],
-                  "pp": [p.pipeline_parallel_schedule, p.pipeline_parallel_microbatch_size,
-                         p.pipeline_parallel_layers_per_stage, p.fsdp_reshard_after_forward]}}))
-"""
-    env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    d = json.loads(r.stdout.strip().splitlines()[-1])
-    assert d["deg"] == [plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, plan.cp, plan.ep]
-    assert d["t"] == [plan.local_batch_size, plan.global_batch_size, plan.seq_len]
-    assert d["c"] == [plan.compile, plan.async_tp and plan.compile]
-    stages = plan.pp * plan.pp_stages_per_rank
-    layers = spec.n_layers // stages if plan.pp_stages_per_rank > 1 and spec.n_layers % stages == 0 else None
-    assert d["pp"] == [plan.pp_schedule, plan.micro_batch_size, layers, plan.fsdp_reshard_after_forward]
-    expected_ac = {"none": None, "full": "FullAC.Config", "selective-op": "SelectiveAC.Config"}.get(plan.ac,
-                                                                                                  "FullAC.Config")
-    assert d["ac"] == expected_ac
+def _framework_venv(base: Path, pkgs: list[str]) -> Path:
+    """A venv that sees this interpreter's packages (torch among them, pinned) with ``pkgs`` installed on top."""
+    import torch
 
-
-def _job_config_module(wheel_dir):
-    """torchtitan 0.2.2's config/job_config.py, loaded alone (its logger replaced by the stdlib's)."""
-    import logging
-
-    wheel = next(wheel_dir.glob("torchtitan-0.2.2-*.whl"))
-    src = zipfile.ZipFile(wheel).read("torchtitan/config/job_config.py").decode()
-    stub = types.ModuleType("torchtitan.tools.logging")
-    stub.logger = logging.getLogger("torchtitan")  # type: ignore[attr-defined]
-    saved = {k: sys.modules.get(k) for k in ("torchtitan", "torchtitan.tools", "torchtitan.tools.logging")}
-    sys.modules.update({"torchtitan": types.ModuleType("torchtitan"), "torchtitan.tools": types.ModuleType("t"),
-                        "torchtitan.tools.logging": stub})
-    try:
-        mod = types.ModuleType("torchtitan_022_job_config")
-        exec(compile(src, "job_config.py", "exec"), mod.__dict__)  # noqa: S102 - torchtitan's own source
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
-    return mod
-
-
-def _build(cls, values: dict, where: str):
-    """A dataclass from a TOML table, nested tables included; unknown keys fail with their name."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
-    assert not unknown, f"[{where}] keys torchtitan 0.2.2 does not have: {unknown}"
-    kw = {k: _build(hints[k], v, f"{where}.{k}") if isinstance(v, dict) else v for k, v in values.items()}
-    return cls(**kw)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(PLANS))
-def test_torchtitan_022_job_config_accepts_the_emitted_toml(name, tmp_path_factory):
-    wheels = tmp_path_factory.getbasetemp() / "wheels-0.2.2"
-    if not any(wheels.glob("torchtitan-0.2.2-*.whl")):
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels),
-                            "torchtitan==0.2.2"], capture_output=True, text=True)
+    py = base / "bin" / "python"
+    if not py.exists():
+        venv.create(base, system_site_packages=True, with_pip=True)
+        pin = base / "torch-pin.txt"
+        pin.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(pin), *pkgs], capture_output=True,
+                           text=True, timeout=900)
         if r.returncode:
-            pytest.skip(f"cannot download torchtitan 0.2.2: {r.stderr.strip()[-300:]}")
-    jc = _job_config_module(wheels)
+            py.unlink()
+            pytest.skip(f"cannot install {pkgs} from the package registry: {r.stderr.strip()[-300:]}")
+    return py
+
+
+def _run_checks(py: Path, script: str, files: dict[str, tuple[Path, int]], env=None) -> dict[str, dict]:
+    args = [str(a) for path, world in files.values() for a in (path, world)]
+    r = subprocess.run([str(py), str(CHECKS / script), *args], capture_output=True, text=True, timeout=900,
+                       env=env)
+    results = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            results[Path(d.pop("path")).stem] = d
+    assert len(results) == len(files), r.stderr[-3000:]
+    return results
+
+
+def _module_name(name: str) -> str:
+    return "parsim_plan_" + name.replace("-", "_")
+
+
+def _emit_matrix(out: Path, emit, suffix: str) -> dict[str, tuple[Path, int]]:
+    """Every plan of the matrix written by ``emit`` into ``out``: {stem: (file, world size)}."""
+    files = {}
+    for name, (spec, plan) in PLANS.items():
+        path = out / f"{_module_name(name)}{suffix}"
+        path.write_text(emit(plan, spec))
+        files[path.stem] = (path, plan.world_size)
+    return files
+
+
+@pytest.fixture(scope="session")
+def torchtitan_030(tmp_path_factory):
+    pytest.importorskip("torch")
+    py = _framework_venv(tmp_path_factory.getbasetemp() / "venv-torchtitan-0.3.0",
+                         ["torchtitan==0.3.0", "triton", "torchao"])
+    out = tmp_path_factory.mktemp("emitted-030")
+    files = _emit_matrix(out, to_torchtitan_python, ".py")
+    # a model from an HF folder: the dimensions of llama3-8b are its 8B flavour; a 16-layer d=2048 one has none
+    cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256}
+    for tag, c in (("hf_8b", cfg), ("hf_1b", dict(cfg, hidden_size=2048, num_hidden_layers=16))):
+        path = out / f"parsim_plan_{tag}.py"
+        path.write_text(to_torchtitan_python(Plan(dp_shard=8, seq_len=8192), from_hf_config(c, name=tag)))
+        files[path.stem] = (path, 8)
+    return _run_checks(py, "torchtitan_030_check.py", files)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PLANS))
+def test_torchtitan_030_builds_and_checks_the_emitted_config(name, torchtitan_030):
     spec, plan = PLANS[name]
-    doc = tomllib.loads(to_torchtitan_toml(plan, spec))
-    cfg = _build(jc.JobConfig, doc, "")
-    assert (cfg.model.name, cfg.model.flavor) == ("llama3", {"llama3-70b": "70B", "llama3-405b": "405B",
-                                                             "llama3-8b": "8B"}[spec.name])
-    p = cfg.parallelism
-    assert [p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree,
-            p.pipeline_parallel_degree, p.context_parallel_degree] == [plan.dp_replicate, plan.dp_shard, plan.tp,
-                                                                       plan.pp, plan.cp]
-    assert p.enable_async_tensor_parallel == (plan.async_tp and plan.compile)
-    assert cfg.training.global_batch_size == plan.global_batch_size and cfg.compile.enable == plan.compile
+    d = torchtitan_030[_module_name(name)]
+    assert "error" not in d, d.get("error")
+    tt_ep = plan.ep if (plan.dp_shard * plan.cp * plan.tp) % plan.ep == 0 else 1
+    assert d["degrees"] == [plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, plan.cp, tt_ep]
+    assert d["training"] == [plan.local_batch_size, plan.global_batch_size, plan.seq_len, plan.param_dtype,
+                             plan.reduce_dtype]
+    assert d["grad_accum"] == plan.grad_accum_steps
+    assert d["compile"] == [plan.compile, plan.async_tp and plan.compile]
+    mode, _ = parse_ac(plan.ac)
+    assert d["ac"] == {"none": None, "selective-op": "SelectiveAC.Config"}.get(mode, "FullAC.Config")
+    assert d["reshard"] == plan.fsdp_reshard_after_forward and d["sequence_parallel"] == plan.sequence_parallel
+    module, flavor, _ = TORCHTITAN_MODELS[spec.name]
+    assert d["model"] == [module, flavor] and d["n_params"] == spec.n_params  # torchtitan's model, parsim's count
+    # a complete Trainer config: torchtitan's recipe supplies the loss and the dataloader
+    assert d["loss"] != "BaseLoss.Config" and d["dataloader"] != "BaseDataLoader.Config"
+    assert "FlexAttention" in d["attention"]
     if plan.float8:
-        assert cfg.model.converters == ["quantize.linear.float8"]
-        assert cfg.quantize.linear.float8.recipe_name == plan.float8_recipe
-    stages = plan.pp * plan.pp_stages_per_rank
-    if plan.pp_stages_per_rank > 1 and spec.n_layers % stages == 0:
-        assert p.pipeline_parallel_layers_per_stage == spec.n_layers // stages
+        assert {"w1", "w2", "w3", "wo"} <= set(d["float8_linears"]) and "lm_head" not in d["float8_linears"]
+    else:
+        assert d["float8_linears"] == []
+    if plan.pp > 1:
+        b = stage_bounds(spec.n_layers, plan.pp * plan.pp_stages_per_rank)
+        assert d["stage_layers"] == [b[i + 1] - b[i] for i in range(len(b) - 1)]  # parsim's split, as costed
+        assert [d["schedule"], d["microbatch"], d["microbatches"]] == [plan.pp_schedule, plan.micro_batch_size,
+                                                                       plan.n_microbatches]
 
 
-def test_megatron_arguments_of_a_megatron_style_plan_and_what_they_cannot_say():
-    from parsim.emit import to_megatron_args
+@pytest.mark.slow
+def test_torchtitan_030_hf_models_map_by_dimensions_or_refuse(torchtitan_030):
+    assert torchtitan_030["parsim_plan_hf_8b"]["model"] == ["llama3", "8B"]
+    err = torchtitan_030["parsim_plan_hf_1b"]["error"]
+    assert err.startswith("NotImplementedError") and "match no torchtitan registry flavour" in err
 
+
+@pytest.fixture(scope="session")
+def torchtitan_022(tmp_path_factory):
+    pytest.importorskip("torch")
+    py = _framework_venv(tmp_path_factory.getbasetemp() / "venv-torchtitan-0.2.2",
+                         ["torchtitan==0.2.2", "triton", "torchao"])
+    files = _emit_matrix(tmp_path_factory.mktemp("emitted-022"), to_torchtitan_toml, ".toml")
+    return _run_checks(py, "torchtitan_022_check.py", files)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PLANS))
+def test_torchtitan_022_builds_and_checks_the_emitted_toml(name, torchtitan_022):
+    spec, plan = PLANS[name]
+    d = torchtitan_022[_module_name(name)]
+    assert "error" not in d, d.get("error")
+    tt_ep = plan.ep if (plan.dp_shard * plan.cp * plan.tp) % plan.ep == 0 else 1
+    assert d["degrees"] == [plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, plan.cp, tt_ep,
+                            plan.etp if plan.etp == plan.tp else 1]
+    assert d["training"] == [plan.local_batch_size, plan.global_batch_size, plan.seq_len, plan.param_dtype,
+                             plan.reduce_dtype]
+    assert d["compile"] == [plan.compile, plan.async_tp and plan.compile]
+    mode, every = parse_ac(plan.ac)
+    assert d["ac"] == {"none": ["none", "1"], "full": ["full", "1"], "selective-op": ["selective", "op"],
+                       "layer": ["selective", str(every)]}[mode]
+    module, flavor, _ = TORCHTITAN_MODELS[spec.name]
+    assert d["model"] == [module, flavor] and d["n_params"] == spec.n_params
+    if plan.float8:
+        tw = plan.float8_recipe == "tensorwise"
+        assert d["float8"] == [None if tw else plan.float8_recipe, tw and plan.dp_shard > 1]
+        assert {"w1", "w2", "w3", "wo"} <= set(d["float8_linears"]) and "output" not in d["float8_linears"]
+    if plan.pp > 1:
+        b = stage_bounds(spec.n_layers, plan.pp * plan.pp_stages_per_rank)
+        assert d["stage_layers"] == [b[i + 1] - b[i] for i in range(len(b) - 1)]
+        assert [d["schedule"], d["microbatch"]] == [plan.pp_schedule, plan.micro_batch_size]
+
+
+def test_emitted_toml_is_valid_toml_with_the_stage_split():
+    spec, plan = PLANS["pp-interleaved-uneven-405b-f8rowwise"]
+    doc = tomllib.loads(to_torchtitan_toml(plan, spec))
+    parts = doc["parallelism"]["module_fqns_per_model_part"]
+    assert len(parts) == 16 and parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
+    assert "pipeline_parallel_layers_per_stage" not in doc["parallelism"]
+
+
+@pytest.fixture(scope="session")
+def megatron(tmp_path_factory):
+    root = os.environ.get("PARSIM_MEGATRON_LM")
+    if not root or not (Path(root) / "megatron" / "training" / "arguments.py").exists():
+        pytest.skip("Megatron-LM's training arguments are not on any package registry: set PARSIM_MEGATRON_LM to "
+                    "a Megatron-LM checkout (the folder holding megatron/) to run these")
+    pytest.importorskip("torch")
+    py = _framework_venv(tmp_path_factory.getbasetemp() / "venv-torchtitan-0.3.0",
+                         ["torchtitan==0.3.0", "triton", "torchao"])  # torch, einops, typing_extensions
+    files = _emit_matrix(tmp_path_factory.mktemp("emitted-megatron"), to_megatron_args, ".sh")
+    env = {**os.environ, "PYTHONPATH": root}
+    return _run_checks(py, "megatron_check.py", files, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PLANS))
+def test_megatron_parser_and_validate_args_accept_the_emitted_arguments(name, megatron):
+    spec, plan = PLANS[name]
+    d = megatron[_module_name(name)]
+    assert "error" not in d, d.get("error")
+    assert [d["tensor_model_parallel_size"], d["pipeline_model_parallel_size"], d["context_parallel_size"],
+            d["data_parallel_size"], d["expert_model_parallel_size"]] == [plan.tp, plan.pp, plan.cp, plan.dp,
+                                                                          plan.ep]
+    assert [d["micro_batch_size"], d["global_batch_size"], d["seq_length"]] == [plan.micro_batch_size,
+                                                                               plan.global_batch_size, plan.seq_len]
+    vp = plan.pp_stages_per_rank if plan.pp > 1 and plan.pp_schedule == "Interleaved1F1B" else None
+    assert d["virtual_pipeline_model_parallel_size"] == vp
+    assert d["sequence_parallel"] == (plan.tp > 1 and plan.sequence_parallel)
+    assert d["use_megatron_fsdp"] == (plan.dp_shard > 1) and not d["use_torch_fsdp2"]
+    if plan.dp_shard > 1:
+        assert d["num_distributed_optimizer_instances"] == plan.dp_replicate
+    assert d["use_distributed_optimizer"] == (plan.dp_shard > 1 or plan.distributed_optimizer)
+    mode, every = parse_ac(plan.ac)
+    granularity = {"none": None, "selective-op": "selective"}.get(mode, "full")
+    assert d["recompute_granularity"] == granularity
+    if mode == "layer":  # as many recomputed layers per stage as parsim's every-n-th policy
+        per_stage = spec.n_layers // (plan.pp * plan.pp_stages_per_rank)
+        assert [d["recompute_method"], d["recompute_num_layers"]] == ["block", per_stage // every]
+    elif mode == "full":
+        assert [d["recompute_method"], d["recompute_num_layers"]] == ["uniform", 1]
+    te = plan.float8 or (plan.async_tp and plan.tp > 1)
+    assert d["transformer_impl"] == ("transformer_engine" if te else "local")
+    assert (d["fp8"] is not None) == plan.float8 and d["tp_comm_overlap"] == (plan.async_tp and plan.tp > 1)
+    assert [d["num_layers"], d["hidden_size"], d["num_attention_heads"]] == [spec.n_layers, spec.d_model,
+                                                                           spec.n_heads]
+    if spec.moe:
+        assert [d["num_experts"], d["moe_router_topk"], d["moe_ffn_hidden_size"]] == [
+            spec.moe.n_experts, spec.moe.top_k, spec.moe.d_ff_expert]
+
+
+def test_megatron_arguments_name_what_they_cannot_say():
     plan = Plan(pp=8, dp_replicate=2, tp=4, seq_len=8192, local_batch_size=64, micro_batch_size=1,
                 global_batch_size=128, pp_schedule="Interleaved1F1B", pp_stages_per_rank=5, float8=True,
-                distributed_optimizer=True, async_tp=True)
+                distributed_optimizer=True, async_tp=True, te_layers=True)
     out = to_megatron_args(plan, PRESETS["llama3-70b"])
     for a in ("--tensor-model-parallel-size 4", "--pipeline-model-parallel-size 8", "--micro-batch-size 1",
               "--global-batch-size 128", "--num-virtual-stages-per-pipeline-rank 5", "--use-distributed-optimizer",
-              "--sequence-parallel", "--tp-comm-overlap", "--fp8-format hybrid"):
+              "--sequence-parallel", "--tp-comm-overlap", "--fp8-format hybrid", "--num-layers 80",
+              "--transformer-impl transformer_engine"):
         assert f"\n  {a}\n" in out
     assert "cannot express" not in out  # everything of this plan is a Megatron flag
-    fsdp = to_megatron_args(Plan(dp_shard=8, seq_len=4096, ac="selective-op", compile=True), PRESETS["llama3-8b"])
-    assert "--use-torch-fsdp2" in fsdp and "torch.compile: Megatron uses fused kernels" in fsdp
-    assert "per-op selective AC" in fsdp
+    fsdp = to_megatron_args(Plan(dp_shard=8, seq_len=4096, ac="selective-op", compile=True, float8=True),
+                            PRESETS["llama3-8b"])
+    assert "--use-megatron-fsdp" in fsdp and "torch.compile: Megatron uses fused kernels" in fsdp
+    assert "per-op selective AC" in fsdp and "need Transformer Engine layers" in fsdp
+
+
+def test_emitted_python_says_what_torchtitan_cannot_express():
+    spec = PRESETS["llama3-8b"]
+    plan = Plan(dp_replicate=2, dp_shard=4, seq_len=4096, ac="layer:2",
+                mesh_order=("pp", "cp", "tp", "dp_shard", "dp_replicate"))
+    py = to_torchtitan_python(plan, spec)
+    compile(py, "emitted.py", "exec")
+    assert "device order dp_shard,dp_replicate" in py and "AC of one layer in 2" in py and "FullAC.Config()" in py
+    assert 'RECIPE = ("torchtitan.models.llama3.config_registry", "llama3_8b")' in py
+    spec, plan = PLANS["tp-sp-70b-asynctp-f8tensorwise-sac"]
+    py = to_torchtitan_python(plan, spec)
+    assert "float8 tensorwise: removed in torchtitan 0.3.0" in py and "recipe_name='rowwise'" in py
+    assert "filter_fqns=['lm_head']" in py and "attn_backend='flex'" in py

@@ -162,9 +162,8 @@ def test_published_rows_are_all_predicted_or_explained():
 
 
 def test_validate_and_report_cli(tmp_path):
+    from parsim.cli.main import app
     from typer.testing import CliRunner
-
-    from cli.main import app
 
     runner = CliRunner()
     r = runner.invoke(app, ["validate", "--published", "tests/data/published_sample.csv", "--out",
@@ -197,9 +196,8 @@ def test_html_report_renders_in_a_real_browser(tmp_path):
 
 
 def test_loop_commands_refuse_bad_input_with_one_line(tmp_path):
+    from parsim.cli.main import app
     from typer.testing import CliRunner
-
-    from cli.main import app
 
     runner = CliRunner()
     (tmp_path / "v").mkdir()

@@ -77,7 +77,7 @@ def test_two_nodes_profile_collectives_across_nodes(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = [sys.executable, "-m", "cli", "profile", "--nproc-per-node", "2", "--nnodes", "2", "--master-addr",
+    args = [sys.executable, "-m", "parsim", "profile", "--nproc-per-node", "2", "--nnodes", "2", "--master-addr",
             "127.0.0.1", "--master-port", str(port), "--ops", "all_reduce,all_gather", "--max-bytes", "65536",
             "--out", str(tmp_path / "two"), "--json"]
     other = subprocess.Popen(args + ["--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -11,8 +11,8 @@ import sys
 import time
 
 import pytest
+from parsim.cli.main import main
 
-from cli.main import main
 from parsim.errors import ParsimError
 from parsim.jsonio import atomic_write_json, atomic_write_text, check_output_path
 from parsim.procs import ProcessTree, tagged_pids
@@ -182,7 +182,7 @@ def test_interrupted_cli_run_leaves_no_process(sig):
 
     mark = uuid.uuid4().hex
     env = dict(os.environ, PARSIM_TEST_MARK=mark, PYTHONPATH=os.pathsep.join(sys.path))
-    p = subprocess.Popen([sys.executable, "-m", "cli", "run", "--model", "tiny", "--gpus", "2", "--dp-shard", "2",
+    p = subprocess.Popen([sys.executable, "-m", "parsim", "run", "--model", "tiny", "--gpus", "2", "--dp-shard", "2",
                           "--seq-len", "64", "--nproc-per-node", "2", "--steps", "100000", "--timeout", "600"],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert _wait_until(lambda: len(tagged_pids(mark, "PARSIM_TEST_MARK")) >= 3, 120)  # parsim, torchrun, workers

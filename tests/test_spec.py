@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -65,3 +66,60 @@ def test_bad_models():
         ModelSpec("x", 2, 256, 8, 3, 512, 100)
     with pytest.raises(ParsimError, match="unsupported model_type"):
         from_hf_config({"model_type": "bert"})
+
+
+# config.json fields of the Hugging Face model cards (the fields parsim reads) and the parameter totals the hub
+# reports from the safetensors headers
+HF_PUBLISHED = {
+    "Qwen/Qwen2.5-7B": ({"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+                         "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+                         "vocab_size": 152064, "tie_word_embeddings": False}, 7_615_616_512),
+    "mistralai/Mistral-7B-v0.1": ({"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+                                   "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                                   "vocab_size": 32000, "tie_word_embeddings": False}, 7_241_732_096),
+    "mistralai/Mixtral-8x7B-v0.1": ({"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+                                     "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                                     "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+                                     "tie_word_embeddings": False}, 46_702_792_704),
+    "meta-llama/Meta-Llama-3-8B": ({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                                    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                                    "vocab_size": 128256, "attention_bias": False, "mlp_bias": False,
+                                    "tie_word_embeddings": False}, 8_030_261_248),
+    "meta-llama/Meta-Llama-3-70B": ({"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+                                     "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8,
+                                     "vocab_size": 128256, "attention_bias": False, "mlp_bias": False,
+                                     "tie_word_embeddings": False}, 70_553_706_496),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_PUBLISHED))
+def test_hf_configs_give_the_published_parameter_counts_exactly(name):
+    cfg, published = HF_PUBLISHED[name]
+    assert from_hf_config(cfg).n_params == published
+
+
+def test_hf_bias_fields_add_their_parameters():
+    cfg = dict(HF_PUBLISHED["meta-llama/Meta-Llama-3-8B"][0], num_hidden_layers=2)
+    base = from_hf_config(cfg)
+    d, kv, ff = 4096, 8 * 128, 14336
+    assert from_hf_config(dict(cfg, attention_bias=True)).n_params - base.n_params == 2 * (2 * d + 2 * kv)
+    assert from_hf_config(dict(cfg, mlp_bias=True)).n_params - base.n_params == 2 * (2 * ff + d)
+    qwen = from_hf_config(dict(cfg, model_type="qwen2"))
+    assert qwen.linear_biases == ("wq", "wk", "wv") and qwen.n_params - base.n_params == 2 * (d + 2 * kv)
+    assert ModelSpec.from_dict(json.loads(json.dumps(qwen.to_dict()))) == qwen
+    with pytest.raises(ParsimError, match="linear_biases"):
+        dataclasses.replace(qwen, linear_biases=("wx",))
+
+
+def test_the_executor_builds_the_biases_the_spec_counts():
+    torch = pytest.importorskip("torch")
+    from parsim.executor.model import Transformer
+
+    cfg = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+           "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 101, "mlp_bias": True}
+    spec = from_hf_config(cfg)
+    with torch.device("meta"):
+        model = Transformer(spec, 16)
+    assert sum(p.numel() for p in model.parameters()) == spec.n_params
+    biases = {n.split(".")[-2] for n, _ in model.named_parameters() if n.endswith(".bias")}
+    assert biases == {"wq", "wk", "wv", "w1", "w2", "w3"}

@@ -305,11 +305,11 @@ def layer_tensors(spec: ModelSpec, b, moe: bool) -> list[tuple[str, np.ndarray, 
     def linear(name, k, n, col: bool):
         if col:
             out.append((name, n / t, k * one, False))
-            if spec.bias:
+            if spec.has_bias(name):
                 out.append((f"{name}.bias", n / t, one, False))
         else:
             out.append((name, n * one, k / t, False))
-            if spec.bias:
+            if spec.has_bias(name):
                 out.append((f"{name}.bias", n * one, one, False))
 
     for name, (k, n) in spec.attention_matrices().items():
@@ -359,7 +359,7 @@ def last_param_elems(spec: ModelSpec, b, moe: bool) -> tuple[np.ndarray, np.ndar
 
     def mlp_last(prefix: str) -> str:
         w = "w3" if spec.mlp == "swiglu" else "w2"
-        return f"{prefix}{w}.bias" if spec.bias else f"{prefix}{w}"
+        return f"{prefix}{w}.bias" if spec.has_bias(w) else f"{prefix}{w}"
 
     zero = np.zeros(len(b.tp))
     if not moe:
@@ -386,16 +386,18 @@ def param_tensor_counts(spec: ModelSpec, moe: bool) -> tuple[int, int]:
     (torchtitan's modules): attention q, k, v, o (and their biases), q/k norms, two norms (LayerNorm: weight and
     bias), the MLP's linears (and biases), or the router, the shared experts' linears and the routed experts' three
     stacked weights. Gradient clipping takes one norm per tensor (``comm._grad_norm_records``)."""
-    bias = 2 if spec.bias else 1
+    def linears(mats) -> int:  # weights and their biases
+        return sum(2 if spec.has_bias(name) else 1 for name in mats)
+
     norm = 2 if spec.norm == "layernorm" else 1
-    n = len(spec.attention_matrices()) * bias + 2 * norm + (2 if spec.qk_norm else 0)
+    n = linears(spec.attention_matrices()) + 2 * norm + (2 if spec.qk_norm else 0)
     if spec.mla:
         n += 1 + (1 if spec.mla.q_lora_rank else 0)  # the latent norms (kv, and q with a q LoRA)
     if not moe:
-        return n + len(spec.mlp_matrices(spec.d_ff)) * bias, 0
+        return n + linears(spec.mlp_matrices(spec.d_ff)), 0
     m = spec.moe
     assert m is not None
-    shared = len(spec.mlp_matrices(m.d_ff_expert)) * bias if m.n_shared_experts else 0
+    shared = linears(spec.mlp_matrices(m.d_ff_expert)) if m.n_shared_experts else 0
     return n + 1 + shared, 3
 
 

@@ -163,10 +163,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
         d = spec.d_model
-        self.wq = nn.Linear(d, spec.n_heads * spec.head_dim, bias=spec.bias)
-        self.wk = nn.Linear(d, spec.n_kv_heads * spec.head_dim, bias=spec.bias)
-        self.wv = nn.Linear(d, spec.n_kv_heads * spec.head_dim, bias=spec.bias)
-        self.wo = nn.Linear(spec.n_heads * spec.head_dim, d, bias=spec.bias)
+        self.wq = nn.Linear(d, spec.n_heads * spec.head_dim, bias=spec.has_bias("wq"))
+        self.wk = nn.Linear(d, spec.n_kv_heads * spec.head_dim, bias=spec.has_bias("wk"))
+        self.wv = nn.Linear(d, spec.n_kv_heads * spec.head_dim, bias=spec.has_bias("wv"))
+        self.wo = nn.Linear(spec.n_heads * spec.head_dim, d, bias=spec.has_bias("wo"))
         self.q_norm = HeadNorm(spec.head_dim) if spec.qk_norm else None
         self.k_norm = HeadNorm(spec.head_dim) if spec.qk_norm else None
 
@@ -188,10 +188,10 @@ class FeedForward(nn.Module):
     def __init__(self, spec: ModelSpec, d_ff: int):
         super().__init__()
         self.gated = spec.mlp == "swiglu"
-        self.w1 = nn.Linear(spec.d_model, d_ff, bias=spec.bias)
-        self.w2 = nn.Linear(d_ff, spec.d_model, bias=spec.bias)
+        self.w1 = nn.Linear(spec.d_model, d_ff, bias=spec.has_bias("w1"))
+        self.w2 = nn.Linear(d_ff, spec.d_model, bias=spec.has_bias("w2"))
         if self.gated:
-            self.w3 = nn.Linear(spec.d_model, d_ff, bias=spec.bias)
+            self.w3 = nn.Linear(spec.d_model, d_ff, bias=spec.has_bias("w3"))
 
     def forward(self, x):
         if self.gated:

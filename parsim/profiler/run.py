@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import ParsimError
-from ..hardware import COLLECTIVE_OPS, PROFILES_DIR, EfficiencyCurve, HardwareProfile, Topology
+from ..hardware import COLLECTIVE_OPS, EfficiencyCurve, HardwareProfile, Topology, profile_write_dir
 from ..jsonio import atomic_write_json, atomic_write_text, check_output_path, read_json
 from ..machine import this_machine
 from ..procs import check_timeout, run_tree
@@ -188,15 +188,17 @@ def check_profile_args(nproc_per_node: int, *, factor: int, ops: str, seq_len: i
 
 
 def resolve_profile_out(out: str, out_dir: str | Path | None) -> Path:
-    """``--out NAME`` -> profiles/NAME.json (or OUT_DIR/NAME.json); a path (with a / or ending in .json) is used
-    as it is, anywhere."""
+    """``--out NAME`` -> NAME.json in OUT_DIR or the profile write folder (``hardware.profile_write_dir``); a path
+    (with a / or ending in .json) is used as it is, anywhere."""
     p = Path(out)
     if "/" in out or out.endswith(".json"):
         if out_dir is not None:
             raise ParsimError("--out is a path: leave out --out-dir")
         p = p if p.suffix == ".json" else p.with_name(p.name + ".json")
     else:
-        p = Path(out_dir or PROFILES_DIR) / f"{out}.json"
+        p = Path(out_dir) / f"{out}.json" if out_dir else profile_write_dir() / f"{out}.json"
+        if not out_dir:
+            p.parent.mkdir(parents=True, exist_ok=True)  # the user's profile folder, on first use
     if not p.stem or p.stem.startswith("."):
         raise ParsimError(f"bad profile name {p.stem!r}")
     return p

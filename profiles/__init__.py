@@ -1,0 +1,1 @@
+"""Hardware profiles shipped with parsim (package data: ``importlib.resources.files("parsim.profiles")``)."""
