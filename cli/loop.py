@@ -24,7 +24,7 @@ def _progress():
 
 
 def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | None, rounds: int, steps: int,
-                      max_plans: int, timeout_s: float) -> dict:
+                      max_plans: int, timeout_s: float, measure_blocks: bool = False) -> dict:
     from parsim import validate as V
     from parsim.spec import load_model
 
@@ -48,23 +48,88 @@ def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | No
 
         V.run_measured(model, nproc, out, rounds=rounds, steps=steps, timeout_s=timeout_s, plans=plans,
                        progress=tick)
-    return _measured_summary(out, profile, hw)
+    return _measured_summary(out, profile, hw, measure_blocks)
 
 
-def _measured_summary(out: Path, profile: str | None, hw) -> dict:
-    """Rows and summary over every measurement in the folder (earlier models and rank counts included)."""
+def _measured_summary(out: Path, profile: str | None, hw, measure_blocks: bool = False) -> dict:
+    """Rows and summary over every measurement in the folder (earlier models and rank counts included). With
+    ``measure_blocks`` the plans' blocks are measured at their local shapes first (kept in the profile) and the
+    summary without them is written beside, with the wall time of the measurement."""
+    from parsim import validate as V
     from parsim.cli.main import profile_measured_here
 
-    from parsim import validate as V
-
     lines = V.load_measurements(out / "measurements.jsonl")
-    rows = []
+    rows, rows_curves, walls, n_shapes = [], [], {}, 0
     for nproc in sorted({ln["nproc"] for ln in lines}):
         prof = hw if profile else profile_measured_here(f"cpu-gloo-{nproc}", nproc)
-        rows += V.measured_rows([ln for ln in lines if ln["nproc"] == nproc], prof)
+        sel = [ln for ln in lines if ln["nproc"] == nproc]
+        if measure_blocks:
+            rows_curves += V.measured_rows(sel, prof)
+            prof, w, n = _with_measured_blocks(prof, sel)
+            walls.update(w)
+            n_shapes += n
+        rows += V.measured_rows(sel, prof)
     summary = V.summarize(rows)
-    V.write_results(out, rows, summary, {"tier": "measured", "profile": profile or "cpu-gloo-<ranks>"})
-    return summary
+    meta: dict = {"tier": "measured", "profile": profile or "cpu-gloo-<ranks>"}
+    if measure_blocks:
+        meta["measured_blocks"] = {"shapes": n_shapes, "measured_now": len(walls),
+                                   "measurement_wall_s": sum(walls.values())}
+        meta["without_measured_blocks"] = V.summarize(rows_curves)
+    V.write_results(out, rows, summary, meta)
+    return {**summary, **{k: v for k, v in meta.items() if k != "tier"}}
+
+
+def measure_plan_shapes(plan_file: str, out: str, out_dir: str | None, model: str | None) -> dict:
+    """``parsim profile --measure-shapes-of PLANFILE --out PROFILE``: the blocks of the plans in the file, measured
+    at their local shapes on this device and kept in the profile (resumable: shapes it has are not re-measured)."""
+    from parsim.blockshape import plan_block_shapes
+    from parsim.hardware import HardwareProfile
+    from parsim.jsonio import read_json
+    from parsim.plan import Plan
+    from parsim.profiler.blocks import add_measured_blocks
+    from parsim.profiler.run import resolve_profile_out
+    from parsim.spec import load_model
+
+    doc = read_json(Path(plan_file), "cannot read the plan file")
+    entries = doc if isinstance(doc, list) else [doc]
+    shapes, skipped = [], 0
+    for e in entries:
+        if not isinstance(e, dict) or not isinstance(e.get("plan"), dict) or not (model or e.get("model")):
+            raise ParsimError(f"{plan_file}: each entry needs 'model' and 'plan' (as search --emit-plan writes)")
+        got = plan_block_shapes(load_model(model or e["model"]), Plan.from_dict(e["plan"])).values()
+        shapes += [s for s in got if s is not None]
+        skipped += sum(s is None for s in got)
+    path = resolve_profile_out(out, out_dir)
+    if not path.exists():
+        raise ParsimError(f"profile {path} does not exist: measure one first (parsim profile --nproc-per-node N)")
+    hw = HardwareProfile.from_dict(read_json(path, "corrupt profile"), origin=str(path))
+    shapes = list(dict.fromkeys(shapes))
+    with _progress() as prog:
+        task = prog.add_task("measuring blocks", total=len(shapes))
+        hw, walls = add_measured_blocks(hw, shapes, path, progress=lambda d, t, k: prog.update(task, completed=d))
+    return {"profile": str(path), "shapes": len(shapes), "not_measurable": skipped, "measured_now": len(walls),
+            "measurement_wall_s": sum(walls.values())}
+
+
+def _with_measured_blocks(hw, lines: list[dict]):
+    """The profile with a block measured at every local shape of the plans in ``lines`` (measured here, written
+    to the profile folder under the profile's name); (profile, {key: wall s}, number of shapes)."""
+    from parsim.blockshape import plan_block_shapes
+    from parsim.hardware import profile_write_dir
+    from parsim.plan import Plan
+    from parsim.profiler.blocks import add_measured_blocks
+    from parsim.spec import load_model
+
+    shapes = []
+    for ln in lines:
+        shapes += [s for s in plan_block_shapes(load_model(ln["model"]), Plan.from_dict(ln["plan"])).values() if s]
+    shapes = list(dict.fromkeys(shapes))
+    path = profile_write_dir() / f"{hw.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)  # the user's profile folder, on first use
+    with _progress() as prog:
+        task = prog.add_task("measuring blocks", total=len(shapes))
+        hw, walls = add_measured_blocks(hw, shapes, path, progress=lambda d, t, k: prog.update(task, completed=d))
+    return hw, walls, len(shapes)
 
 
 def validate_published(csv: str, out_dir: str, profile: str | None, calibrated: bool = True) -> dict:
@@ -116,7 +181,12 @@ def print_summary(summary: dict) -> None:
     add("parsim", summary)
     for src, s in (summary.get("by_source") or {}).items():
         add(src, s)
+    add("parsim, curves only", summary.get("without_measured_blocks"))
     con.print(t)
+    mb = summary.get("measured_blocks")
+    if mb:
+        con.print(f"measured blocks: {mb['shapes']} local shapes, {mb['measured_now']} measured now in "
+                  f"{mb['measurement_wall_s']:.1f} s")
     if summary.get("top1_regret") is not None:
         con.print(f"top-1 regret (worst comparable set): {pct(summary['top1_regret'])}")
     if summary.get("memory_mape") is not None:

@@ -472,7 +472,8 @@ def trace(
 @app.command()
 @guarded
 def profile(
-    nproc_per_node: int = typer.Option(..., "--nproc-per-node", help="ranks (GPUs, or CPU ranks with gloo)"),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="ranks (GPUs, or CPU ranks with "
+                                                 "gloo); required unless --measure-shapes-of"),
     out: str = typer.Option(..., "--out", help="profile name (writes NAME.json and NAME.samples.csv in the profile "
                             "folder) "
                             "or a path anywhere (DIR/NAME.json)"),
@@ -492,12 +493,29 @@ def profile(
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this node's rank (default $SLURM_NODEID)"),
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="node 0's address (multi-node)"),
     master_port: int = typer.Option(29500, "--master-port", help="a free port on node 0 (multi-node)"),
+    measure_shapes_of: Optional[str] = typer.Option(None, "--measure-shapes-of", help="a plan JSON (search "
+                                                    "--emit-plan) or a list of them: measure their blocks at their "
+                                                    "local shapes on this device into the profile --out (which "
+                                                    "must exist), nothing else"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Measure collectives and compute on this machine (or on several nodes), fit them, write a hardware
-    profile."""
+    profile; or, with --measure-shapes-of, add blocks measured at given plans' local shapes to a profile."""
     require_torch("profile")
     from parsim.errors import ParsimError
+
+    if measure_shapes_of:
+        from parsim.cli.loop import measure_plan_shapes
+
+        res = measure_plan_shapes(measure_shapes_of, out, out_dir, model if model != "tiny" else None)
+        if as_json:
+            emit_json(res)
+        else:
+            typer.echo(f"{res['shapes']} local shapes ({res['not_measurable']} not measurable as one block), "
+                       f"{res['measured_now']} measured now in {res['measurement_wall_s']:.1f} s -> {res['profile']}")
+        return
+    if nproc_per_node is None:
+        raise ParsimError("--nproc-per-node is required (unless --measure-shapes-of)")
 
     if resume and restart:
         raise ParsimError("give --resume or --restart, not both")
@@ -550,7 +568,6 @@ def redistribute(
     """Plan a DTensor redistribution: parsim's cheapest path (Dijkstra over layouts with shard orders, edge costs
     from the profile), beside torch's own planner's path costed the same way."""
     from parsim.cli.views import print_redistribution
-
     from parsim.redistribute import redistribution
 
     def torch_planner(mesh_shape, tensor_shape, a, b):  # torch imported only when its path is asked for
@@ -637,6 +654,9 @@ def validate(
     rounds: int = typer.Option(2, "--rounds", help="interleaved repetitions of every plan"),
     steps: int = typer.Option(5, "--steps", help="timed steps per run (after 2 warm-up steps)"),
     max_plans: int = typer.Option(0, "--max-plans", help="run only the first N plans of the space (0: all)"),
+    measure_blocks: bool = typer.Option(False, "--measure-blocks", help="measured tier: measure every plan's blocks "
+                                        "at its local shapes first (kept in the profile) and predict with them; "
+                                        "the summary without them is written beside"),
     timeout: float = typer.Option(600.0, "--timeout", help="seconds per run"),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -644,7 +664,6 @@ def validate(
     from pathlib import Path
 
     from parsim.cli.loop import print_summary, validate_measured, validate_published
-
     from parsim.errors import ParsimError
     from parsim.jsonio import check_output_path
     from parsim.procs import check_timeout
@@ -659,7 +678,7 @@ def validate(
     else:
         check_timeout(timeout)
         summary = validate_measured(model, nproc_per_node, out, profile=profile, rounds=rounds, steps=steps,
-                                    max_plans=max_plans, timeout_s=timeout)
+                                    max_plans=max_plans, timeout_s=timeout, measure_blocks=measure_blocks)
     if as_json:
         emit_json(summary)
     else:
@@ -682,7 +701,6 @@ def calibrate(
 ):
     """Fit named profile parameters to validation results; report out-of-fold accuracy; size the intervals."""
     from parsim.cli.loop import calibrate_dirs, print_calibration
-
     from parsim.errors import ParsimError
 
     if not 2 <= folds <= 100:
@@ -706,7 +724,6 @@ def report(
 ):
     """Predicted vs measured per plan or published row: table, statistics, and an HTML page with plots."""
     from parsim.cli.loop import load_rows
-
     from parsim.errors import ParsimError
     from parsim.jsonio import check_output_path
     from parsim.report_html import build_table, write_html
@@ -727,8 +744,9 @@ def report(
     if as_json:
         emit_json({"stats": stats, "rows": table.astype(object).where(table.notna(), None).to_dict("records")})
         return
-    from parsim.cli.loop import print_summary_table
     from rich.console import Console
+
+    from parsim.cli.loop import print_summary_table
 
     con = Console()
     print_summary_table(con, stats)

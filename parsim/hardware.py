@@ -164,6 +164,9 @@ class HardwareProfile:
     comm_overlap: bool = True  # collectives run beside compute (NCCL streams); gloo on CPU blocks the rank
     samples: dict = field(default_factory=dict)  # raw measurements (or a path to them), kept for refits
     corrections: dict = field(default_factory=dict)  # multiplicative corrections fitted by calibrate
+    # blocks measured at plans' local shapes (parsim.profiler.blocks): BlockShape.key -> {fwd_s, bwd_s, spreads,
+    # reps, device, torch, measured_at}; the cost model uses one where a plan's shape has one (parsim.blockshape)
+    measured_blocks: dict = field(default_factory=dict)
     # written by `parsim calibrate`: interval_log_halfwidth (the split-conformal q of its out-of-fold residuals),
     # the fitted factors, their cross-validated accuracy and the data used
     calibration: dict = field(default_factory=dict)
@@ -216,6 +219,13 @@ class HardwareProfile:
                          low_open=k.endswith(("_scale", "_per_s")))
         if not isinstance(self.calibration, dict):
             raise ParsimError(f"calibration must be an object, got {self.calibration!r}")
+        if not isinstance(self.measured_blocks, dict):
+            raise ParsimError(f"measured_blocks must be an object, got {self.measured_blocks!r}")
+        for k, v in self.measured_blocks.items():
+            if not isinstance(v, dict):
+                raise ParsimError(f"measured_blocks[{k!r}] must be an object")
+            for n in ("fwd_s", "bwd_s"):
+                check_number(f"measured_blocks[...].{n}", v.get(n), 0.0, 1e6, low_open=True)
         if "interval_log_halfwidth" in self.calibration:
             check_number("calibration.interval_log_halfwidth", self.calibration["interval_log_halfwidth"], 0.0, 10.0)
         for n in ("samples", "provenance"):

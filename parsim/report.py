@@ -122,4 +122,11 @@ def print_explain(d: dict) -> None:
         totals = {m: sum(it["bytes"] for it in lay["saved_tensors"] if it[f"kept_{m}"]) / 2**20
                   for m in ("none", "sac", "full")}
         s.add_row("[bold]kept[/bold]", "", "", *(f"{totals[m]:.1f}" for m in ("none", "sac", "full")))
-        con.print(ct, s)
+        blk = lay.get("block", {})
+        if blk.get("source") == "measured block":
+            note = (f"[bold]used instead of the items above:[/bold] block measured at this shape, forward "
+                    f"{blk['fwd_s'] / MS:.4f} ms, backward {blk['bwd_s'] / MS:.4f} ms ({blk.get('device')}, torch "
+                    f"{blk.get('torch')}, {blk.get('measured_at')})")
+        else:
+            note = f"layer time from the curves above: {blk.get('why', '')}"
+        con.print(ct, note, s)

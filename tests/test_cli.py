@@ -2,8 +2,9 @@ import json
 import subprocess
 import sys
 
-from parsim.cli.main import app
 from typer.testing import CliRunner
+
+from parsim.cli.main import app
 
 runner = CliRunner()
 
@@ -69,8 +70,9 @@ def test_an_emitted_plan_carries_its_model(tmp_path):
     """`search --emit-plan` records the model; `predict --plan` uses it, and refuses a --model that contradicts it."""
     import json
 
-    from parsim.cli.main import app
     from typer.testing import CliRunner
+
+    from parsim.cli.main import app
 
     runner = CliRunner()
     f = tmp_path / "best.json"
@@ -135,9 +137,8 @@ def test_hf_model_folders_names_and_unmodelled_features(tmp_path):
 def test_a_profile_from_another_machine_is_measured_here_before_running(tmp_path, monkeypatch):
     """`validate --model` and `search --execute` predict runs on this machine: with a measured CPU profile from
     another machine they profile this one first (``parsim profile`` defaults, under ``<name>-<machine tag>``)."""
-    from parsim.cli.main import profile_measured_here
-
     import parsim.profiler.run as profiler_run
+    from parsim.cli.main import profile_measured_here
     from parsim.hardware import load_profile
     from parsim.machine import machine_tag, this_machine
 

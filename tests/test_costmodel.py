@@ -168,8 +168,9 @@ def test_fsdp_is_costed_per_unit():
 
 
 def test_predict_explain_cli_shows_ledger_compute_and_saved_tensors():
-    from parsim.cli.main import app
     from typer.testing import CliRunner
+
+    from parsim.cli.main import app
 
     r = CliRunner().invoke(app, ["predict", "--model", "llama3-8b", "--gpus", "16", "--tp", "2", "--explain",
                                  "--json"])

@@ -18,8 +18,8 @@ from itertools import permutations
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from parsim.cli.main import main
 
+from parsim.cli.main import main
 from parsim.costmodel import predict
 from parsim.errors import ParsimError
 from parsim.hardware import HardwareProfile, load_profile

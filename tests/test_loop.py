@@ -162,8 +162,9 @@ def test_published_rows_are_all_predicted_or_explained():
 
 
 def test_validate_and_report_cli(tmp_path):
-    from parsim.cli.main import app
     from typer.testing import CliRunner
+
+    from parsim.cli.main import app
 
     runner = CliRunner()
     r = runner.invoke(app, ["validate", "--published", "tests/data/published_sample.csv", "--out",
@@ -196,8 +197,9 @@ def test_html_report_renders_in_a_real_browser(tmp_path):
 
 
 def test_loop_commands_refuse_bad_input_with_one_line(tmp_path):
-    from parsim.cli.main import app
     from typer.testing import CliRunner
+
+    from parsim.cli.main import app
 
     runner = CliRunner()
     (tmp_path / "v").mkdir()
@@ -212,3 +214,40 @@ def test_loop_commands_refuse_bad_input_with_one_line(tmp_path):
                            (["validate", "--out", "/dev/null"], "is not a folder")):
         r = runner.invoke(app, args)
         assert r.exit_code == 2 and fragment in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.output)
+
+
+def test_validate_with_measured_blocks_scores_both_and_keeps_the_blocks(tmp_path, monkeypatch):
+    """``validate --measure-blocks``: every plan's local shapes measured once into the profile, the summary with
+    them and the one from the curves beside it (the measurement is faked here: a block's time is its tokens x
+    1e-6 s forward, twice that backward)."""
+    import parsim.executor.launch as launch
+    import parsim.profiler.blocks as blocks
+    from parsim.cli.loop import _measured_summary
+
+    monkeypatch.setenv("PARSIM_PROFILES_DIR", str(tmp_path / "profiles"))
+    def fake_run(model, plan, nproc, **kw):  # a step time per plan
+        t = 0.1 + int(plan.plan_id[:4], 16) % 100 / 1000
+        return Measurement(plan_id=plan.plan_id, kind="run", status="ok", step_times_s=(t, t, t),
+                           median_step_time_s=t, peak_memory_bytes=1e6)
+
+    monkeypatch.setattr(launch, "run_plan", fake_run)
+    measured = []
+
+    def fake_block(shape, device=None, reps=5):
+        measured.append(shape.key)
+        t = shape.micro_batch * shape.seq_len * 1e-6
+        return {"fwd_s": t, "bwd_s": 2 * t, "wall_s": 0.01, "device": "fake"}
+
+    monkeypatch.setattr(blocks, "measure_block", fake_block)
+    plans = [p for p in V.measured_plans(PRESETS["tiny"], 2) if p.cp == 1][:4]
+    V.run_measured("tiny", 2, tmp_path / "v", rounds=1, plans=plans)
+    hw = load_profile("cpu-gloo-2")
+    s = _measured_summary(tmp_path / "v", "cpu-gloo-2", hw, measure_blocks=True)
+    assert s["measured_blocks"]["measured_now"] == len(set(measured)) == s["measured_blocks"]["shapes"]
+    assert s["without_measured_blocks"]["n_ok"] == s["n_ok"] == 4
+    assert s["step_time_mape"] != s["without_measured_blocks"]["step_time_mape"]
+    kept = load_profile(str(tmp_path / "profiles" / "cpu-gloo-2.json"))
+    assert set(kept.measured_blocks) == set(measured)
+    measured.clear()
+    _measured_summary(tmp_path / "v", "cpu-gloo-2", kept, measure_blocks=True)
+    assert measured == []  # kept in the profile: nothing measured twice

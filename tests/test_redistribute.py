@@ -244,8 +244,9 @@ def test_torch_planner_paths_are_costed_on_the_same_graph():
 
 
 def test_cli_redistribute_json():
-    from parsim.cli.main import app
     from typer.testing import CliRunner
+
+    from parsim.cli.main import app
 
     r = CliRunner().invoke(app, ["redistribute", "--mesh", "2x2", "--shape", "4096x4096", "--src", "S(0)S(1)",
                                  "--dst", "S(1)S(1)", "--json"])

@@ -11,8 +11,8 @@ import sys
 import time
 
 import pytest
-from parsim.cli.main import main
 
+from parsim.cli.main import main
 from parsim.errors import ParsimError
 from parsim.jsonio import atomic_write_json, atomic_write_text, check_output_path
 from parsim.procs import ProcessTree, tagged_pids

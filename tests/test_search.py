@@ -2,9 +2,9 @@ import json
 
 import numpy as np
 import pytest
-from parsim.cli.main import app
 from typer.testing import CliRunner
 
+from parsim.cli.main import app
 from parsim.costmodel import predict
 from parsim.emit import to_torchtitan_toml
 from parsim.hardware import load_profile

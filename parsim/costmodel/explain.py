@@ -4,12 +4,25 @@ tensors one layer saves under each AC mode. Used by ``parsim predict --explain``
 
 from __future__ import annotations
 
+from ..blockshape import plan_block_shapes
 from ..codec import canonical_axes, canonical_key, encode
 from ..hardware import HardwareProfile
 from ..plan import Plan
 from ..spec import ModelSpec
 from .layers import FIRST, LAST, Shapes, kept_by_ac_mode, saved_tensors
 from .step import block_overheads, evaluate, layer_compute_items, stage_rank
+
+
+def _block_source(shape, hw: HardwareProfile) -> dict:
+    """Which compute the layer's times come from: a block measured at the plan's local shape, or the curves."""
+    if shape is None:
+        return {"source": "curves", "why": "this shape is not measurable as one block (parsim.blockshape: CP, "
+                "MLA, EP with whole experts under TP, ...)", "shape_key": None}
+    m = hw.measured_blocks.get(shape.key)
+    if m is None:
+        return {"source": "curves", "why": "the profile has no block measured at this shape", "shape_key": shape.key}
+    return {"source": "measured block", "shape_key": shape.key, "fwd_s": m["fwd_s"], "bwd_s": m["bwd_s"],
+            "device": m.get("device"), "torch": m.get("torch"), "measured_at": m.get("measured_at")}
 
 
 def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
@@ -27,6 +40,7 @@ def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
               for rec in r["ledgers"][rank].records if rec.calls[0] > 0]
     sh = Shapes(spec, b)
     kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
+    shapes = plan_block_shapes(spec, plan)
     layers = {}
     for moe in kinds:
         items = layer_compute_items(spec, b, sh, hw, moe, block_overheads(hw)[0])
@@ -38,6 +52,7 @@ def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
                                  "seconds": float(t[0]), "recomputed_by_selective_ac": bool(sac)}
                                 for n, k, w, e, t, sac in items],
             "compute_scale": float(hw.corrections.get("compute_scale", 1.0)),
+            "block": _block_source(shapes.get("moe" if moe else "dense"), hw),
             "saved_tensors": [{"name": n, "bytes": float(nb[0]) if hasattr(nb, "__len__") else float(nb),
                                "kind": k, **{f"kept_{m}": kk[m] for m in ("none", "full", "sac")}}
                               for (n, nb, k), kk in zip(saved, keep, strict=True)],

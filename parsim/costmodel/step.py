@@ -45,6 +45,7 @@ import math
 
 import numpy as np
 
+from ..blockshape import block_shape
 from ..codec import PlanBatch, canonical_axes, canonical_key, encode
 from ..hardware import HardwareProfile
 from ..ordering import ac_wraps_compile_recompute_factor
@@ -209,8 +210,37 @@ def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
     bwd = (GEMM_BWD_PER_FWD * by_kind["gemm"] + by_kind["wgrad_hp"] + ATTENTION_BWD_PER_FWD * by_kind["attention"]
            + MEMORY_BWD_PER_FWD * by_kind["memory"] + ovb) * compute_scale
     sac = (sac_t + by_kind["memory"] + 0.5 * by_kind["overhead"]) * compute_scale
+    measured = measured_block_times(spec, b, hw, moe)
+    if measured is not None:  # a block measured at the row's local shape replaces the composed curves
+        m_fwd, m_bwd, have = measured
+        sac = np.where(have, sac * m_fwd * compute_scale / np.maximum(fwd, 1e-30), sac)  # same selective share
+        fwd = np.where(have, m_fwd * compute_scale, fwd)
+        bwd = np.where(have, m_bwd * compute_scale, bwd)
     return {"fwd": fwd, "bwd": bwd, "rec_full": fwd, "rec_sac": sac, "act": activation_bytes(spec, sh, moe),
             "gemm_fwd": by_kind["gemm"] * compute_scale, "act_split": activation_bytes_split(spec, sh, moe)}
+
+
+def measured_block_times(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, moe: bool
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(forward s, backward s, measured?) of one layer and microbatch per plan, from the profile's blocks measured
+    at the plan's local shape (``parsim.blockshape``; the backward without recompute: AC's recompute is the
+    forward, or its selective share). None when the profile has none. Plans are grouped by the fields a shape
+    depends on, so a batch of a million plans looks up a handful of shapes."""
+    if not hw.measured_blocks:
+        return None
+    cols = np.stack([b.tp, b.ep, b.etp_eff, b.micro_batch_size, b.seq_len, b.cp, b.param_bytes,
+                     b.compile, b.float8], axis=1).astype(np.int64)
+    uniq, inv = np.unique(cols, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    fwd, bwd, have = np.zeros(len(cols)), np.zeros(len(cols)), np.zeros(len(cols), dtype=bool)
+    for i, (tp, ep, etp, mb, seq, cp, pbytes, comp, f8) in enumerate(uniq.tolist()):
+        shape = block_shape(spec, moe, tp=tp, ep=ep, etp=etp, micro_batch=mb, seq_len=seq, cp=cp,
+                            dtype="float32" if pbytes >= 4 else "bfloat16", compile=bool(comp), float8=bool(f8))
+        m = hw.measured_blocks.get(shape.key) if shape is not None else None
+        if m:
+            sel = inv == i
+            fwd[sel], bwd[sel], have[sel] = m["fwd_s"], m["bwd_s"], True
+    return fwd, bwd, have
 
 
 def _gemm_output_bytes(spec, sh, moe):

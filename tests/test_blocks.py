@@ -1,0 +1,117 @@
+"""Measured blocks: the local shape of a plan's blocks, the cost model using a block measured at that shape, the
+profile keeping them, and the profiler measuring one."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from parsim.blockshape import block_shape, plan_block_shapes
+from parsim.codec import encode
+from parsim.costmodel import predict
+from parsim.costmodel.explain import explain
+from parsim.costmodel.step import measured_block_times
+from parsim.errors import ParsimError
+from parsim.hardware import HardwareProfile, load_profile
+from parsim.plan import Plan
+from parsim.spec import PRESETS, load_model
+
+
+def test_local_shapes_follow_tp_ep_etp_and_refuse_what_one_block_cannot_stand_for():
+    spec = PRESETS["llama3-8b"]
+    s = plan_block_shapes(spec, Plan(dp_shard=4, tp=4, seq_len=4096, local_batch_size=2, compile=True))["dense"]
+    assert (s.n_heads, s.n_kv_heads, s.d_ff, s.micro_batch, s.seq_len, s.compile) == (8, 2, 3584, 2, 4096, True)
+    assert plan_block_shapes(spec, Plan(dp_shard=4, cp=2, seq_len=4096))["dense"] is None  # ring attention
+    mix = PRESETS["mixtral-8x7b"]
+    m = plan_block_shapes(mix, Plan(dp_shard=8, ep=4, seq_len=4096))["moe"]
+    assert (m.n_experts, m.top_k, m.d_ff_expert) == (2, 2, 14336)
+    assert block_shape(mix, True, tp=2, ep=2, etp=1, micro_batch=1, seq_len=4096, cp=1, dtype="bfloat16",
+                       compile=False, float8=False) is None  # whole experts under TP route 1/tp of the tokens
+    assert plan_block_shapes(PRESETS["deepseek-v3"], Plan(dp_shard=64, seq_len=4096))["dense"] is None  # MLA
+    keys = {dataclasses.replace(s, **kw).key for kw in ({}, {"compile": False}, {"dtype": "float32"},
+                                                         {"micro_batch": 1})}
+    assert len(keys) == 4
+
+
+def _with_block(hw: HardwareProfile, shape, fwd_s, bwd_s) -> HardwareProfile:
+    return dataclasses.replace(hw, measured_blocks={shape.key: {"fwd_s": fwd_s, "bwd_s": bwd_s, "device": "test"}})
+
+
+def test_the_cost_model_uses_a_measured_block_for_the_plans_of_its_shape_only():
+    spec = load_model("tiny")
+    hw = load_profile("cpu-gloo-2")
+    p1 = Plan(dp_shard=2, seq_len=256, local_batch_size=2, param_dtype="float32")
+    p2 = Plan(dp_shard=2, seq_len=256, local_batch_size=4, param_dtype="float32")  # another micro batch: shape
+    shape = plan_block_shapes(spec, p1)["dense"]
+    hw_b = _with_block(hw, shape, 0.5, 1.25)
+    b = encode([p1, p2], hw.gpus_per_node)
+    fwd, bwd, have = measured_block_times(spec, b, hw_b, moe=False)
+    assert have.tolist() == [True, False] and fwd[0] == 0.5 and bwd[0] == 1.25
+    assert measured_block_times(spec, b, hw, moe=False) is None
+    before, after = predict(spec, p1, hw), predict(spec, p1, hw_b)
+    scale = float(hw.corrections.get("compute_scale", 1.0))
+    # forward + backward of every layer and microbatch are now 1.75 s x compute_scale, far above the curves
+    layers_mb = spec.n_layers * p1.n_microbatches * p1.grad_accum_steps
+    assert before.step_time_s < layers_mb * 1.75 * scale <= after.step_time_s
+    assert predict(spec, p2, hw_b).step_time_s == predict(spec, p2, hw).step_time_s
+    d = explain(spec, p1, hw_b)["layers"]["dense"]["block"]
+    assert d["source"] == "measured block" and d["fwd_s"] == 0.5 and d["shape_key"] == shape.key
+    assert explain(spec, p1, hw)["layers"]["dense"]["block"]["source"] == "curves"
+
+
+def test_a_profile_keeps_its_measured_blocks_and_refuses_bad_ones():
+    hw = load_profile("cpu-gloo-2")
+    shape = plan_block_shapes(load_model("tiny"), Plan(dp_shard=2, seq_len=256))["dense"]
+    hw_b = _with_block(hw, shape, 0.01, 0.02)
+    again = HardwareProfile.from_dict(json.loads(json.dumps(hw_b.to_dict())))
+    assert again.measured_blocks == hw_b.measured_blocks
+    bad = dict(hw_b.to_dict(), measured_blocks={shape.key: {"fwd_s": -1.0, "bwd_s": 0.02}})
+    with pytest.raises(ParsimError, match="measured_blocks"):
+        HardwareProfile.from_dict(bad)
+
+
+def test_the_profiler_measures_a_block_and_keeps_what_it_measured(tmp_path):
+    pytest.importorskip("torch")
+    from parsim.profiler.blocks import add_measured_blocks, measure_block
+
+    spec = load_model("tiny")
+    shapes = [plan_block_shapes(spec, Plan(dp_shard=2, seq_len=64, local_batch_size=mb,
+                                           param_dtype="float32"))["dense"] for mb in (1, 2)]
+    m = measure_block(shapes[0], reps=2, warmup=1)
+    assert m["fwd_s"] > 0 and m["bwd_s"] > 0 and m["reps"] == 2 and m["torch"]
+    hw = load_profile("cpu-gloo-2")
+    out = tmp_path / "p.json"
+    hw2, walls = add_measured_blocks(hw, shapes, out, reps=2)
+    assert set(walls) == {s.key for s in shapes} and set(hw2.measured_blocks) == set(walls)
+    stored = HardwareProfile.from_dict(json.loads(out.read_text()))
+    hw3, walls3 = add_measured_blocks(stored, shapes, out, reps=2)  # resumable: nothing left to measure
+    assert walls3 == {} and hw3.measured_blocks == hw2.measured_blocks
+    assert np.isfinite([v["fwd_s"] for v in hw3.measured_blocks.values()]).all()
+
+
+def test_profile_measure_shapes_of_a_plan_file_adds_them_to_the_profile(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from typer.testing import CliRunner
+
+    import parsim.profiler.blocks as blocks
+    from parsim.cli.main import app
+
+    monkeypatch.setattr(blocks, "measure_block", lambda shape, device=None, reps=5: {
+        "fwd_s": 0.003, "bwd_s": 0.006, "wall_s": 0.1, "device": "fake"})
+    plan = Plan(dp_shard=2, tp=2, seq_len=256, local_batch_size=2, param_dtype="float32")
+    (tmp_path / "plans.json").write_text(json.dumps([{"model": "tiny", "plan": plan.to_dict()},
+                                                     {"model": "tiny", "plan": dataclasses.replace(
+                                                         plan, compile=True).to_dict()}]))
+    prof = tmp_path / "mine.json"
+    prof.write_text(json.dumps(load_profile("cpu-gloo-2").to_dict()))
+    r = CliRunner().invoke(app, ["profile", "--out", str(prof), "--measure-shapes-of", str(tmp_path / "plans.json"),
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["shapes"] == res["measured_now"] == 2
+    hw = load_profile(str(prof))
+    assert predict(load_model("tiny"), plan, hw).step_time_s != predict(load_model("tiny"), plan,
+                                                                        load_profile("cpu-gloo-2")).step_time_s
+    r = CliRunner().invoke(app, ["profile", "--out", "x"])
+    assert r.exit_code == 2 and "--nproc-per-node is required" in r.output
