@@ -497,12 +497,34 @@ def profile(
                                                     "--emit-plan) or a list of them: measure their blocks at their "
                                                     "local shapes on this device into the profile --out (which "
                                                     "must exist), nothing else"),
+    measure_frameworks: bool = typer.Option(False, "--measure-frameworks", help="measure FSDP2 / DTensor TP "
+                                            "overhead on 2 ranks into the profile --out (which must exist), "
+                                            "nothing else (a new profile of 2+ ranks measures it anyway)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Measure collectives and compute on this machine (or on several nodes), fit them, write a hardware
-    profile; or, with --measure-shapes-of, add blocks measured at given plans' local shapes to a profile."""
+    profile; or, with --measure-shapes-of, add blocks measured at given plans' local shapes to a profile; or,
+    with --measure-frameworks, the framework overhead."""
     require_torch("profile")
     from parsim.errors import ParsimError
+
+    if measure_frameworks:
+        from parsim.profiler.run import add_framework_overheads, resolve_profile_out
+
+        path = resolve_profile_out(out, out_dir)
+        if not path.exists():
+            raise ParsimError(f"profile {path} does not exist: measure one first (parsim profile --nproc-per-node N)")
+        hw = add_framework_overheads(path, device)
+        keys = [k for k in hw.corrections if k.startswith(("fsdp_unit_", "tp_block_"))]
+        res = {"profile": str(path), **{k: hw.corrections[k] for k in keys}}
+        if as_json:
+            emit_json(res)
+        else:
+            typer.echo(f"FSDP unit {res.get('fsdp_unit_fixed_s', 0) * 1e3:.2f} ms + "
+                       f"{res.get('fsdp_unit_s_per_byte', 0) * 1e9:.2f} ms/MB per reduction; TP block "
+                       f"{res.get('tp_block_fixed_s', 0) * 1e3:.2f} ms + {res.get('tp_block_s_per_byte', 0) * 1e9:.1f}"
+                       f" ms/GB per microbatch -> {path}")
+        return
 
     if measure_shapes_of:
         from parsim.cli.loop import measure_plan_shapes

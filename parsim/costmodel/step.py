@@ -642,6 +642,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     for axis, tt in cm["ledger"].exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
         tb["comm_" + axis] = tt
     tb["comm_interference"] = _interference(hw, cm["ledger"])
+    tb.update(_framework_overheads(spec, b, hw, cm["ledger"], rv.n_layers, M))
     n, z = len(b), np.zeros(len(b))
     totals = {k: sum(v.values()) for k, v in phases.items()}
     names = list(phases)
@@ -663,6 +664,41 @@ def _async_tp_exposed_fraction(b: PlanBatch, hw: HardwareProfile, tp_s, gemm_s) 
     hidden = np.maximum(np.asarray(tp_s, dtype=float) - gemm_s, 0.0)
     frac = np.where(tp_s > 0, hidden / np.where(tp_s > 0, tp_s, 1.0), 1.0)
     return np.where(b.async_tp, frac, 1.0)
+
+
+def _framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledger, n_layers, M) -> dict:
+    """What FSDP2 and DTensor TP spend beside their collectives and the blocks' compute, from the profile's
+    measured quantities (``profiler.frameworks``: a wrapped block stack minus its unwrapped twin issuing the same
+    collectives, on 2 ranks; ``fit.fit_framework_overheads``) [measured]:
+
+    * ``framework_fsdp`` = sum over the FSDP gradient reductions of calls x (``fsdp_unit_fixed_s`` +
+      ``fsdp_unit_s_per_byte`` x the unit's unsharded gradient bytes): hooks, copy-in / copy-out, chunk-cat and
+      sharded accumulation, one unshard / reduce cycle per reduction. Reductions are the reduce-scatters (FSDP,
+      expert FSDP) and, where the shard group is 1 (replicate only), the all-reduces of the whole unit;
+    * ``framework_tp`` = layers x microbatches x (``tp_block_fixed_s`` + ``tp_block_s_per_byte`` x one gathered
+      activation, micro batch x sequence / cp x d_model x param bytes) where tp > 1: DTensor dispatch and
+      redistribution per block, forward + backward (AC's recompute not included).
+
+    CPU work, so ranks sharing cores stretch it like compute (``compute_scale``). Profiles without the quantities
+    (spec sheets, profiles measured before) add nothing and keep their breakdown keys."""
+    c, out = hw.corrections, {}
+    scale = float(c.get("compute_scale", 1.0))
+    if "fsdp_unit_fixed_s" in c:
+        t = np.zeros(len(b))
+        for r in ledger.records:
+            whole_unit = (r.op == "reduce_scatter" and r.what.startswith(("FSDP reduce-scatter")))
+            replicate_only = r.op == "all_reduce" and r.what.startswith("HSDP all-reduce")
+            if not (whole_unit or replicate_only):
+                continue
+            on = np.ones(len(b), bool) if whole_unit else (b.fsdp == 1)
+            per_call = float(c["fsdp_unit_fixed_s"]) + float(c["fsdp_unit_s_per_byte"]) * r.bytes_per_call
+            t = t + np.where(on & (r.calls > 0), r.calls * per_call, 0.0)
+        out["framework_fsdp"] = t * scale
+    if "tp_block_fixed_s" in c:
+        act = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) * float(spec.d_model) * b.param_bytes
+        per_block = float(c["tp_block_fixed_s"]) + float(c["tp_block_s_per_byte"]) * act
+        out["framework_tp"] = np.where(b.tp > 1, n_layers * M * per_block, 0.0) * scale
+    return out
 
 
 def _interference(hw: HardwareProfile, ledger) -> np.ndarray:

@@ -89,9 +89,17 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
         comp = {"samples": run_compute(dev, spec, seq_len, threads=1 if dev.type == "cpu" else None, quick=quick),
                 "threads": torch.get_num_threads()}
         atomic_write_json(comp_f, comp)
-    # 3. fit and write
+    # 3. framework overhead (FSDP2 / DTensor TP beside their collectives) on 2 ranks, once per machine
+    fw_f = partial / "frameworks.json"
+    if nproc_per_node >= 2 and nodes is None and not (resume and fw_f.exists()):
+        log("measuring framework overhead (FSDP2, DTensor TP) on 2 ranks ...")
+        run_framework_probe(fw_f, device, timeout_s, quick=quick)
+    fw = read_json(fw_f, "bad framework samples") if fw_f.exists() else None
+    # 4. fit and write
     hw, fit_rows = build_profile(name, coll, comp, dev, nproc_per_node, cmdline=" ".join(sys.argv),
                                  wall_s=time.perf_counter() - t0, coll_wall_s=t_coll)
+    if fw is not None:
+        hw = with_framework_samples(hw, fw)
     hw.save(out_path)
     atomic_write_text(out_dir / f"{name}.samples.csv", samples_csv(coll["samples"], comp["samples"]))
     shutil.rmtree(partial)
@@ -141,6 +149,47 @@ def _run_collectives(out: Path, nproc_per_node: int, nodes: NodeSpec | None, ops
         tail = "\n".join(ln for ln in output.splitlines() if not ln.startswith("W1"))[-1500:]
         why = f"timed out after {timeout_s:.0f} s" if code is None else f"exit {code}"
         raise ParsimError(f"collective benchmark failed ({why}); --resume continues: {tail}")
+
+
+def run_framework_probe(out: Path, device: str | None, timeout_s: float, quick: bool = False) -> None:
+    """``profiler.frameworks`` under torchrun on 2 ranks of this node: samples to ``out``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "parsim.profiler.frameworks", "--out", str(out)] + (["--quick"] if quick else [])
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if device == "cpu":
+        env["PARSIM_DEVICE"] = "cpu"
+    code, output = run_tree(cmd, env, timeout_s)
+    if code != 0:
+        tail = "\n".join(ln for ln in output.splitlines() if not ln.startswith("W1"))[-1500:]
+        why = f"timed out after {timeout_s:.0f} s" if code is None else f"exit {code}"
+        raise ParsimError(f"framework-overhead probe failed ({why}): {tail}")
+
+
+def with_framework_samples(hw: HardwareProfile, fw: dict) -> HardwareProfile:
+    """The profile with the probe's raw samples (``samples.frameworks``) and the quantities fitted from them
+    (``corrections``: fsdp_unit_*, tp_block_*; see ``fit.fit_framework_overheads``)."""
+    import dataclasses
+
+    from .fit import fit_framework_overheads
+
+    samples = dict(hw.samples) if isinstance(hw.samples, dict) else {}
+    samples["frameworks"] = {"samples": fw["samples"], "torch": fw.get("torch"), "backend": fw.get("backend")}
+    return dataclasses.replace(hw, samples=samples,
+                               corrections={**hw.corrections, **fit_framework_overheads(fw["samples"])})
+
+
+def add_framework_overheads(path: Path, device: str | None = None, timeout_s: float = 1800.0,
+                            quick: bool = False) -> HardwareProfile:
+    """Measure the framework overhead here and write it into the existing profile at ``path``."""
+    import tempfile
+
+    hw = HardwareProfile.from_dict(read_json(path, "corrupt profile"), origin=str(path))
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "frameworks.json"
+        run_framework_probe(f, device, timeout_s, quick=quick)
+        hw = with_framework_samples(hw, read_json(f, "bad framework samples"))
+    hw.save(path)
+    return hw
 
 
 def _profile_other_node(nproc_per_node: int, nodes: NodeSpec, ops: str, factor: int, min_bytes: int,

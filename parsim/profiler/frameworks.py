@@ -1,0 +1,213 @@
+"""Framework overhead, measured: what FSDP2 and DTensor tensor parallelism spend beside their collectives and
+the blocks' own compute (hooks, copy-in / copy-out of the flat all-gather buffers, the gradient chunk-cat,
+DTensor dispatch and redistribution bookkeeping). One process per rank under torchrun, 2 ranks:
+
+    torchrun --nproc-per-node 2 -m parsim.profiler.frameworks --out samples.json
+
+For each probe width, a stack of ``layers`` blocks (the executor's modules, float32 on CPU, the profile's
+dtype on CUDA) is timed forward + backward in two forms, interleaved repetition by repetition so that drift hits
+both alike:
+
+* the framework form, wrapped by the executor's own ``apply_fsdp`` (dp_shard = 2, reshard after forward
+  ``default`` and ``never``) or ``apply_tp`` (tp = 2, sequence parallel);
+* its twin: the same blocks unwrapped (under TP at the local widths: half the heads and the FFN) issuing the
+  same collectives explicitly, same ops, same bytes (FSDP: an all-gather of the unit per unshard and a
+  reduce-scatter of its gradient; TP + SP: per block an all-gather and a reduce-scatter of the activations
+  before and after attention and the MLP, and their mirrors in backward).
+
+The difference per block and step, with the unit's bytes and the number of FSDP collective calls, is one
+sample. Nothing here knows the cost model: ``fit.fit_framework_overheads`` turns the samples into the profile's
+named quantities.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..jsonio import atomic_write_json
+from ..procs import die_with_parent
+
+WIDTHS = (128, 256, 512)  # d_model of the probe blocks: FSDP units of 0.8, 3.1 and 12.6 MB in float32
+TP_SEQ = 256  # TP probes: gathered activations of 0.13, 0.26 and 0.52 MB in float32
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available() and os.environ.get("PARSIM_DEVICE") != "cpu"
+
+
+def _spec(d_model: int, layers: int, tp: int = 1):
+    from ..spec import ModelSpec
+
+    return ModelSpec(name=f"probe{d_model}", n_layers=layers, d_model=d_model, n_heads=8 // tp,
+                     n_kv_heads=4 // tp, d_ff=3 * d_model // tp, vocab_size=128, head_dim=d_model // 8)
+
+
+class _Stack(torch.nn.Module):
+    """Blocks only, under ``layers`` as the executor's Transformer keeps them (apply_fsdp / apply_tp walk it)."""
+
+    def __init__(self, spec):
+        from ..executor.model import Block
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.n_layers)})
+
+    def forward(self, x, rope):
+        for blk in self.layers.values():
+            x = blk(x, rope)
+        return x
+
+
+def _fsdp_pair(d_model, layers, seq, dtype, dev, raf: str):
+    """(framework step, twin step, unit bytes unsharded, FSDP collective calls per unit and step)."""
+    from ..executor.model import rope_cache
+    from ..executor.parallelize import Meshes, apply_fsdp
+    from ..plan import Plan
+
+    world = dist.get_world_size()
+    plan = Plan(dp_shard=world, seq_len=seq, local_batch_size=1, fsdp_reshard_after_forward=raf,
+                param_dtype=str(dtype).removeprefix("torch."), reduce_dtype=str(dtype).removeprefix("torch."))
+    spec = _spec(d_model, layers)
+    wrapped = _Stack(spec).to(dev, dtype)
+    apply_fsdp([wrapped], plan, Meshes(plan, dev.type))
+    plain = _Stack(spec).to(dev, dtype)
+    numel = sum(p.numel() for p in plain.layers["0"].parameters())
+    shard = torch.zeros(-(-numel // world), device=dev, dtype=dtype)
+    full = torch.zeros(shard.numel() * world, device=dev, dtype=dtype)
+    rope = rope_cache(spec.head_dim, seq).to(dev)
+    x = torch.randn(1, seq, d_model, device=dev, dtype=dtype, requires_grad=True)
+    gathers = 2 if plan.reshard_after_forward else 1
+
+    def framework():
+        wrapped(x, rope).sum().backward()
+
+    def twin():
+        h = x
+        for blk in plain.layers.values():
+            dist.all_gather_into_tensor(full, shard)
+            h = blk(h, rope)
+        h.sum().backward()
+        for _ in plain.layers:
+            if gathers == 2:
+                dist.all_gather_into_tensor(full, shard)
+            dist.reduce_scatter_tensor(shard, full)
+
+    return framework, twin, numel * dtype.itemsize, gathers + 1
+
+
+def _tp_pair(d_model, layers, seq, dtype, dev):
+    """(framework step, twin step, activation bytes per collective, 0): TP + SP over the world."""
+    from ..executor.model import rope_cache
+    from ..executor.parallelize import Meshes, apply_tp
+    from ..plan import Plan
+
+    world = dist.get_world_size()
+    plan = Plan(tp=world, dp_shard=1, seq_len=seq, local_batch_size=1, sequence_parallel=True,
+                param_dtype=str(dtype).removeprefix("torch."), reduce_dtype=str(dtype).removeprefix("torch."))
+    spec = _spec(d_model, layers)
+    wrapped = _Stack(spec).to(dev, dtype)
+    apply_tp([wrapped], plan, Meshes(plan, dev.type))
+    plain = _Stack(_spec(d_model, layers, tp=world)).to(dev, dtype)
+    rope = rope_cache(spec.head_dim, seq).to(dev)
+    from torch.distributed.tensor import DTensor
+
+    x_full = torch.randn(1, seq, d_model, device=dev, dtype=dtype)
+    x_local = x_full.chunk(world, dim=1)[dist.get_rank()].detach().requires_grad_(True)
+    shard = torch.zeros(seq // world * d_model, device=dev, dtype=dtype)
+    full = torch.zeros(seq * d_model, device=dev, dtype=dtype)
+    xp = x_full.clone().requires_grad_(True)
+
+    def framework():
+        out = wrapped(x_local, rope)  # the executor's blocks take and give the local sequence shard under SP
+        (out.to_local() if isinstance(out, DTensor) else out).sum().backward()
+
+    def twin():
+        h = xp
+        for blk in plain.layers.values():
+            for _ in range(2):  # attention and MLP: gather the sequence in, reduce-scatter the output
+                dist.all_gather_into_tensor(full, shard)
+                dist.reduce_scatter_tensor(shard, full)
+            h = blk(h, rope)
+        h.sum().backward()
+        for _ in plain.layers:  # the mirrors in backward
+            for _ in range(2):
+                dist.all_gather_into_tensor(full, shard)
+                dist.reduce_scatter_tensor(shard, full)
+
+    return framework, twin, full.numel() * dtype.itemsize, 0
+
+
+def _time_pair(framework, twin, reps: int, warmup: int, sync) -> tuple[list[float], list[float]]:
+    def once(fn):
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        once(framework)
+        once(twin)
+    tf, tt = [], []
+    for _ in range(reps):  # interleaved: drift and neighbours hit both forms alike
+        tf.append(once(framework))
+        tt.append(once(twin))
+    return tf, tt
+
+
+def measure(widths=WIDTHS, layers: int = 6, seq: int = 64, reps: int = 15, warmup: int = 2) -> list[dict]:
+    """Samples on this rank's process group (every rank calls it; rank 0's list is the one to keep)."""
+    cuda = _cuda()
+    dev = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = []
+    for d in widths:
+        probes = [("fsdp", "default"), ("fsdp", "never"), ("tp", "")]
+        for kind, raf in probes:
+            if kind == "fsdp":
+                fw, tw, nbytes, calls = _fsdp_pair(d, layers, seq, dtype, dev, raf)
+            else:
+                fw, tw, nbytes, calls = _tp_pair(d, layers, TP_SEQ, dtype, dev)
+            tf, tt = _time_pair(fw, tw, reps, warmup, sync)
+            mf, mt = statistics.median(tf), statistics.median(tt)
+            out.append({"kind": kind, "reshard_after_forward": raf, "d_model": d, "layers": layers,
+                        "seq_len": TP_SEQ if kind == "tp" else seq,
+                        "world": dist.get_world_size(), "dtype": str(dtype).removeprefix("torch."),
+                        "unit_bytes": nbytes, "fsdp_calls_per_unit": calls, "framework_s": mf, "twin_s": mt,
+                        "framework_spread_s": max(tf) - min(tf), "twin_spread_s": max(tt) - min(tt),
+                        "overhead_per_block_s": (mf - mt) / layers, "reps": reps})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--quick", action="store_true", help="two widths, fewer repetitions")
+    a = ap.parse_args(argv)
+    die_with_parent()
+    cuda = _cuda()
+    if not cuda:
+        torch.set_num_threads(1)  # as each torchrun rank runs
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        samples = measure(WIDTHS[:2] if a.quick else WIDTHS, reps=5 if a.quick else a.reps)
+        if dist.get_rank() == 0:
+            atomic_write_json(a.out, {"samples": samples, "torch": torch.__version__,
+                                      "backend": dist.get_backend()})
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""Framework overhead (FSDP2, DTensor TP beside their collectives): the fit of the probe's samples, the cost model's
+use of the quantities, and the probe itself on 2 gloo ranks."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from parsim.costmodel import predict
+from parsim.hardware import load_profile
+from parsim.plan import Plan
+from parsim.profiler.fit import fit_framework_overheads
+from parsim.spec import PRESETS
+
+TINY = PRESETS["tiny"]
+
+
+def test_fit_recovers_fixed_and_per_byte_overheads():
+    samples = [{"kind": "fsdp", "unit_bytes": b, "overhead_per_block_s": 2e-3 + 1e-9 * b} for b in (8e5, 3e6, 1.2e7)]
+    samples += [{"kind": "tp", "unit_bytes": b, "overhead_per_block_s": 6e-3 + 1.5e-8 * b} for b in (1e5, 3e5, 5e5)]
+    q = fit_framework_overheads(samples)
+    assert q["fsdp_unit_fixed_s"] == pytest.approx(2e-3, rel=1e-6)
+    assert q["fsdp_unit_s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
+    assert q["tp_block_fixed_s"] == pytest.approx(6e-3, rel=1e-6)
+    assert q["tp_block_s_per_byte"] == pytest.approx(1.5e-8, rel=1e-6)
+    assert fit_framework_overheads([s for s in samples if s["kind"] == "tp"]).keys() == {"tp_block_fixed_s",
+                                                                                         "tp_block_s_per_byte"}
+
+
+def _profile(**corr):
+    hw = load_profile("cpu-gloo-2")
+    return dataclasses.replace(hw, corrections={**{k: v for k, v in hw.corrections.items()
+                                                   if not k.startswith(("fsdp_unit_", "tp_block_"))}, **corr})
+
+
+@pytest.mark.parametrize("degrees, reductions", [
+    ({"dp_shard": 2}, 6),  # 4 blocks + embedding + [norm, output]: one reduce-scatter each per step
+    ({"dp_replicate": 2}, 6),  # replicate only: the all-reduce of each whole unit
+    ({"dp_replicate": 2, "dp_shard": 2}, 6),  # HSDP: the reduce-scatter's cycle; the all-reduce after is not another
+])
+def test_fsdp_overhead_is_charged_once_per_unit_and_reduction(degrees, reductions):
+    plan = Plan(seq_len=128, local_batch_size=1, param_dtype="float32", reduce_dtype="float32", **degrees)
+    base = predict(TINY, plan, _profile())
+    got = predict(TINY, plan, _profile(fsdp_unit_fixed_s=1e-3, fsdp_unit_s_per_byte=0.0))
+    assert "framework_fsdp" not in base.time_breakdown_s
+    scale = float(_profile().corrections.get("compute_scale", 1.0))
+    assert got.time_breakdown_s["framework_fsdp"] == pytest.approx(reductions * 1e-3 * scale)
+    assert got.step_time_s == pytest.approx(base.step_time_s + reductions * 1e-3 * scale)
+    assert sum(got.time_breakdown_s.values()) == pytest.approx(got.step_time_s)
+
+
+def test_tp_overhead_per_block_and_microbatch_grows_with_the_gathered_activation():
+    plan = Plan(tp=2, dp_shard=1, seq_len=128, local_batch_size=1, global_batch_size=2, param_dtype="float32",
+                reduce_dtype="float32")  # gradient accumulation 2: two microbatches
+    act = 1 * 128 * TINY.d_model * 4
+    got = predict(TINY, plan, _profile(tp_block_fixed_s=1e-3, tp_block_s_per_byte=1e-9))
+    scale = float(_profile().corrections.get("compute_scale", 1.0))
+    assert got.time_breakdown_s["framework_tp"] == pytest.approx(TINY.n_layers * 2 * (1e-3 + 1e-9 * act) * scale)
+    assert sum(got.time_breakdown_s.values()) == pytest.approx(got.step_time_s)
+    no_tp = predict(TINY, dataclasses.replace(plan, tp=1, dp_shard=2), _profile(tp_block_fixed_s=1e-3,
+                                                                               tp_block_s_per_byte=1e-9))
+    assert no_tp.time_breakdown_s.get("framework_tp", 0.0) == 0.0  # zero components are left out
+
+
+@pytest.mark.slow
+def test_probe_measures_fsdp_and_tp_against_their_twins_on_two_gloo_ranks(tmp_path):
+    out = tmp_path / "fw.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "parsim.profiler.frameworks", "--out", str(out), "--quick"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
+                                                                             "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    kinds = {(s["kind"], s["reshard_after_forward"], s["d_model"]) for s in doc["samples"]}
+    assert kinds == {(k, raf, d) for k, raf in (("fsdp", "default"), ("fsdp", "never"), ("tp", ""))
+                     for d in (128, 256)}
+    for s in doc["samples"]:
+        assert s["framework_s"] > 0 and s["twin_s"] > 0 and s["world"] == 2 and s["dtype"] == "float32"
+    fsdp = {s["d_model"]: s["unit_bytes"] for s in doc["samples"] if s["kind"] == "fsdp"}
+    assert fsdp[256] == 4 * sum(p for p in (256 * 256 * 2 + 2 * 256 * 128, 3 * 256 * 768, 2 * 256))
+    q = fit_framework_overheads(doc["samples"])
+    assert all(v >= 0 for v in q.values()) and len(q) == 4
