@@ -89,4 +89,3 @@ def add_measured_blocks(hw, shapes, out_path, progress=None, device=None, reps: 
     if progress:
         progress(len(todo), len(todo), "")
     return hw, walls
-
