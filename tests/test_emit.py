@@ -103,6 +103,13 @@ def _module_name(name: str) -> str:
     return "parsim_plan_" + name.replace("-", "_")
 
 
+def _checked(results: dict, name: str):
+    """(spec, plan, what the framework's check reported) for a matrix plan whose check ran without error."""
+    d = results[_module_name(name)]
+    assert "error" not in d, d.get("error")
+    return (*PLANS[name], d)
+
+
 def _emit_matrix(out: Path, emit, suffix: str) -> dict[str, tuple[Path, int]]:
     """Every plan of the matrix written by ``emit`` into ``out``: {stem: (file, world size)}."""
     files = {}
@@ -133,9 +140,7 @@ def torchtitan_030(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
 def test_torchtitan_030_builds_and_checks_the_emitted_config(name, torchtitan_030):
-    spec, plan = PLANS[name]
-    d = torchtitan_030[_module_name(name)]
-    assert "error" not in d, d.get("error")
+    spec, plan, d = _checked(torchtitan_030, name)
     tt_ep = plan.ep if (plan.dp_shard * plan.cp * plan.tp) % plan.ep == 0 else 1
     assert d["degrees"] == [plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, plan.cp, tt_ep]
     assert d["training"] == [plan.local_batch_size, plan.global_batch_size, plan.seq_len, plan.param_dtype,
@@ -180,9 +185,7 @@ def torchtitan_022(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
 def test_torchtitan_022_builds_and_checks_the_emitted_toml(name, torchtitan_022):
-    spec, plan = PLANS[name]
-    d = torchtitan_022[_module_name(name)]
-    assert "error" not in d, d.get("error")
+    spec, plan, d = _checked(torchtitan_022, name)
     tt_ep = plan.ep if (plan.dp_shard * plan.cp * plan.tp) % plan.ep == 0 else 1
     assert d["degrees"] == [plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, plan.cp, tt_ep,
                             plan.etp if plan.etp == plan.tp else 1]
@@ -229,9 +232,7 @@ def megatron(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
 def test_megatron_parser_and_validate_args_accept_the_emitted_arguments(name, megatron):
-    spec, plan = PLANS[name]
-    d = megatron[_module_name(name)]
-    assert "error" not in d, d.get("error")
+    spec, plan, d = _checked(megatron, name)
     assert [d["tensor_model_parallel_size"], d["pipeline_model_parallel_size"], d["context_parallel_size"],
             d["data_parallel_size"], d["expert_model_parallel_size"]] == [plan.tp, plan.pp, plan.cp, plan.dp,
                                                                           plan.ep]

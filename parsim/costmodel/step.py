@@ -686,8 +686,12 @@ def _framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, led
     if "fsdp_unit_fixed_s" in c:
         t = np.zeros(len(b))
         for r in ledger.records:
-            whole_unit = (r.op == "reduce_scatter" and r.what.startswith(("FSDP reduce-scatter")))
-            replicate_only = r.op == "all_reduce" and r.what.startswith("HSDP all-reduce")
+            if r.overlap != "fsdp_reduce":
+                continue
+            # FSDP's reduce-scatter over its shard group (dp_shard, dp_shard+cp, efsdp; not the distributed
+            # optimizer's over dp_replicate), or HSDP's all-reduce over dp_replicate (DDP-EP's over edp is not FSDP)
+            whole_unit = r.op == "reduce_scatter" and r.axis != "dp_replicate"
+            replicate_only = r.op == "all_reduce" and r.axis == "dp_replicate"
             if not (whole_unit or replicate_only):
                 continue
             on = np.ones(len(b), bool) if whole_unit else (b.fsdp == 1)

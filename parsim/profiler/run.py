@@ -132,37 +132,38 @@ class NodeSpec:
 def _run_collectives(out: Path, nproc_per_node: int, nodes: NodeSpec | None, ops: str, factor: int, min_bytes: int,
                      max_bytes: int, device: str | None, timeout_s: float, resume: bool = False) -> None:
     """The collective benchmark under torchrun (this node's ranks; every node's with ``nodes``)."""
+    args = ["--out", str(out), "--ops", ops, "--factor", str(factor)]
+    if min_bytes:
+        args += ["--min-bytes", str(min_bytes)]
+    if max_bytes:
+        args += ["--max-bytes", str(max_bytes)]
+    if resume:
+        args.append("--resume")
+    _torchrun_module("parsim.profiler.collectives", args, nproc_per_node, nodes, device, timeout_s,
+                     "collective benchmark failed ({why}); --resume continues: ", echo=sys.stderr.write)
+
+
+def _torchrun_module(module: str, args: list[str], nproc_per_node: int, nodes: NodeSpec | None,
+                     device: str | None, timeout_s: float, failed: str, echo=None) -> None:
+    """``python -m module args`` on ``nproc_per_node`` ranks of this node (every node's with ``nodes``), one
+    thread each; a failure raises ``failed`` (with ``{why}``) followed by the tail of the output."""
     where = nodes.torchrun_args() if nodes else ["--standalone"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc_per_node}",
-           "-m", "parsim.profiler.collectives", "--out", str(out), "--ops", ops, "--factor", str(factor)]
-    if min_bytes:
-        cmd += ["--min-bytes", str(min_bytes)]
-    if max_bytes:
-        cmd += ["--max-bytes", str(max_bytes)]
-    if resume:
-        cmd.append("--resume")
+           "-m", module, *args]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if device == "cpu":
         env["PARSIM_DEVICE"] = "cpu"
-    code, output = run_tree(cmd, env, timeout_s, echo=sys.stderr.write)  # the nccl-tests table as it comes
+    code, output = run_tree(cmd, env, timeout_s, echo=echo)  # echo: e.g. the nccl-tests table as it comes
     if code != 0:
         tail = "\n".join(ln for ln in output.splitlines() if not ln.startswith("W1"))[-1500:]
         why = f"timed out after {timeout_s:.0f} s" if code is None else f"exit {code}"
-        raise ParsimError(f"collective benchmark failed ({why}); --resume continues: {tail}")
+        raise ParsimError(failed.format(why=why) + tail)
 
 
 def run_framework_probe(out: Path, device: str | None, timeout_s: float, quick: bool = False) -> None:
     """``profiler.frameworks`` under torchrun on 2 ranks of this node: samples to ``out``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "parsim.profiler.frameworks", "--out", str(out)] + (["--quick"] if quick else [])
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if device == "cpu":
-        env["PARSIM_DEVICE"] = "cpu"
-    code, output = run_tree(cmd, env, timeout_s)
-    if code != 0:
-        tail = "\n".join(ln for ln in output.splitlines() if not ln.startswith("W1"))[-1500:]
-        why = f"timed out after {timeout_s:.0f} s" if code is None else f"exit {code}"
-        raise ParsimError(f"framework-overhead probe failed ({why}): {tail}")
+    _torchrun_module("parsim.profiler.frameworks", ["--out", str(out)] + (["--quick"] if quick else []), 2, None,
+                     device, timeout_s, "framework-overhead probe failed ({why}): ")
 
 
 def with_framework_samples(hw: HardwareProfile, fw: dict) -> HardwareProfile:
