@@ -10,6 +10,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import sys
 from typing import Optional
 
@@ -283,6 +284,11 @@ def search(
                                               "of --execute to this JSON"),
     wide: bool = typer.Option(False, "--wide", help="the top table with every field spelled out (needs ~190 "
                               "columns)"),
+    measure: int = typer.Option(0, "--measure", help="time the blocks of the top K and the Pareto plans on this "
+                                "device and re-rank them (needs a profile of this device)"),
+    measure_budget_flops: Optional[float] = typer.Option(None, "--measure-budget-flops", help="forward FLOPs above "
+                                                         "which a smaller stand-in block is timed instead (default: "
+                                                         "2e9 on CPU, none on a GPU)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
 ):
     """Search every plan for a model on N GPUs and rank them by predicted step time. Every plan flag given pins
@@ -293,8 +299,13 @@ def search(
 
     check_int("--top", top, 1, 10_000)
     check_int("--execute", execute, 0, top)
-    if execute:
-        require_torch("search --execute")
+    check_int("--measure", measure, 0, 1000)
+    if execute or measure:
+        require_torch("search --execute" if execute else "search --measure")
+    if measure_budget_flops is not None and not (measure_budget_flops > 0):
+        from parsim.errors import ParsimError
+
+        raise ParsimError(f"--measure-budget-flops must be > 0, got {measure_budget_flops}")
     if explain is not None:
         check_int("--explain", explain, 1, top)
     gpus, space = search_space(flags, no_pp=no_pp, no_cp=no_cp, max_tp=max_tp, max_pp=max_pp, ac_modes=ac_modes,
@@ -312,13 +323,31 @@ def search(
             check_output_path(path)
     spec = load_model(flags["model"])
     # plans run here are predicted with a profile of this machine (measured first when the given one is not)
-    hw = profile_measured_here(flags["profile"]) if execute else profile_for_this_machine(flags["profile"])
+    hw = profile_measured_here(flags["profile"]) if execute or measure else profile_for_this_machine(flags["profile"])
+    if measure:
+        _check_profile_is_this_device(hw)
     from parsim.cli.views import run_search_cli
 
     run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,
                    emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json, execute=execute,
                    model_arg=flags["model"], execute_out=execute_out, wide=wide,
-                   torchtitan_format=torchtitan_format, emit_megatron=emit_megatron)
+                   torchtitan_format=torchtitan_format, emit_megatron=emit_megatron, measure=measure,
+                   measure_budget_flops=measure_budget_flops)
+
+
+def _check_profile_is_this_device(hw) -> None:
+    """``--measure`` puts blocks timed here beside the profile's curves: the profile must describe this device."""
+    import torch
+
+    from parsim.errors import ParsimError
+
+    here = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    theirs = "cpu" if hw.provenance.get("device", "") == "cpu" and hw.source == "measured" else hw.device_name
+    models = re.findall(r"\b[A-Z]+\d{2,4}\b", theirs)  # H100, A100, B200, ...
+    if (here == "cpu") != (theirs == "cpu") or (here != "cpu" and not any(m in here for m in models)):
+        raise ParsimError(f"--measure times blocks on this machine ({here}), but profile {hw.name} describes "
+                          f"{theirs}: pass a profile of this device (e.g. --profile cpu-gloo-2 here, or one "
+                          "`parsim profile` measured on it)")
 
 
 def _measurement_summary(m, title: str) -> None:

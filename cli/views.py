@@ -75,6 +75,9 @@ def _sched_str(plan) -> str:
     return name + (f"/v{plan.pp_stages_per_rank}" if plan.pp_stages_per_rank > 1 else "")
 
 
+CPU_MEASURE_BUDGET_FLOPS = 2e9  # assumed: about 0.1 s forward on one CPU core, ~5 s per shape with repetitions
+
+
 class CsvSink:
     """Streams every evaluated plan to CSV, written to a temporary file and renamed at the end (atomic)."""
 
@@ -157,7 +160,7 @@ class ParquetSink(CsvSink):
 
 def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torchtitan, csv_path, as_json,
                    execute=0, model_arg=None, execute_out=None, wide=False, torchtitan_format="python",
-                   emit_megatron=None):
+                   emit_megatron=None, measure=0, measure_budget_flops=None):
     from rich import box
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
@@ -189,12 +192,22 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     if explain is not None and not 1 <= explain <= len(res.top):
         raise ParsimError(f"--explain {explain}: only {len(res.top)} plans ranked")
     best = res.top[0][0] if res.top else None
+    measured = _measure(spec, hw, res, measure, measure_budget_flops) if measure and res.top else None
+    if measured and measured["rows"][0]["measured_rank"]:  # the re-ranked best is the plan written out
+        from parsim.plan import Plan
+
+        best = Plan.from_dict(measured["rows"][0]["plan"])
     if emit_plan and best:
         # the plan with the model it was searched for (`predict --plan F` then needs no --model)
         atomic_write_json(emit_plan, {"model": model_arg or spec.name, "plan_id": best.plan_id,
                                       "plan": best.to_dict()})
     if best:  # what parsim predicted for the plan it writes out
         _, step, mem, tps, mfu, _ = res.top[0]
+        if measured:
+            from parsim.costmodel import predict
+
+            p = predict(spec, best, measured["profile"])
+            step, mem, tps, mfu = p.step_time_s, p.peak_memory_bytes, p.tokens_per_s_per_gpu, p.mfu
         q = math.exp(hw.interval_log_halfwidth)
         said = (f"step {step:.3f} s (90% interval {step / q:.3f}-{step * q:.3f} s), {tps:,.0f} tokens/s/GPU, "
                 f"MFU {100 * mfu:.1f}%, peak {mem / GiB:.1f} GiB per GPU on {hw.name}")
@@ -229,6 +242,8 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
             d["explain"] = _explain_dict(spec, hw, res, explain, top)
         if executed:
             d["executed"] = executed
+        if measured:
+            d["measured"] = {k: v for k, v in measured.items() if k != "profile"}
         emit_json(d)
         return
     con.print(f"[bold]{spec.name}[/bold] on {gpus} x {hw.device_name} ({hw.name}), global batch "
@@ -264,6 +279,8 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         pt.add_row(f"{step / MS:.1f}", f"{mem / GiB:.1f}", short_degrees(plan), _sched_str(plan),
                    short_batch(plan), short_ac(plan.ac), short_options(plan))
     con.print(pt)
+    if measured:
+        _print_reranked(con, measured)
     if explain:
         _print_explain(con, spec, hw, res, explain, top)
     if executed:
@@ -365,6 +382,62 @@ def _print_explain(con, spec, hw, res, n, top):
         most = max(v["time_delta_s"], key=lambda k: abs(v["time_delta_s"][k]))
         diffs.append(f"#{v['rank']} differs most on {most} ({v['time_delta_s'][most] / MS:+.1f} ms)")
     con.print("; ".join(diffs))
+
+
+def _measure(spec, hw, res, k: int, budget_flops: float | None) -> dict:
+    """``--measure K``: the blocks of the top-K and Pareto plans timed on this device (kept in this machine's
+    profile folder under the profile's name, so a second run measures nothing again), the plans re-ranked
+    (``parsim.remeasure``)."""
+    import dataclasses
+
+    import torch
+
+    from parsim.cli.loop import _progress
+    from parsim.hardware import HardwareProfile, profile_write_dir
+    from parsim.jsonio import read_json
+    from parsim.profiler.blocks import add_measured_blocks
+    from parsim.remeasure import measure_and_rerank
+
+    cuda = torch.cuda.is_available()
+    budget = budget_flops if budget_flops is not None else (math.inf if cuda else CPU_MEASURE_BUDGET_FLOPS)
+    path = profile_write_dir() / f"{hw.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():  # blocks measured here by an earlier run (a cache: kept beside the given profile's own)
+        cached = HardwareProfile.from_dict(read_json(path, "corrupt profile"), origin=str(path))
+        hw = dataclasses.replace(hw, measured_blocks={**cached.measured_blocks, **hw.measured_blocks})
+
+    def measure_missing(hw_, shapes):
+        with _progress() as prog:
+            task = prog.add_task(f"measuring {len(shapes)} block shapes", total=len(shapes))
+            return add_measured_blocks(hw_, shapes, path, progress=lambda d, t, key: prog.update(task, completed=d))
+
+    out = measure_and_rerank(spec, hw, res, k, budget, measure_missing)
+    return {**out, "budget_flops": budget, "profile_path": str(path), "device": "cuda" if cuda else "cpu"}
+
+
+def _print_reranked(con, measured: dict) -> None:
+    from rich import box
+    from rich.table import Table
+
+    from parsim.plan import Plan
+
+    t = Table(title=f"re-ranked with blocks measured on this {measured['device']} ({measured['shapes']} shapes, "
+                    f"{measured['stand_ins']} by stand-ins, {measured['measured_now']} measured now in "
+                    f"{measured['measurement_wall_s']:.0f} s)", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False,
+              caption="was: rank on the curves. blocks: measured at the plan's shape, a stand-in (w/h/s: widths, "
+                      "heads, sequence divided by) or curves (a shape one block cannot stand for: CP, MLA, ...; not "
+                      "re-ranked against measured plans: listed last)")
+    for col in ("#", "was", "curves s", "meas s", "diff", "degrees", "sched", "batch", "AC", "opt", "blocks"):
+        t.add_column(col, justify="right" if col in ("#", "was", "curves s", "meas s", "diff") else "left",
+                     no_wrap=True)
+    for r in measured["rows"]:
+        plan = Plan.from_dict(r["plan"])
+        moved = r["curves_rank"] - r["measured_rank"] if r["measured_rank"] else 0
+        was = f"{r['curves_rank']}" + (f" ({'+' if moved > 0 else ''}{moved})" if moved else "")
+        t.add_row(str(r["measured_rank"] or "-"), was, f"{r['curves_step_s']:.4g}", f"{r['measured_step_s']:.4g}",
+                  f"{100 * (r['measured_step_s'] / r['curves_step_s'] - 1):+.0f}%", short_degrees(plan),
+                  _sched_str(plan), short_batch(plan), short_ac(plan.ac), short_options(plan), r["blocks"])
+    con.print(t)
 
 
 def _execute(spec, hw, res, k, model_arg, err) -> list[dict]:

@@ -1,5 +1,7 @@
 """Executor: real multi-process runs with gloo (slow) and full-scale traces (tier 1) against the cost model."""
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,14 +17,12 @@ from parsim.spec import PRESETS  # noqa: E402
 H100 = load_profile("h100-sxm-spec")
 G, S, STEPS = 8, 64, 4  # global batch, sequence, steps (2 warm-up + 2 timed)
 
+# Each option appears at least once; options are combined where one run can check them together (every run costs
+# 10-20 s of CI): plain FSDP 4 is in the AC cases, plain FSDP x TP and PP x FSDP in their device-order cases.
 PARITY = [
-    ("tiny", dict(dp_shard=4, local_batch_size=2)),
-    ("tiny", dict(dp_shard=2, tp=2, local_batch_size=4)),
-    ("tiny", dict(pp=2, dp_shard=2, local_batch_size=4, micro_batch_size=2)),
     ("tiny", dict(pp=2, tp=2, local_batch_size=8, micro_batch_size=2)),
     ("tiny-moe", dict(dp_shard=4, ep=2, local_batch_size=2)),
     ("tiny", dict(dp_shard=4, local_batch_size=2, ac="full")),
-    ("tiny", dict(dp_shard=4, local_batch_size=2, ac="selective-op")),
     ("tiny", dict(dp_shard=2, local_batch_size=4, compile=True)),
     # device orders other than the default (issue 12): TP outer of FSDP, PP innermost, EP inside a reversed mesh
     ("tiny", dict(dp_shard=2, tp=2, local_batch_size=4, mesh_order=("pp", "dp_replicate", "cp", "tp", "dp_shard"))),
@@ -35,8 +35,8 @@ PARITY = [
     ("tiny-moe", dict(dp_shard=2, tp=2, ep=4, local_batch_size=4)),
     ("tiny-moe", dict(pp=2, tp=2, ep=2, local_batch_size=8, micro_batch_size=2)),
     ("tiny-moe", dict(dp_shard=2, tp=2, local_batch_size=4, sequence_parallel=False)),
-    # the fused cross-entropy (issue 11), also as a pipeline's loss
-    ("tiny", dict(dp_shard=4, local_batch_size=2, fused_loss=True)),
+    # the fused cross-entropy (issue 11), with selective-op AC, and as a pipeline's loss
+    ("tiny", dict(dp_shard=4, local_batch_size=2, ac="selective-op", fused_loss=True)),
     ("tiny", dict(pp=2, dp_shard=2, local_batch_size=4, micro_batch_size=2, fused_loss=True)),
 ]
 
@@ -160,8 +160,9 @@ def test_trace_mixtral_pp_tp_fsdp_ep_matches_the_model():
 @pytest.mark.slow
 def test_trace_qwen3_moe_tp_ep_matches_the_model():
     # qwen3-30b-a3b FSDP 32 x TP 2 with EP 32 (from dp_shard x tp) on 64 ranks: q/k norms, 128 experts top-8
-    _assert_trace_matches_prediction(PRESETS["qwen3-30b-a3b"], Plan(dp_shard=32, tp=2, ep=32, seq_len=2048,
-                                                                    local_batch_size=2), 0.01)
+    # (8 of its 48 layers: the per-layer arithmetic is what is checked, and 48 layers trace in ~45 s)
+    qwen = dataclasses.replace(PRESETS["qwen3-30b-a3b"], n_layers=8)
+    _assert_trace_matches_prediction(qwen, Plan(dp_shard=32, tp=2, ep=32, seq_len=2048, local_batch_size=2), 0.01)
 
 
 def test_trace_interleaved_full_ac_matches_the_model():

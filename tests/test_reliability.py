@@ -182,12 +182,21 @@ def test_interrupted_cli_run_leaves_no_process(sig):
 
     mark = uuid.uuid4().hex
     env = dict(os.environ, PARSIM_TEST_MARK=mark, PYTHONPATH=os.pathsep.join(sys.path))
+    # Ctrl-C as a terminal delivers it to a foreground process: SIGINT at its default disposition in the child,
+    # whatever this process inherited (a test run started as a background job of a non-interactive shell, e.g.
+    # `bash -c 'pytest &'`, has SIGINT ignored, and a Python started so keeps ignoring it, as nohup intends)
     p = subprocess.Popen([sys.executable, "-m", "parsim", "run", "--model", "tiny", "--gpus", "2", "--dp-shard", "2",
                           "--seq-len", "64", "--nproc-per-node", "2", "--steps", "100000", "--timeout", "600"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert _wait_until(lambda: len(tagged_pids(mark, "PARSIM_TEST_MARK")) >= 3, 120)  # parsim, torchrun, workers
     p.send_signal(sig)
-    out, _ = p.communicate(timeout=120)
+    try:
+        out, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        pytest.fail(f"parsim run did not end within 120 s of signal {sig!r}; its output:\n{out[-3000:]}")
     assert p.returncode == 130, out[-2000:]
     assert "interrupted" in out and "Traceback" not in out
     assert _wait_until(lambda: tagged_pids(mark, "PARSIM_TEST_MARK") == set(), 30)

@@ -245,8 +245,8 @@ def _run(args, device, rank, world) -> dict:
             times.append(time.perf_counter() - t0)
     if device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated())
-        breakdown = {"allocated_peak": peak}
-        mem_note = "torch.cuda.max_memory_allocated over the timed steps"
+        breakdown = {"allocated_peak": peak, "reserved_peak": float(torch.cuda.max_memory_reserved())}
+        mem_note = "torch.cuda.max_memory_allocated over the timed steps (reserved_peak: max_memory_reserved)"
     return {"losses": losses, "step_times_s": times, "median_step_time_s": statistics.median(times) if times else None,
             "peak_memory_bytes": peak, "memory_breakdown_bytes": breakdown, "memory_source": mem_note,
             "comm_bytes": comm, "comm_counts": counts}

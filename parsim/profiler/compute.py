@@ -40,6 +40,24 @@ def gemm_samples(device, dtype, shapes, reps=5) -> list[dict]:
     return out
 
 
+def float8_gemm_samples(device, shapes, reps=5) -> list[dict]:
+    """float8 (e4m3) GEMMs with tensorwise scales and bf16 output, as torchao's float8 training runs them
+    (``torch._scaled_mm``; the second operand column-major), on GPUs that have them (compute capability 8.9+).
+    None elsewhere: a CPU's float8 path is an emulation, not what a float8 plan would run on."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return []
+    f8 = torch.float8_e4m3fn
+    one = torch.ones((), device=device, dtype=torch.float32)
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device).to(f8)
+        b = torch.randn(n, k, device=device).to(f8).t()
+        t = _time(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps, True)
+        out.append({"kind": "gemm", "m": m, "n": n, "k": k, "dtype": "float8_e4m3fn", "flops": 2.0 * m * n * k,
+                    "time_s": t})
+    return out
+
+
 def attention_samples(device, dtype, shapes, reps=3) -> list[dict]:
     """SDPA causal forward and backward; flops counted as the cost model does (causal half)."""
     cuda = device.type == "cuda"
@@ -115,6 +133,7 @@ def run_compute(device, spec=None, seq_len=512, threads: int | None = 1, quick=F
         shapes = shapes[:3]
     out = gemm_samples(device, dtype, shapes)
     out += gemm_samples(device, torch.bfloat16, shapes[:3]) if cpu else gemm_samples(device, torch.float32, shapes[:3])
+    out += float8_gemm_samples(device, [s for s in shapes if all(d % 16 == 0 for d in s)])
     att = [(1, 4, 256, 64), (1, 8, 512, 64), (1, 8, 1024, 64)] if cpu else \
         [(1, 32, 1024, 128), (1, 32, 4096, 128), (2, 32, 8192, 128)]
     out += attention_samples(device, dtype, att[:2] if quick else att)

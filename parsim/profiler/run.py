@@ -288,8 +288,11 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
     main_dtype = "float32" if dev.type == "cpu" else "bfloat16"
     g = [s for s in cs if s["kind"] == "gemm" and s["dtype"] == main_dtype]
     rate, x_half, g_res = fit_throughput([s["flops"] for s in g], [s["time_s"] for s in g])
-    other = [s for s in cs if s["kind"] == "gemm" and s["dtype"] != main_dtype]
+    other = [s for s in cs if s["kind"] == "gemm" and s["dtype"] in ("float32", "bfloat16")
+             and s["dtype"] != main_dtype]
     other_rate = fit_throughput([s["flops"] for s in other], [s["time_s"] for s in other])[0] if other else rate
+    f8 = [s for s in cs if s["kind"] == "gemm" and s["dtype"] == "float8_e4m3fn"]  # GPUs with float8 GEMMs only
+    f8_rate, f8_half, _ = fit_throughput([s["flops"] for s in f8], [s["time_s"] for s in f8]) if f8 else (0, 0, 0)
     att = [s for s in cs if s["kind"] == "attention"]
     a_rate, a_half, a_res = fit_throughput([s["flops"] for s in att], [s["time_fwd_s"] for s in att])
     mem = [s for s in cs if s["kind"] == "elementwise"]
@@ -317,6 +320,8 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
     nic = sorted(f.busbw_bytes_per_s / f.ranks_per_node for f in cross.values())
     nic_rate = nic[len(nic) // 2] if nic else min(intra.values())
     peak = {main_dtype: rate, ("bfloat16" if main_dtype == "float32" else "float32"): other_rate}
+    if f8:
+        peak["float8"] = f8_rate
     mem_total = _ram_bytes() if dev.type == "cpu" else float(torch.cuda.get_device_properties(0).total_memory)
     per_rank_mem = mem_total / (nproc_per_node if dev.type == "cpu" else 1)
     rows = [(f.op, f.group_size, f.ranks_per_node, f.min_bytes, f.latency_s, f.busbw_bytes_per_s, f.rel_residual,
@@ -327,6 +332,7 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
         memory_bytes=per_rank_mem, memory_reserved_bytes=min(0.05 * per_rank_mem, 2**30), peak_flops=peak,
         memory_bandwidth_bytes_per_s=bw, gemm_efficiency=EfficiencyCurve(1.0, x_half),
         attention_efficiency=EfficiencyCurve(1.0, a_half), memory_efficiency=1.0,
+        float8_gemm_efficiency=EfficiencyCurve(1.0, f8_half) if f8 else None,
         topology=Topology(intra_node_busbw_bytes_per_s=intra, inter_node_bytes_per_s_per_gpu=nic_rate,
                           intra_latency_s=float(sorted(lat)[len(lat) // 2]) if lat else 1e-4,
                           inter_latency_s=float(max(lat)) if lat else 1e-4, latency_per_log2_rank_s=0.0),
@@ -338,7 +344,8 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
             ("inter-node bandwidth measured across %d nodes: the topology fallback's NIC rate is the median of the "
              "cross-node fits' busbw / ranks per node" % n_nodes) if nic else
             "inter-node bandwidth is not measured (one node): the topology fallback uses the slowest intra-node op",
-            "compile_memory_bound_factor and float8 are not measured",
+            "compile_memory_bound_factor is not measured" + ("" if f8 else "; float8 GEMMs are not measured (no "
+                                                              "GPU with compute capability 8.9+)"),
             "gloo on CPU: collectives block the rank (comm_overlap false); ranks beyond the cores share them "
             "(corrections.compute_scale = ranks / cores)",
             ("CPU: compute measured with 1 thread, as each torchrun rank runs (OMP_NUM_THREADS=1); "

@@ -1,0 +1,184 @@
+"""The first GPU, in one command: measure it, measure a model's blocks on it, run plans on it, and put parsim's
+predictions beside what it measured (``bash bench/gpu_acceptance.sh``; under 10 minutes on one H100 is the aim).
+
+1. **Profile** (``parsim.profiler.run.profile``): bf16 and fp32 GEMM curves, float8 (e4m3, ``torch._scaled_mm``)
+   GEMMs where the GPU has them (compute capability 8.9+), SDPA forward/backward (the flash kernel on H100),
+   memory bandwidth, AdamW, one block of the model; NCCL collectives over every GPU (with 2+ GPUs; one GPU has
+   none to measure) and, with 2+, the FSDP2 / DTensor TP framework overhead.
+2. **Measured blocks** (``parsim search --measure 10``): the model's top-10 and Pareto plans on ``--gpus-searched``
+   GPUs, their blocks timed at their local shapes on this GPU (full size: no stand-ins on a GPU), the plans
+   re-ranked; both rankings in the report.
+3. **Executor runs on this machine's GPUs** (``parsim.executor.launch.run_plan``, 5 timed steps after 2 warm-up):
+   the model cut to ``--layers`` layers, data parallel over every GPU (FSDP2 with 2+; on one GPU no FSDP wrapper, as
+   torchtitan with dp_shard 1), no AC, full AC, selective-op AC, layer:2 AC, compile, float8 (rowwise); each beside
+   its prediction on the profile just measured (with the blocks measured at the run's shapes): step time,
+   ``torch.cuda`` allocated peak (predicted) and reserved peak (measured only: parsim predicts allocated memory).
+4. **Writes** ``OUT/<name>.json`` (the profile with its blocks), ``OUT/report.json`` and ``OUT/report.md``, and
+   copies the profile to ``profiles/<name>.json`` (``--no-install`` keeps it out).
+
+``--dry-run`` takes the same path on CPU at tiny scale (model ``tiny``, 128 tokens, one gloo rank, fp32, a quick
+profile, no compile or float8 runs) and writes only under ``--out``: CI runs it (``tests/test_gpu_acceptance.py``).
+
+    bash bench/gpu_acceptance.sh                      # on the GPU machine
+    bash bench/gpu_acceptance.sh --dry-run --out /tmp/acc
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GiB = 2.0**30
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one acceptance run measures: the GPU's, or the dry run's on CPU."""
+
+    model: str
+    layers: int
+    seq_len: int
+    gpus_searched: int
+    nproc: int
+    dtype: str
+    variants: tuple[tuple[str, dict], ...]
+    quick: bool
+
+
+def setup(dry_run: bool, n_gpus: int, layers: int) -> Setup:
+    base = (("no AC", {}), ("full AC", {"ac": "full"}))
+    if dry_run:
+        return Setup("tiny", 2, 128, 4, 1, "float32", base, quick=True)
+    more = (("selective-op AC", {"ac": "selective-op"}), ("layer:2 AC", {"ac": "layer:2"}),
+            ("compile", {"compile": True}), ("float8 rowwise", {"float8": True, "float8_recipe": "rowwise"}))
+    return Setup("llama3-8b", layers, 4096, 8, max(1, n_gpus), "bfloat16", base + more, quick=False)
+
+
+def _cut_model(s: Setup, out: Path) -> str:
+    """The model with ``s.layers`` layers, as a parsim ModelSpec JSON (what the executor and predict both read)."""
+    from parsim.spec import load_model
+
+    spec = load_model(s.model)
+    path = out / f"{s.model}-{s.layers}l.json"
+    path.write_text(json.dumps(replace(spec, name=f"{spec.name}-{s.layers}l", n_layers=s.layers).to_dict()))
+    return str(path)
+
+
+def _parsim(args: list[str], env: dict) -> dict:
+    r = subprocess.run([sys.executable, "-m", "parsim", *args, "--json"], capture_output=True, text=True, env=env,
+                       cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"parsim {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
+    return json.loads(r.stdout)
+
+
+def _runs(s: Setup, model_path: str, profile_path: Path, cuda: bool) -> list[dict]:
+    """Each variant run for real and predicted on the profile (blocks at the run's shapes measured first)."""
+    from parsim.blockshape import plan_block_shapes
+    from parsim.costmodel import predict
+    from parsim.executor.launch import run_plan
+    from parsim.hardware import HardwareProfile
+    from parsim.jsonio import read_json
+    from parsim.plan import Plan
+    from parsim.profiler.blocks import add_measured_blocks
+    from parsim.spec import load_model
+
+    spec = load_model(model_path)
+    rows = []
+    for name, opts in s.variants:
+        plan = Plan(dp_shard=s.nproc, seq_len=s.seq_len, local_batch_size=1, micro_batch_size=1,
+                    param_dtype=s.dtype, **opts)
+        hw = HardwareProfile.from_dict(read_json(profile_path, "profile"))
+        shapes = [x for x in plan_block_shapes(spec, plan).values() if x is not None]
+        hw, _ = add_measured_blocks(hw, shapes, profile_path)
+        p = predict(spec, plan, hw)
+        t0 = time.perf_counter()
+        m = run_plan(model_path, plan, s.nproc, steps=5, warmup=2, timeout_s=600, device=None if cuda else "cpu")
+        rows.append({"variant": name, "plan_id": plan.plan_id, "status": m.status, "error": m.error[:300],
+                     "pred_step_s": p.step_time_s, "meas_step_s": m.median_step_time_s,
+                     "pred_allocated_bytes": p.peak_memory_bytes, "meas_allocated_bytes": m.peak_memory_bytes,
+                     "meas_reserved_bytes": m.memory_breakdown_bytes.get("reserved_peak"),
+                     "wall_s": time.perf_counter() - t0})
+        print(f"  {name}: {m.status} step {m.median_step_time_s} s (predicted {p.step_time_s:.4g} s)", flush=True)
+    return rows
+
+
+def _markdown(doc: dict) -> str:
+    import pandas as pd
+
+    lines = [f"# GPU acceptance: {doc['device']}", "", f"profile `{doc['profile']}`, {doc['wall_s']:.0f} s in all "
+             f"(profile {doc['profile_wall_s']:.0f} s).", "", "## Executor runs beside predictions", ""]
+    runs = pd.DataFrame(doc["runs"])
+    if not runs.empty:
+        runs["step err %"] = 100 * (runs["pred_step_s"] / runs["meas_step_s"] - 1)
+        runs["alloc err %"] = 100 * (runs["pred_allocated_bytes"] / runs["meas_allocated_bytes"] - 1)
+        for c in ("pred_allocated_bytes", "meas_allocated_bytes", "meas_reserved_bytes"):
+            runs[c.replace("_bytes", "_GiB")] = runs[c] / GiB
+        cols = ["variant", "status", "pred_step_s", "meas_step_s", "step err %", "pred_allocated_GiB",
+                "meas_allocated_GiB", "alloc err %", "meas_reserved_GiB"]
+        lines.append("```\n" + runs[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}") + "\n```")
+    lines += ["", "## Re-ranked with measured blocks (`parsim search --measure 10`)", ""]
+    ranked = pd.DataFrame(doc["search_measured"]["rows"])
+    if not ranked.empty:
+        cols = ["measured_rank", "curves_rank", "curves_step_s", "measured_step_s", "describe", "ac", "blocks"]
+        lines.append("```\n" + ranked[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}") + "\n```")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="the same path on CPU at tiny scale")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "reports" / "gpu-acceptance"))
+    ap.add_argument("--layers", type=int, default=2, help="layers of the model the executor runs")
+    ap.add_argument("--no-install", action="store_true", help="do not copy the profile into profiles/")
+    a = ap.parse_args(argv)
+    import torch
+
+    from parsim.profiler.run import profile
+
+    cuda = torch.cuda.is_available() and not a.dry_run
+    if not cuda and not a.dry_run:
+        print("error: no GPU here: run it on the GPU machine, or pass --dry-run", file=sys.stderr)
+        return 2
+    s = setup(a.dry_run, torch.cuda.device_count() if cuda else 0, a.layers)
+    device = torch.cuda.get_device_name() if cuda else "cpu (dry run)"
+    name = (re.sub(r"[^a-z0-9]+", "-", device.lower().split()[1]) + "-measured") if cuda else "dry-run-cpu"
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    print(f"1/3 profiling {device} ({s.nproc} rank(s)) ...", flush=True)
+    profile(name, s.nproc, out_dir=out, model=s.model, seq_len=min(s.seq_len, 2048), quick=s.quick, restart=True,
+            device=None if cuda else "cpu", log=lambda m: print("  " + m, flush=True))
+    t_prof = time.perf_counter() - t0
+    prof_path = out / f"{name}.json"
+    env = dict(os.environ, PARSIM_PROFILES_DIR=str(out))  # search --measure keeps its blocks in this profile
+    print(f"2/3 {s.model} on {s.gpus_searched} GPUs: search --measure 10 ...", flush=True)
+    ranked = _parsim(["search", "--model", s.model, "--gpus", str(s.gpus_searched), "--seq-len", str(s.seq_len),
+                      "--profile", str(prof_path), "--top", "10", "--measure", "10"], env)["measured"]
+    print(f"3/3 executor runs ({len(s.variants)}) ...", flush=True)
+    runs = _runs(s, _cut_model(s, out), prof_path, cuda)
+    doc = {"device": device, "profile": str(prof_path), "setup": s.__dict__, "wall_s": time.perf_counter() - t0,
+           "profile_wall_s": t_prof, "search_measured": ranked, "runs": runs}
+    (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "report.md").write_text(_markdown(doc))
+    if cuda and not a.no_install:
+        shutil.copy(prof_path, ROOT / "profiles" / prof_path.name)
+    print(_markdown(doc))
+    print(f"wrote {out / 'report.md'}, {out / 'report.json'} and {prof_path} in {doc['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
