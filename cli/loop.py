@@ -55,6 +55,8 @@ def _measured_summary(out: Path, profile: str | None, hw, measure_blocks: bool =
     """Rows and summary over every measurement in the folder (earlier models and rank counts included). With
     ``measure_blocks`` the plans' blocks are measured at their local shapes first (kept in the profile) and the
     summary without them is written beside, with the wall time of the measurement."""
+    import dataclasses
+
     from parsim import validate as V
     from parsim.cli.main import profile_measured_here
 
@@ -63,8 +65,8 @@ def _measured_summary(out: Path, profile: str | None, hw, measure_blocks: bool =
     for nproc in sorted({ln["nproc"] for ln in lines}):
         prof = hw if profile else profile_measured_here(f"cpu-gloo-{nproc}", nproc)
         sel = [ln for ln in lines if ln["nproc"] == nproc]
-        if measure_blocks:
-            rows_curves += V.measured_rows(sel, prof)
+        if measure_blocks:  # the curves alone: without any block the profile already holds
+            rows_curves += V.measured_rows(sel, dataclasses.replace(prof, measured_blocks={}))
             prof, w, n = _with_measured_blocks(prof, sel)
             walls.update(w)
             n_shapes += n
@@ -75,8 +77,27 @@ def _measured_summary(out: Path, profile: str | None, hw, measure_blocks: bool =
         meta["measured_blocks"] = {"shapes": n_shapes, "measured_now": len(walls),
                                    "measurement_wall_s": sum(walls.values())}
         meta["without_measured_blocks"] = V.summarize(rows_curves)
+        meta["components"] = _components(out, V.component_differences(rows_curves, rows))
     V.write_results(out, rows, summary, meta)
     return {**summary, **{k: v for k, v in meta.items() if k != "tier"}}
+
+
+def _components(out: Path, diffs: list[dict]) -> dict:
+    """Write ``components.csv`` (every plan's components, curves beside measured blocks) and return, per
+    component, the median over plans of each side as a share of the measured step."""
+    import pandas as pd
+
+    from parsim.jsonio import atomic_write_text
+
+    df = pd.DataFrame(diffs)
+    if df.empty:
+        return {}
+    atomic_write_text(out / "components.csv", df.to_csv(index=False))
+    df = df[df["measured_step_s"].notna()]
+    share = df.assign(curves=df["curves_s"] / df["measured_step_s"], blocks=df["blocks_s"] / df["measured_step_s"])
+    med = share.groupby("component")[["curves", "blocks"]].median()
+    return {k: {"curves_share_of_measured": float(v["curves"]), "blocks_share_of_measured": float(v["blocks"])}
+            for k, v in med.iterrows()}
 
 
 def measure_plan_shapes(plan_file: str, out: str, out_dir: str | None, model: str | None) -> dict:
@@ -187,6 +208,14 @@ def print_summary(summary: dict) -> None:
     if mb:
         con.print(f"measured blocks: {mb['shapes']} local shapes, {mb['measured_now']} measured now in "
                   f"{mb['measurement_wall_s']:.1f} s")
+    comps = summary.get("components")
+    if comps:  # what each component is on the curves and with measured blocks, as a share of the measured step
+        ct = Table(title="step components, median share of the measured step (every plan: components.csv)")
+        for c in ("component", "curves", "measured blocks"):
+            ct.add_column(c, justify="left" if c == "component" else "right")
+        for k, v in comps.items():
+            ct.add_row(k, pct(v["curves_share_of_measured"]), pct(v["blocks_share_of_measured"]))
+        con.print(ct)
     if summary.get("top1_regret") is not None:
         con.print(f"top-1 regret (worst comparable set): {pct(summary['top1_regret'])}")
     if summary.get("memory_mape") is not None:

@@ -288,7 +288,7 @@ def search(
                                 "device and re-rank them (needs a profile of this device)"),
     measure_budget_flops: Optional[float] = typer.Option(None, "--measure-budget-flops", help="forward FLOPs above "
                                                          "which a smaller stand-in block is timed instead (default: "
-                                                         "2e9 on CPU, none on a GPU)"),
+                                                         "2e10 on CPU, none on a GPU)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
 ):
     """Search every plan for a model on N GPUs and rank them by predicted step time. Every plan flag given pins

@@ -75,7 +75,7 @@ def _sched_str(plan) -> str:
     return name + (f"/v{plan.pp_stages_per_rank}" if plan.pp_stages_per_rank > 1 else "")
 
 
-CPU_MEASURE_BUDGET_FLOPS = 2e9  # assumed: about 0.1 s forward on one CPU core, ~5 s per shape with repetitions
+CPU_MEASURE_BUDGET_FLOPS = 2e10  # assumed: about 1 s forward on one CPU core, ~10 s per shape with repetitions
 
 
 class CsvSink:

@@ -20,7 +20,9 @@ inference for regression"): with out-of-fold residuals ``r_i = |log(pred_i / mea
 half-width is ``q = r_(k)``, the k-th smallest, ``k = ceil((n + 1)(1 - alpha))``; a new prediction t gets
 ``[t e^-q, t e^q]``, which covers the measured value with probability >= 1 - alpha when rows are exchangeable. The
 coverage reported by cross-validation uses, for each fold, the q of the other folds' out-of-fold residuals (the
-fold's own residuals never size its own interval).
+fold's own residuals never size its own interval). The quantile is taken per plan family (Mondrian conformal,
+``group_halfwidths``; groups ``plan.interval_group``: EP, CP, deep PP, PP, float8, dense), so that coverage holds in
+hard families and easy ones get narrow intervals; a family with fewer than 9 rows takes the pooled quantile.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .codec import encode
 from .costmodel.step import block_overheads, evaluate
 from .errors import ParsimError
 from .hardware import EfficiencyCurve, HardwareProfile
-from .plan import Plan
+from .plan import Plan, interval_group
 from .spec import ModelSpec, load_model
 
 # name -> (what it scales, lower and upper bound of the factor). Collective time factors stay within [0.5, 5]: a
@@ -223,20 +225,40 @@ def calibrate(rows: list[dict], profiles: dict[str, HardwareProfile], names: tup
         test = everything[folds == f]
         oof[test] = data.predict(fac, test)[test]
     r_oof = np.abs(np.log(oof / data.meas))
-    q_fold = {f: conformal_halfwidth(r_oof[folds != f]) for f in set(folds.tolist())}
     if not math.isfinite(conformal_halfwidth(r_oof)):
         raise ParsimError(f"{len(rows)} rows are too few for a {100 * (1 - ALPHA):.0f}% interval: need at least "
                           f"{math.ceil(1 / ALPHA) - 1}")
+    groups = np.array([interval_group(Plan.from_dict(r["plan"])) for r in rows])
+    # each fold's rows get the half-width of the other folds' residuals (their group's, else pooled)
+    q_fold = {f: group_halfwidths(r_oof[folds != f], groups[folds != f]) for f in set(folds.tolist())}
     return {"rows": rows, "factors": factors, "fold_factors": fold_factors, "folds": folds,
             "uncalibrated": data.predict({}), "in_sample": data.predict(factors), "out_of_fold": oof,
-            "interval_fold_halfwidth": np.array([q_fold[f] for f in folds]),
-            "interval_log_halfwidth": conformal_halfwidth(r_oof)}
+            "interval_fold_halfwidth": np.array([q_fold[f][0].get(g, q_fold[f][1]) for f, g in zip(folds, groups,
+                                                                                                   strict=True)]),
+            "interval_log_halfwidth": conformal_halfwidth(r_oof),
+            "interval_log_halfwidth_by_group": group_halfwidths(r_oof, groups)[0]}
+
+
+def group_halfwidths(abs_log_residuals: np.ndarray, groups: np.ndarray,
+                     alpha: float = ALPHA) -> tuple[dict[str, float], float]:
+    """Mondrian split-conformal (Vovk et al. 2005, ch. 4; "label-conditional"/"Mondrian" conformal): the
+    half-width of each interval group (``plan.interval_group``) from its own residuals, so that coverage holds
+    within every group, not only on average over easy and hard plans together. A group with too few rows for a
+    finite quantile (fewer than ceil(1/alpha) - 1) takes the pooled one. Returns ({group: q}, pooled q)."""
+    pooled = conformal_halfwidth(abs_log_residuals, alpha)
+    out = {}
+    for g in sorted(set(groups.tolist())):
+        q = conformal_halfwidth(abs_log_residuals[groups == g], alpha)
+        if math.isfinite(q):
+            out[str(g)] = q
+    return out, pooled
 
 
 def calibrated_profile(hw: HardwareProfile, result: dict, stats: dict, sources: list[str]) -> HardwareProfile:
     """A new version of ``hw`` with the fitted factors applied and the calibration's provenance."""
     new = apply(hw, result["factors"])
     cal = {"interval_log_halfwidth": result["interval_log_halfwidth"], "alpha": ALPHA,
+           "interval_log_halfwidth_by_group": result.get("interval_log_halfwidth_by_group", {}),
            "factors": result["factors"], "parameters": {n: PARAMETERS[n][0] for n in result["factors"]},
            "cv": stats, "data": sources, "n_rows": len(result["rows"]),
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}

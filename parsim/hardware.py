@@ -228,6 +228,11 @@ class HardwareProfile:
                 check_number(f"measured_blocks[...].{n}", v.get(n), 0.0, 1e6, low_open=True)
         if "interval_log_halfwidth" in self.calibration:
             check_number("calibration.interval_log_halfwidth", self.calibration["interval_log_halfwidth"], 0.0, 10.0)
+        by_group = self.calibration.get("interval_log_halfwidth_by_group") or {}
+        if not isinstance(by_group, dict):
+            raise ParsimError("calibration.interval_log_halfwidth_by_group must be an object")
+        for g, q in by_group.items():
+            check_number(f"calibration.interval_log_halfwidth_by_group.{g}", q, 0.0, 10.0)
         for n in ("samples", "provenance"):
             if not isinstance(getattr(self, n), dict):
                 raise ParsimError(f"{n} must be an object, got {getattr(self, n)!r}")
@@ -248,6 +253,12 @@ class HardwareProfile:
         else the uncalibrated error of profiles of this kind (``UNCALIBRATED_LOG_HALFWIDTH``)."""
         q = self.calibration.get("interval_log_halfwidth")
         return float(q) if q is not None else UNCALIBRATED_LOG_HALFWIDTH[self.source]
+
+    def interval_log_halfwidth_for(self, group: str) -> float:
+        """The half-width for a plan of interval group ``group`` (``plan.interval_group``): the calibration's
+        conformal quantile of that group's out-of-fold residuals where it had enough rows, else the pooled one."""
+        q = (self.calibration.get("interval_log_halfwidth_by_group") or {}).get(group)
+        return float(q) if q is not None else self.interval_log_halfwidth
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

@@ -237,6 +237,27 @@ class Plan:
             raise ParsimError(f"bad plan: {e}") from None
 
 
+INTERVAL_GROUPS = ("ep", "cp", "pp-deep", "pp", "float8", "dense")
+
+
+def interval_group(plan: "Plan") -> str:
+    """The plan family an interval is sized for (Mondrian conformal, ``parsim.calibrate``): the first feature in
+    ``INTERVAL_GROUPS`` order that the plan has — expert parallel (all-to-all and routing the model takes as
+    balanced), context parallel (ring attention), a pipeline of 4 stages or more (bubble, p2p and per-stage
+    overheads, many of them), any pipeline, float8 (its GEMM efficiency and casts), else a dense plan. These are
+    the classes whose errors differ (issue 24: published rows' error grows with PP depth and EP); the groups are
+    plan features, never sources or models."""
+    if plan.ep > 1:
+        return "ep"
+    if plan.cp > 1:
+        return "cp"
+    if plan.pp >= 4:
+        return "pp-deep"
+    if plan.pp > 1:
+        return "pp"
+    return "float8" if plan.float8 else "dense"
+
+
 def plan_from_flags(
     n_gpus: int,
     *,

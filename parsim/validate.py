@@ -20,13 +20,14 @@ import hashlib
 import json
 import math
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from .costmodel import predict
-from .errors import ParsimError
+from .errors import ParsimError, ParsimWarning
 from .hardware import HardwareProfile, load_profile
 from .jsonio import atomic_write_json
 from .plan import Plan
@@ -224,6 +225,10 @@ def published_plan(r: dict) -> tuple[ModelSpec, Plan]:
     lbs, mbs, gbs = int(r["local_batch_size"]), int(r["micro_batch_size"]), int(r["global_batch_size"])
     sched = _num(r.get("pp_schedule"), "1F1B")
     v = int(_num(r.get("pp_stages_per_rank"), 1))
+    if deg["pp"] > 1 and sched == "Interleaved1F1B" and _num(r.get("pp_stages_per_rank")) is None:
+        v, why = assumed_virtual_stages(r, spec.n_layers, deg["pp"])
+        warnings.warn(ParsimWarning(f"{r.get('id', 'row')}: Interleaved1F1B without a virtual-stage count: "
+                                    f"assumed {v} stages per rank ({why})"), stacklevel=2)
     if deg["pp"] == 1:
         lbs = mbs
         sched, v = "1F1B", 1
@@ -236,6 +241,23 @@ def published_plan(r: dict) -> tuple[ModelSpec, Plan]:
         raise ParsimError(f"degrees multiply to {plan.world_size}, the row says {r['gpus']} GPUs")
     plan.validate_for(spec, int(r["gpus"]))
     return spec, plan
+
+
+def assumed_virtual_stages(r: dict, n_layers: int, pp: int) -> tuple[int, str]:
+    """(stages per rank, why) for an interleaved row that does not state them: what the framework that ran it
+    does when the count is left out, or, where it must be given, what its published configurations give.
+
+    * torchtitan (and frameworks parsim does not know, which run torchtitan-like defaults): 2 stages per rank —
+      ``stages_per_rank = 1 if is_single_stage_schedule else 2`` when ``pipeline_parallel_layers_per_stage`` is
+      unset (torchtitan/distributed/pipeline_parallel.py, 0.2.2 and 0.3.0) [framework default];
+    * Megatron-Core / NeMo: the virtual size has no default (interleaving is off without it); the interleaved
+      Megatron-Bridge and NeMo performance configurations that state it use 2 layers per virtual stage for
+      70B / 175B / 405B / DeepSeek-V3 (1 for two 40-layer models), so n_layers / (2 pp), at least 2 [assumed from
+      those configurations]."""
+    where = f"{_num(r.get('source'), '')} {_num(r.get('table'), '')}".lower()
+    if any(w in where for w in ("megatron", "nemo")):
+        return max(2, n_layers // (2 * pp)), "Megatron configurations: about 2 layers per virtual stage"
+    return 2, "torchtitan's default for multi-stage schedules"
 
 
 def note_options(r: dict, deg: dict) -> dict:
@@ -487,6 +509,33 @@ def _step_stats(ok: list[dict], key: str, rule: np.ndarray | None) -> dict:
         out["constant_mfu_rule"] = {"step_time_mape": float(rape.mean()), "step_time_max_ape": float(rape.max()),
                                     "spearman": _spearman(meas, rule), "tps_mape": float(rtps.mean()),
                                     "tps_max_ape": float(rtps.max())}
+    return out
+
+
+def component_differences(rows_curves: list[dict], rows_blocks: list[dict]) -> list[dict]:
+    """Per plan and step-time component: the prediction composed from the curves beside the one with blocks
+    measured at the plan's shapes (same profile otherwise), their difference, and per plan what neither
+    explains (component "unexplained": measured step minus the measured-block prediction). Components are the
+    predictions' ``time_breakdown_s`` keys (compute, the exposed collectives, framework overhead, ...); the
+    curves and the blocks rows each sum to their predicted step, so a plan's differences sum to the difference of
+    its two predictions."""
+    curves = {(r["model"], r["plan_id"], r["source"]): r for r in rows_curves}
+    out = []
+    for b in rows_blocks:
+        c = curves.get((b["model"], b["plan_id"], b["source"]))
+        if c is None or b["status"] != "ok" or c["status"] != "ok" or not b.get("time_breakdown_s"):
+            continue
+        base = {"model": b["model"], "describe": b["describe"], "ranks": b["source"],
+                "measured_step_s": b.get("measured_step_s")}
+        tb_b, tb_c = b["time_breakdown_s"], c["time_breakdown_s"]
+        for k in sorted(set(tb_b) | set(tb_c)):
+            cs, bs = float(tb_c.get(k, 0.0)), float(tb_b.get(k, 0.0))
+            if cs or bs:
+                out.append({**base, "component": k, "curves_s": cs, "blocks_s": bs, "blocks_minus_curves_s": bs - cs})
+        if b.get("measured_step_s") is not None:
+            left = float(b["measured_step_s"]) - float(b["predicted_step_s"])
+            out.append({**base, "component": "unexplained", "curves_s": float(b["measured_step_s"]) -
+                        float(c["predicted_step_s"]), "blocks_s": left, "blocks_minus_curves_s": None})
     return out
 
 

@@ -182,7 +182,7 @@ def check_plan_honours(plan: dict, flags: dict) -> None:
             assert plan[key] == _as_int(v), (f, v, plan[key])
 
 
-@settings(max_examples=n_cases(4000), **SETTINGS)
+@settings(max_examples=n_cases(2000), **SETTINGS)
 @given(plan_args())
 def test_cli_predict_fuzz(case):
     argv, flags = case
@@ -199,7 +199,7 @@ SEARCH_EXTRA = st.one_of(st.just([]), st.sampled_from([
     ["--headroom", "0.5"], ["--headroom", "nan"], ["--explain", "2"], ["--max-plans", "10"]]))
 
 
-@settings(max_examples=n_cases(800), **SETTINGS)
+@settings(max_examples=n_cases(400), **SETTINGS)
 @given(plan_args(gpus=SEARCH_GPUS, max_flags=5), SEARCH_EXTRA)
 def test_cli_search_fuzz(case, extra):
     argv, flags = case

@@ -150,3 +150,21 @@ def test_published_rows_carry_their_framework():
                                    "dp_replicate": 2, "dp_shard": 1, "tp": 4, "ac": "none", "local_batch_size": 4,
                                    "micro_batch_size": 1, "global_batch_size": 8, "seq_len": 4096, "float8": 1})
     assert plan.te_layers and not plan.fused_loss
+
+
+def test_interleaved_rows_without_a_virtual_stage_count_are_predicted_with_the_frameworks_default():
+    """A published row that names Interleaved1F1B but not its stages per rank: torchtitan's default (2), or for
+    Megatron-family sources about 2 layers per virtual stage; a warning line says what was assumed."""
+    from parsim.errors import ParsimWarning
+
+    row = {"id": "r", "model": "llama3-70b", "gpus": 64, "dp_replicate": 1, "dp_shard": 8, "tp": 1, "pp": 8,
+           "ac": "full", "local_batch_size": 8, "micro_batch_size": 1, "global_batch_size": 64, "seq_len": 8192,
+           "pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": float("nan")}
+    with pytest.warns(ParsimWarning, match="assumed 2 stages per rank .*torchtitan"):
+        _, plan = V.published_plan({**row, "source": "torchtitan", "table": "t"})
+    assert plan.pp_stages_per_rank == 2
+    with pytest.warns(ParsimWarning, match="assumed 5 stages per rank .*Megatron"):  # 80 layers / (2 x pp 8)
+        _, plan = V.published_plan({**row, "source": "megatron-bridge", "table": "t", "dp_shard": 1,
+                                    "dp_replicate": 8})
+    assert plan.pp_stages_per_rank == 5
+    assert predict(PRESETS["llama3-70b"], plan, load_profile("h100-sxm-spec")).step_time_s > 0

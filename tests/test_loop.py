@@ -12,7 +12,7 @@ from parsim import calibrate as C
 from parsim import validate as V
 from parsim.costmodel import predict
 from parsim.hardware import load_profile
-from parsim.plan import Plan
+from parsim.plan import Plan, interval_group
 from parsim.results import Measurement
 from parsim.spec import PRESETS
 
@@ -99,7 +99,24 @@ def test_calibrated_profile_carries_its_interval_and_provenance(tmp_path):
     plan = Plan(dp_shard=2, seq_len=256, local_batch_size=4)
     pred = predict(PRESETS["tiny"], plan, back)
     lo, hi = pred.interval_s
-    assert lo < pred.step_time_s < hi and hi / pred.step_time_s == pytest.approx(math.exp(back.interval_log_halfwidth))
+    q = back.interval_log_halfwidth_for(interval_group(plan))  # the plan's family's, where it had enough rows
+    assert q == back.calibration["interval_log_halfwidth_by_group"].get("dense", back.interval_log_halfwidth)
+    assert lo < pred.step_time_s < hi and hi / pred.step_time_s == pytest.approx(math.exp(q))
+
+
+def test_mondrian_intervals_cover_each_plan_family_at_its_own_width():
+    """Two families with residuals of different sizes: one pooled quantile under-covers the hard family and is
+    too wide for the easy one; per-family quantiles cover each at >= 90% (split-conformal's guarantee per group),
+    and a family with too few rows takes the pooled quantile."""
+    rng = np.random.default_rng(0)
+    easy, hard = np.abs(rng.normal(0, 0.02, 200)), np.abs(rng.normal(0, 0.3, 200))
+    few = np.abs(rng.normal(0, 0.1, 5))
+    r = np.concatenate([easy, hard, few])
+    g = np.array(["dense"] * 200 + ["pp-deep"] * 200 + ["ep"] * 5)
+    by_group, pooled = C.group_halfwidths(r, g)
+    assert set(by_group) == {"dense", "pp-deep"}  # "ep": 5 rows, no finite 90% quantile: pooled
+    assert np.mean(hard <= pooled) < 0.9 <= np.mean(hard <= by_group["pp-deep"])
+    assert by_group["dense"] < pooled / 3 and np.mean(easy <= by_group["dense"]) >= 0.9
 
 
 def test_uncalibrated_profiles_give_wide_intervals():

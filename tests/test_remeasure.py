@@ -124,3 +124,26 @@ def test_measure_refuses_a_profile_of_another_device():
     r = runner.invoke(app, ["search", "--model", "tiny", "--gpus", "2", "--profile", "h100-sxm-spec", "--measure",
                             "2"])
     assert r.exit_code == 2 and "describes" in r.output
+
+
+def test_validate_component_differences_sum_to_the_two_predictions():
+    """``validate --measure-blocks`` reports per component curves beside measured blocks: a plan's differences sum
+    to the difference of its two predicted steps, and 'unexplained' is what the measured step leaves."""
+    from parsim import validate as V
+
+    spec, hw = load_model("tiny"), load_profile("cpu-gloo-2")
+    plan = Plan(dp_shard=2, seq_len=256, local_batch_size=2, micro_batch_size=2)
+    shape = plan_block_shapes(spec, plan)["dense"]
+    f, b = composed_block_times(shape, hw)
+    hw_b = dataclasses.replace(hw, measured_blocks={shape.key: {"fwd_s": 2 * f, "bwd_s": 2 * b}})
+    kw = dict(tier="measured", source="cpu-gloo-2", table="validate", confidence="high")
+    rc, rb = V._predicted(spec, plan, hw, **kw), V._predicted(spec, plan, hw_b, **kw)
+    rc["measured_step_s"] = rb["measured_step_s"] = 1.5 * rb["predicted_step_s"]
+    diffs = V.component_differences([rc], [rb])
+    parts = [d for d in diffs if d["component"] != "unexplained"]
+    assert sum(d["blocks_minus_curves_s"] for d in parts) == pytest.approx(rb["predicted_step_s"]
+                                                                           - rc["predicted_step_s"])
+    assert sum(d["blocks_s"] for d in parts) == pytest.approx(rb["predicted_step_s"])
+    (left,) = [d for d in diffs if d["component"] == "unexplained"]
+    assert left["blocks_s"] == pytest.approx(0.5 * rb["predicted_step_s"])
+    assert any(d["blocks_minus_curves_s"] > 0 for d in parts)  # the slower measured block shows in a component

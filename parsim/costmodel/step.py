@@ -49,7 +49,7 @@ from ..blockshape import block_shape
 from ..codec import PlanBatch, canonical_axes, canonical_key, encode
 from ..hardware import HardwareProfile
 from ..ordering import ac_wraps_compile_recompute_factor
-from ..plan import AC_MODES, Plan
+from ..plan import AC_MODES, Plan, interval_group
 from ..results import Prediction
 from ..spec import ModelSpec
 from . import comm as C
@@ -952,7 +952,8 @@ def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
     exposed = {k: exposed.get(k, 0.0) for k in keys}
     tb = _axis_times_renamed(tb, exposed)
     pp_last = plan.pp - 1
-    step, tps, q = float(r["step_time_s"][0]), float(r["tokens_per_s_per_gpu"][0]), hw.interval_log_halfwidth
+    step, tps = float(r["step_time_s"][0]), float(r["tokens_per_s_per_gpu"][0])
+    q = hw.interval_log_halfwidth_for(interval_group(plan))
     return Prediction(
         plan_id=plan.plan_id, model=spec.name, profile=hw.name, n_gpus=plan.world_size,
         fits=bool(r["fits"][0]), peak_memory_bytes=float(r["peak_memory_bytes"][0]),
