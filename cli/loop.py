@@ -107,7 +107,6 @@ def measure_plan_shapes(plan_file: str, out: str, out_dir: str | None, model: st
     from parsim.hardware import HardwareProfile
     from parsim.jsonio import read_json
     from parsim.plan import Plan
-    from parsim.profiler.blocks import add_measured_blocks
     from parsim.profiler.run import resolve_profile_out
     from parsim.spec import load_model
 
@@ -125,9 +124,7 @@ def measure_plan_shapes(plan_file: str, out: str, out_dir: str | None, model: st
         raise ParsimError(f"profile {path} does not exist: measure one first (parsim profile --nproc-per-node N)")
     hw = HardwareProfile.from_dict(read_json(path, "corrupt profile"), origin=str(path))
     shapes = list(dict.fromkeys(shapes))
-    with _progress() as prog:
-        task = prog.add_task("measuring blocks", total=len(shapes))
-        hw, walls = add_measured_blocks(hw, shapes, path, progress=lambda d, t, k: prog.update(task, completed=d))
+    hw, walls = measure_blocks_into(hw, shapes, path)
     return {"profile": str(path), "shapes": len(shapes), "not_measurable": skipped, "measured_now": len(walls),
             "measurement_wall_s": sum(walls.values())}
 
@@ -138,19 +135,25 @@ def _with_measured_blocks(hw, lines: list[dict]):
     from parsim.blockshape import plan_block_shapes
     from parsim.hardware import profile_write_dir
     from parsim.plan import Plan
-    from parsim.profiler.blocks import add_measured_blocks
     from parsim.spec import load_model
 
     shapes = []
     for ln in lines:
         shapes += [s for s in plan_block_shapes(load_model(ln["model"]), Plan.from_dict(ln["plan"])).values() if s]
     shapes = list(dict.fromkeys(shapes))
-    path = profile_write_dir() / f"{hw.name}.json"
+    hw, walls = measure_blocks_into(hw, shapes, profile_write_dir() / f"{hw.name}.json")
+    return hw, walls, len(shapes)
+
+
+def measure_blocks_into(hw, shapes, path: Path):
+    """The blocks of ``shapes`` the profile lacks, timed on this device with a progress bar (ETA) and written
+    with the profile to ``path`` after each (``profiler.blocks.add_measured_blocks``): (profile, {key: wall s})."""
+    from parsim.profiler.blocks import add_measured_blocks
+
     path.parent.mkdir(parents=True, exist_ok=True)  # the user's profile folder, on first use
     with _progress() as prog:
-        task = prog.add_task("measuring blocks", total=len(shapes))
-        hw, walls = add_measured_blocks(hw, shapes, path, progress=lambda d, t, k: prog.update(task, completed=d))
-    return hw, walls, len(shapes)
+        task = prog.add_task(f"measuring {len(shapes)} block shapes", total=len(shapes))
+        return add_measured_blocks(hw, shapes, path, progress=lambda d, t, k: prog.update(task, completed=d))
 
 
 def validate_published(csv: str, out_dir: str, profile: str | None, calibrated: bool = True) -> dict:

@@ -208,7 +208,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
 
             p = predict(spec, best, measured["profile"])
             step, mem, tps, mfu = p.step_time_s, p.peak_memory_bytes, p.tokens_per_s_per_gpu, p.mfu
-        q = math.exp(hw.interval_log_halfwidth)
+        q = _interval_factor(hw, best)
         said = (f"step {step:.3f} s (90% interval {step / q:.3f}-{step * q:.3f} s), {tps:,.0f} tokens/s/GPU, "
                 f"MFU {100 * mfu:.1f}%, peak {mem / GiB:.1f} GiB per GPU on {hw.name}")
     if emit_torchtitan and best:
@@ -268,8 +268,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         else:
             con.print("[red]no valid plan[/red]: every degree combination was structurally invalid (see above)")
         return
-    q = math.exp(hw.interval_log_halfwidth)
-    con.print(_top_table(res, top, q, wide, con.width))
+    con.print(_top_table(res, top, hw, wide, con.width))
     pt = Table(title=f"Pareto front: step time vs memory ({len(res.pareto)} plans)", box=box.SIMPLE_HEAD,
                padding=(0, 0), show_edge=False)
     for col, just in (("step ms", "right"), ("GiB", "right"), ("degrees", "left"), ("sched", "left"),
@@ -294,10 +293,25 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
                   f"of plan #1 to {emit_torchtitan}")
 
 
-def _top_table(res, top: int, q: float, wide: bool, width: int = 100):
+def _interval_factor(hw, plan) -> float:
+    """The 90% interval factor of ``plan``'s step time (x/÷), as ``predict`` sizes it: its plan family's."""
+    from parsim.plan import interval_group
+
+    return math.exp(hw.interval_log_halfwidth_for(interval_group(plan)))
+
+
+def _interval_caption(hw) -> str:
+    by_group = hw.calibration.get("interval_log_halfwidth_by_group") or {}
+    if not by_group:
+        return f"90% interval of every step time: x/÷ {math.exp(hw.interval_log_halfwidth):.2f}"
+    qs = [math.exp(q) for q in by_group.values()] + [math.exp(hw.interval_log_halfwidth)]
+    return f"90% interval of a step time: x/÷ {min(qs):.2f}-{max(qs):.2f} by plan family (--wide, --json: each plan's)"
+
+
+def _top_table(res, top: int, hw, wide: bool, width: int = 100):
     """The ranked plans: short by default (fits 100 columns: degrees in device order, options as letters, the
-    90% interval in the caption since it is the same factor for every plan), every field spelled out with
-    ``--wide``."""
+    90% interval in the caption: one factor, or the range over the profile's plan families), every field spelled
+    out with ``--wide``."""
     from rich import box
     from rich.table import Table
 
@@ -311,7 +325,7 @@ def _top_table(res, top: int, q: float, wide: bool, width: int = 100):
                 ("dominant", "left"))
     else:
         t = Table(title=f"top {n} plans", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False,
-                  caption=f"Per GPU. 90% interval of every step time: x/÷ {q:.2f}. degrees in device order, outermost "
+                  caption=f"Per GPU. {_interval_caption(hw)}. degrees in device order, outermost "
                           "first. batch: local/micro (ga: gradient accumulation). options: C compile, F8 float8, "
                           "R- / R+ reshard never / always, aTP async TP, ZeRO1 distributed optimizer, TE Transformer "
                           "Engine layers, FL fused loss, letters: a "
@@ -325,6 +339,7 @@ def _top_table(res, top: int, q: float, wide: bool, width: int = 100):
         t.add_column(col, justify=just, no_wrap=not wide)
     for i, (plan, step, mem, tps, mfu, dom) in enumerate(res.top[:top], 1):
         if wide:
+            q = _interval_factor(hw, plan)
             t.add_row(str(i), plan.describe(), _order_str(plan), _sched_str(plan),
                       f"{plan.local_batch_size}/{plan.micro_batch_size}", str(plan.grad_accum_steps), plan.ac,
                       "y" if plan.compile else "n", "y" if plan.float8 else "n", plan.fsdp_reshard_after_forward,
@@ -392,26 +407,18 @@ def _measure(spec, hw, res, k: int, budget_flops: float | None) -> dict:
 
     import torch
 
-    from parsim.cli.loop import _progress
+    from parsim.cli.loop import measure_blocks_into
     from parsim.hardware import HardwareProfile, profile_write_dir
     from parsim.jsonio import read_json
-    from parsim.profiler.blocks import add_measured_blocks
     from parsim.remeasure import measure_and_rerank
 
     cuda = torch.cuda.is_available()
     budget = budget_flops if budget_flops is not None else (math.inf if cuda else CPU_MEASURE_BUDGET_FLOPS)
     path = profile_write_dir() / f"{hw.name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():  # blocks measured here by an earlier run (a cache: kept beside the given profile's own)
         cached = HardwareProfile.from_dict(read_json(path, "corrupt profile"), origin=str(path))
         hw = dataclasses.replace(hw, measured_blocks={**cached.measured_blocks, **hw.measured_blocks})
-
-    def measure_missing(hw_, shapes):
-        with _progress() as prog:
-            task = prog.add_task(f"measuring {len(shapes)} block shapes", total=len(shapes))
-            return add_measured_blocks(hw_, shapes, path, progress=lambda d, t, key: prog.update(task, completed=d))
-
-    out = measure_and_rerank(spec, hw, res, k, budget, measure_missing)
+    out = measure_and_rerank(spec, hw, res, k, budget, lambda hw_, shapes: measure_blocks_into(hw_, shapes, path))
     return {**out, "budget_flops": budget, "profile_path": str(path), "device": "cuda" if cuda else "cpu"}
 
 
