@@ -72,7 +72,8 @@ COMPONENTS = ("parameters", "optimizer_states", "gradients", "fsdp_unsharded_par
 # options a trace cannot apply: traced off, predicted on (the model claims they change neither memory nor bytes)
 NOT_TRACED = {"compile": False, "float8": False, "float8_recipe": "tensorwise", "async_tp": False}  # = trace.NOT_TRACED
 CSV_FIELDS = ("case_id", "source", "model", "spec", "plan", "describe", "rank", "stage", "world", "status", "refusal",
-              "error", "pred_peak_bytes", "trace_peak_bytes", "peak_rel", "pred_phase", "trace_phase", "n_failures",
+              "error", "pred_peak_bytes", "trace_peak_bytes", "peak_rel", "pred_reserved_bytes", "trace_reserved_bytes",
+              "reserved_rel", "pred_phase", "trace_phase", "n_failures",
               "failures", "signature", "known_gap", "wall_s", "trace")
 
 
@@ -438,6 +439,7 @@ def _row(case: Case, m, failures, refusal: str, hw, wall: float) -> dict:
             pred = rank_details(case.spec, case.plan, hw)[case.which]
         except ParsimError:
             pred = {}
+    rsv = getattr(m, "reserved_peak_memory_bytes", None) if m is not None else None  # older CSVs have none
     return {
         "case_id": case.case_id, "source": case.source, "model": case.spec.name,
         "spec": json.dumps(case.spec.to_dict(), sort_keys=True),
@@ -449,6 +451,11 @@ def _row(case: Case, m, failures, refusal: str, hw, wall: float) -> dict:
         "trace_peak_bytes": m.peak_memory_bytes if m is not None and m.peak_memory_bytes else "",
         "peak_rel": (pred["peak_memory_bytes"] / m.peak_memory_bytes - 1.0)
         if pred and m is not None and m.peak_memory_bytes else "",
+        # reserved memory (CUDA caching allocator, expandable segments): the traced stream replayed through
+        # parsim.allocator vs the cost model's terms (costmodel/reserved.py); a figure, not a pass / fail check
+        "pred_reserved_bytes": pred.get("reserved_memory_bytes", ""),
+        "trace_reserved_bytes": rsv or "",
+        "reserved_rel": pred["reserved_memory_bytes"] / rsv - 1.0 if pred and rsv else "",
         "pred_phase": pred.get("peak_phase", ""),
         "trace_phase": m.provenance.get("peak_phase", "") if m is not None else "",
         "n_failures": len(failures), "failures": json.dumps(failures), "signature": signature(failures),
@@ -461,6 +468,7 @@ def _trace_record(m) -> dict:
     """What ``compare`` reads of a trace, kept in the CSV so that a changed model can be compared again with the
     same traces (``--recompare``)."""
     return {"status": m.status, "error": m.error, "peak_memory_bytes": m.peak_memory_bytes,
+            "reserved_peak_memory_bytes": getattr(m, "reserved_peak_memory_bytes", None),
             "memory_breakdown_bytes": m.memory_breakdown_bytes, "comm_bytes": m.comm_bytes,
             "provenance": {"peak_phase": m.provenance.get("peak_phase", "")}}
 
@@ -508,8 +516,12 @@ def run_cases(cases_: list[Case], out: Path | None, workers: int = 2, progress=N
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         new_file = not out.exists()
+        fields = CSV_FIELDS
+        if not new_file:  # appending: the file's own columns (one written before a column was added keeps its own)
+            with open(out, newline="") as f:
+                fields = tuple(next(csv.reader(f), CSV_FIELDS))
         fh = open(out, "a", newline="")
-        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         if new_file:
             writer.writeheader()
     jobs = []
@@ -680,7 +692,7 @@ def summarize(rows: list[dict]) -> dict:
     by_status: dict[str, int] = defaultdict(int)
     by_sig: dict[str, list[dict]] = defaultdict(list)
     refusals: dict[str, int] = defaultdict(int)
-    rels = []
+    rels, rsv = [], []
     for r in rows:
         by_status[r["status"]] += 1
         if r["status"] == "refused":
@@ -690,6 +702,8 @@ def summarize(rows: list[dict]) -> dict:
             by_sig[r["signature"]].append(r)
         if r.get("peak_rel") not in ("", None):
             rels.append(abs(float(r["peak_rel"])))
+        if r.get("reserved_rel") not in ("", None):
+            rsv.append(float(r["reserved_rel"]))
     traced = sum(v for k, v in by_status.items() if k != "refused")
     failing = sum(len(v) for v in by_sig.values())
     in_gaps: dict[str, int] = defaultdict(int)
@@ -703,7 +717,17 @@ def summarize(rows: list[dict]) -> dict:
             "failing_new": failing - sum(in_gaps.values()), "by_status": dict(by_status), "refusals": dict(refusals),
             "signatures": {k: len(v) for k, v in sorted(by_sig.items(), key=lambda kv: -len(kv[1]))},
             "peak_abs_rel_median": rels[len(rels) // 2] if rels else None,
-            "peak_abs_rel_max": rels[-1] if rels else None}
+            "peak_abs_rel_max": rels[-1] if rels else None, **_reserved_figures(rsv)}
+
+
+def _reserved_figures(rel: list[float]) -> dict:
+    """Predicted vs replayed reserved memory over the traced cases: median and 90th percentile of |relative
+    difference| and the share predicted under the replay."""
+    if not rel:
+        return {}
+    a = sorted(abs(x) for x in rel)
+    return {"reserved_abs_rel_median": a[len(a) // 2], "reserved_abs_rel_p90": a[int(0.9 * (len(a) - 1))],
+            "reserved_under_share": sum(x < 0 for x in rel) / len(rel), "reserved_cases": len(rel)}
 
 
 def main(argv=None) -> int:
@@ -777,6 +801,10 @@ def _print_summary(s: dict) -> None:
     print(f"{s['cases']} cases: {s['traced']} traced, {s['refused']} refused by the executor's rules; "
           f"{s['passing']} pass, {s['failing']} fail; |peak error| median {_pct(s['peak_abs_rel_median'])}, "
           f"max {_pct(s['peak_abs_rel_max'])}; {s['wall_s']} s")
+    if s.get("reserved_cases"):
+        print(f"reserved memory (allocator model): predicted vs the traced stream replayed, |diff| median "
+              f"{_pct(s['reserved_abs_rel_median'])}, p90 {_pct(s['reserved_abs_rel_p90'])}, under in "
+              f"{100 * s['reserved_under_share']:.0f}% of {s['reserved_cases']} cases")
     gaps = s.get("failing_in_known_gaps", {})
     print(f"failing outside the known gaps: {s.get('failing_new', s['failing'])}; in them: "
           + ("; ".join(f"{k}: {v}" for k, v in gaps.items()) or "none"))

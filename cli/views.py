@@ -83,7 +83,8 @@ class CsvSink:
 
     COLS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "ep_from", "mesh_order", "local_batch_size",
             "micro_batch_size", "global_batch_size", "pp_schedule", "pp_stages_per_rank", "ac", "compile", "float8",
-            "fsdp_reshard_after_forward", "wrapper_order", "step_time_s", "peak_memory_bytes", "fits",
+            "fsdp_reshard_after_forward", "wrapper_order", "step_time_s", "peak_memory_bytes",
+            "reserved_memory_bytes", "fits",
             "tokens_per_s_per_gpu", "mfu")
     FIELD = {"pp_stages_per_rank": "v"}
 
@@ -207,10 +208,10 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
             from parsim.costmodel import predict
 
             p = predict(spec, best, measured["profile"])
-            step, mem, tps, mfu = p.step_time_s, p.peak_memory_bytes, p.tokens_per_s_per_gpu, p.mfu
+            step, mem, tps, mfu = p.step_time_s, p.reserved_memory_bytes, p.tokens_per_s_per_gpu, p.mfu
         q = _interval_factor(hw, best)
         said = (f"step {step:.3f} s (90% interval {step / q:.3f}-{step * q:.3f} s), {tps:,.0f} tokens/s/GPU, "
-                f"MFU {100 * mfu:.1f}%, peak {mem / GiB:.1f} GiB per GPU on {hw.name}")
+                f"MFU {100 * mfu:.1f}%, {mem / GiB:.1f} GiB reserved per GPU on {hw.name}")
     if emit_torchtitan and best:
         emit = to_torchtitan_python if torchtitan_format == "python" else to_torchtitan_toml
         said_tt = said
@@ -269,7 +270,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
             con.print("[red]no valid plan[/red]: every degree combination was structurally invalid (see above)")
         return
     con.print(_top_table(res, top, hw, wide, con.width))
-    pt = Table(title=f"Pareto front: step time vs memory ({len(res.pareto)} plans)", box=box.SIMPLE_HEAD,
+    pt = Table(title=f"Pareto front: step time vs reserved memory ({len(res.pareto)} plans)", box=box.SIMPLE_HEAD,
                padding=(0, 0), show_edge=False)
     for col, just in (("step ms", "right"), ("GiB", "right"), ("degrees", "left"), ("sched", "left"),
                       ("batch", "left"), ("AC", "left"), ("options", "left")):
@@ -321,11 +322,12 @@ def _top_table(res, top: int, hw, wide: bool, width: int = 100):
         cols = (("#", "right"), ("degrees", "left"), ("device order", "left"), ("pp sched", "left"),
                 ("lbs/mbs", "right"), ("grad accum", "right"), ("AC", "left"), ("compile", "left"),
                 ("fp8", "left"), ("reshard", "left"), ("wrapper order", "left"), ("step ms", "right"),
-                ("90% interval", "right"), ("tok/s/GPU", "right"), ("MFU", "right"), ("mem GiB", "right"),
+                ("90% interval", "right"), ("tok/s/GPU", "right"), ("MFU", "right"), ("reserved GiB", "right"),
                 ("dominant", "left"))
     else:
         t = Table(title=f"top {n} plans", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False,
-                  caption=f"Per GPU. {_interval_caption(hw)}. degrees in device order, outermost "
+                  caption=f"Per GPU; GiB: memory the caching allocator reserves. {_interval_caption(hw)}. degrees "
+                          "in device order, outermost "
                           "first. batch: local/micro (ga: gradient accumulation). options: C compile, F8 float8, "
                           "R- / R+ reshard never / always, aTP async TP, ZeRO1 distributed optimizer, TE Transformer "
                           "Engine layers, FL fused loss, letters: a "

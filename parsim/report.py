@@ -30,6 +30,15 @@ def print_prediction(pred: Prediction, spec, plan) -> None:
     mem.add_column("GiB", justify="right", footer=f"{pred.peak_memory_bytes / GiB:.2f}")
     for k, v in pred.memory_breakdown_bytes.items():
         mem.add_row(k, f"{v / GiB:.2f}")
+    rsv = None
+    if pred.reserved_memory_bytes is not None and pred.reserved_breakdown_bytes.get("all_gather_stream", 0) + \
+            pred.reserved_breakdown_bytes.get("reduce_scatter_stream", 0) + \
+            pred.reserved_breakdown_bytes.get("default_stream_holes", 0) > 0:
+        rsv = Table(title="reserved by the caching allocator (expandable segments)", show_footer=True)
+        rsv.add_column("pool", footer="reserved")
+        rsv.add_column("GiB", justify="right", footer=f"{pred.reserved_memory_bytes / GiB:.2f}")
+        for k, v in pred.reserved_breakdown_bytes.items():
+            rsv.add_row(k, f"{v / GiB:.2f}")
     tim = Table(title="step time", show_footer=True)
     tim.add_column("component", footer="step")
     tim.add_column("ms", justify="right", footer=f"{pred.step_time_s / MS:.1f}")
@@ -40,10 +49,11 @@ def print_prediction(pred: Prediction, spec, plan) -> None:
     com.add_column("GiB", justify="right")
     for k, v in pred.comm_bytes.items():
         com.add_row(k, f"{v / GiB:.3f}")
-    con.print(mem, tim, com)
+    con.print(*[t for t in (mem, rsv, tim, com) if t is not None])
     fit = "[green]fits[/green]" if pred.fits else "[red]does NOT fit[/red]"
-    con.print(f"{fit}: peak {pred.peak_memory_bytes / GiB:.2f} GiB of {pred.memory_capacity_bytes / GiB:.2f} GiB "
-              "usable; "
+    held = pred.reserved_memory_bytes if pred.reserved_memory_bytes is not None else pred.peak_memory_bytes
+    con.print(f"{fit}: {held / GiB:.2f} GiB reserved (peak allocated {pred.peak_memory_bytes / GiB:.2f}) of "
+              f"{pred.memory_capacity_bytes / GiB:.2f} GiB usable; "
               f"step {pred.step_time_s / MS:.1f} ms"
               + (f" (90% interval {pred.interval_s[0] / MS:.1f}-{pred.interval_s[1] / MS:.1f} ms)"
                  if pred.interval_s else "")
@@ -54,6 +64,8 @@ def print_prediction(pred: Prediction, spec, plan) -> None:
 def comparison_rows(pred: Prediction, meas: Measurement) -> list[tuple[str, float, float]]:
     """(quantity, predicted, measured) for peak memory and every collective either side has."""
     rows = [("peak_memory_bytes", pred.peak_memory_bytes, meas.peak_memory_bytes or 0.0)]
+    if meas.reserved_peak_memory_bytes and pred.reserved_memory_bytes is not None:
+        rows.append(("reserved_memory_bytes", pred.reserved_memory_bytes, meas.reserved_peak_memory_bytes))
     for k in sorted(set(pred.comm_bytes) | set(meas.comm_bytes)):
         rows.append((k, float(pred.comm_bytes.get(k, 0.0)), float(meas.comm_bytes.get(k, 0.0))))
     if meas.median_step_time_s:

@@ -35,6 +35,10 @@ class Prediction:
     # time_breakdown_s are their sums per axis)
     comm_time_s: dict = field(default_factory=dict)
     exposed_comm_time_s: dict = field(default_factory=dict)
+    # what CUDA's caching allocator reserves at the peak (expandable segments; costmodel/reserved.py), itemized by
+    # stream; ``fits`` compares it with the usable memory. CPU (gloo) profiles: the allocated peak
+    reserved_memory_bytes: float | None = None
+    reserved_breakdown_bytes: dict = field(default_factory=dict)
 
     def __post_init__(self):
         numbers = {"peak_memory_bytes": self.peak_memory_bytes, "step_time_s": self.step_time_s,
@@ -48,8 +52,11 @@ class Prediction:
         if bad:  # only reachable through sizes or profiles that slipped past their checks: say so, never emit NaN
             raise ParsimError(f"the prediction is not finite ({', '.join(f'{k}={v}' for k, v in bad.items())}): "
                               "check the model, plan and profile sizes")
-        for name, total, parts in (("memory", self.peak_memory_bytes, self.memory_breakdown_bytes),
-                                   ("time", self.step_time_s, self.time_breakdown_s)):
+        sums = [("memory", self.peak_memory_bytes, self.memory_breakdown_bytes),
+                ("time", self.step_time_s, self.time_breakdown_s)]
+        if self.reserved_memory_bytes is not None:
+            sums.append(("reserved memory", self.reserved_memory_bytes, self.reserved_breakdown_bytes))
+        for name, total, parts in sums:
             s = sum(parts.values())
             if not math.isclose(s, total, rel_tol=1e-9, abs_tol=1e-12):
                 raise ParsimError(f"{name} breakdown sums to {s}, not the total {total}")
@@ -86,6 +93,9 @@ class Measurement:
     losses: tuple = ()
     tokens_per_s_per_gpu: float | None = None
     provenance: dict = field(default_factory=dict)
+    # runs on a GPU: torch.cuda.max_memory_reserved; traces: the traced allocations replayed through
+    # parsim.allocator's model of the caching allocator with expandable segments (provenance has the classic one)
+    reserved_peak_memory_bytes: float | None = None
 
     def __post_init__(self):
         if self.kind not in ("run", "trace"):
@@ -100,7 +110,7 @@ class Measurement:
         d = asdict(self)
         d["step_times_s"] = [_finite_or_none(x) for x in self.step_times_s]
         d["losses"] = [_finite_or_none(x) for x in self.losses]
-        for k in ("median_step_time_s", "peak_memory_bytes", "tokens_per_s_per_gpu"):
+        for k in ("median_step_time_s", "peak_memory_bytes", "tokens_per_s_per_gpu", "reserved_peak_memory_bytes"):
             d[k] = _finite_or_none(d[k])
         return d
 

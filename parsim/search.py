@@ -166,9 +166,10 @@ class SearchResult:
     pruned_dominated: int = 0  # plans skipped as no faster and no smaller than a kept plan
     pruned_bound: int = 0  # fitting plans skipped: their step-time lower bound loses (not listed, not on the front)
     stopped_at: float | None = None  # fraction of the space searched when --max-seconds stopped the search
-    top: list = field(default_factory=list)  # [(Plan, step_time_s, peak_memory_bytes, tokens/s/GPU, mfu, dominant)]
-    pareto: list = field(default_factory=list)  # [(Plan, step_time_s, peak_memory_bytes)] time asc, memory desc
-    closest: tuple | None = None  # (Plan, peak_memory_bytes) when nothing fits
+    # memory here is what must fit: the caching allocator's reserved memory (``reserved_memory_bytes``)
+    top: list = field(default_factory=list)  # [(Plan, step_time_s, reserved_memory_bytes, tokens/s/GPU, mfu, dominant)]
+    pareto: list = field(default_factory=list)  # [(Plan, step_time_s, reserved_memory_bytes)] time asc, memory desc
+    closest: tuple | None = None  # (Plan, reserved_memory_bytes) when nothing fits
     usable_memory_bytes: float = 0.0
     wall_s: float = 0.0
 
@@ -423,7 +424,7 @@ def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, chunk: int,
         idx = np.arange(lo, min(nr * nc, lo + chunk), dtype=np.int64)
         gidx = starts[idx // nc] * len(opts) + rep[idx % nc]
         mem[lo:lo + len(idx)] = evaluate(spec, _batch_at(base, opts, gidx, sp, None), hw,  # no groups needed
-                                         memory_only=True, above_bytes=limit_bytes)["peak_memory_bytes"]
+                                         memory_only=True, above_bytes=limit_bytes)["reserved_memory_bytes"]
         if tick:
             tick((lo + len(idx)) / (nr * nc))
     return mem.reshape(nr, nc), cls, rep
@@ -446,7 +447,7 @@ def _pareto(times: np.ndarray, mems: np.ndarray, ids: np.ndarray):
 class _Found:
     """The best ``top_k`` plans and the time/memory Pareto front of the plans evaluated so far (global ids)."""
 
-    KEYS = ("step_time_s", "peak_memory_bytes", "tokens_per_s_per_gpu", "mfu", "dominant")
+    KEYS = ("step_time_s", "reserved_memory_bytes", "tokens_per_s_per_gpu", "mfu", "dominant")
 
     def __init__(self, top_k: int):
         self.top_k = top_k
@@ -457,7 +458,7 @@ class _Found:
         f = np.nonzero(fits)[0]
         if not len(f):
             return
-        step, mem = r["step_time_s"], r["peak_memory_bytes"]
+        step, mem = r["step_time_s"], r["reserved_memory_bytes"]
         new = {"gid": gid[f], **{k: np.asarray(r[k])[f] for k in self.KEYS}}
         both = {k: np.concatenate([self.top[k], v]) for k, v in new.items()} if self.top else new
         keep = np.lexsort((both["gid"], both["step_time_s"]))[:self.top_k]
@@ -538,14 +539,14 @@ def _search_all(spec, hw, base, opts, sp, res, found, chunk, times, progress, cs
         gid = np.arange(lo, min(total, lo + chunk), dtype=np.int64)
         b = _batch_at(base, opts, gid, sp, hw.gpus_per_node)
         r = evaluate(spec, b, hw)
-        fits = r["peak_memory_bytes"] <= limit
+        fits = r["reserved_memory_bytes"] <= limit
         res.evaluated += len(gid)
         res.fitting += int(fits.sum())
         if csv_writer is not None:
             csv_writer(b, r, fits)
         if not fits.all():
-            j = int(np.argmin(r["peak_memory_bytes"]))
-            closest = min(closest, (float(r["peak_memory_bytes"][j]), int(gid[j])))
+            j = int(np.argmin(r["reserved_memory_bytes"]))
+            closest = min(closest, (float(r["reserved_memory_bytes"][j]), int(gid[j])))
         found.add(gid, r, fits)
         if progress:
             progress(lo + len(gid), total)
@@ -610,7 +611,7 @@ def _search_bounded(spec, hw, base, opts, sp, res, found, chunk, times, progress
             gid = _ranges(starts[pr[keep]], reps) * no + np.repeat(po[keep], reps)
             r = evaluate(spec, _batch_at(base, opts, gid, sp, gpn), hw)
             res.evaluated += len(gid)
-            found.add(gid, r, r["peak_memory_bytes"] <= res.usable_memory_bytes)
+            found.add(gid, r, r["reserved_memory_bytes"] <= res.usable_memory_bytes)
         if progress:
             phase(0.7, 0.3)(lo / len(order))
     return closest
@@ -651,7 +652,7 @@ def result_to_dict(res: SearchResult, spec: ModelSpec, hw: HardwareProfile, n_gp
     def row(plan, step, mem, *rest):
         q = math.exp(hw.interval_log_halfwidth_for(interval_group(plan)))  # as predict sizes the plan's interval
         d = {"plan_id": plan.plan_id, "describe": plan.describe(), "step_time_s": step,
-             "interval_s": [step / q, step * q], "peak_memory_bytes": mem, "plan": plan.to_dict()}
+             "interval_s": [step / q, step * q], "reserved_memory_bytes": mem, "plan": plan.to_dict()}
         if rest:
             d.update(tokens_per_s_per_gpu=rest[0], mfu=rest[1], dominant_cost=rest[2])
         return d
@@ -664,7 +665,7 @@ def result_to_dict(res: SearchResult, spec: ModelSpec, hw: HardwareProfile, n_gp
            "top": [row(*t) for t in res.top[:top]], "pareto": [row(*p) for p in res.pareto]}
     if res.closest:
         plan, mem = res.closest
-        out["closest"] = {"plan": plan.to_dict(), "peak_memory_bytes": mem,
+        out["closest"] = {"plan": plan.to_dict(), "reserved_memory_bytes": mem,
                           "shortfall_bytes": mem - res.usable_memory_bytes}
     return out
 

@@ -36,7 +36,8 @@ from .spec import PRESETS, ModelSpec, MoESpec, load_model
 ROW_KEYS = ("tier", "source", "table", "model", "spec", "plan_id", "describe", "family", "n_gpus", "status",
             "reason",
             "measured_step_s", "measured_spread_s", "predicted_step_s", "interval_s", "measured_peak_bytes",
-            "predicted_peak_bytes", "fits", "time_breakdown_s", "model_work_s", "confidence", "plan", "profile")
+            "predicted_peak_bytes", "predicted_reserved_bytes", "measured_memory_kind", "fits", "time_breakdown_s",
+            "model_work_s", "confidence", "plan", "profile")
 MEASURED_SEQ, MEASURED_GLOBAL_BATCH = 256, 8
 
 
@@ -186,7 +187,8 @@ def _predicted(spec: ModelSpec, plan: Plan, hw: HardwareProfile, **kw) -> dict:
     except ParsimError as e:
         row.update(status="unrepresentable", reason=str(e))
         return row
-    row.update(predicted_step_s=p.step_time_s, predicted_peak_bytes=p.peak_memory_bytes, fits=p.fits,
+    row.update(predicted_step_s=p.step_time_s, predicted_peak_bytes=p.peak_memory_bytes,
+               predicted_reserved_bytes=p.reserved_memory_bytes, fits=p.fits,
                time_breakdown_s=p.time_breakdown_s, interval_s=list(p.interval_s) if p.interval_s else None,
                model_work_s=p.mfu * p.step_time_s)
     return row
@@ -276,7 +278,27 @@ def note_options(r: dict, deg: dict) -> dict:
     async_tp = deg["tp"] > 1 and re.search(r"(?<!no )\basync ?tp\b(?!\s*off)", n) is not None
     ddp = deg["dp_replicate"] > 1 and deg["dp_shard"] == 1
     dist = ddp and ("optimizer-state sharding" in n or "optimizer state sharding" in n)
-    return {"float8_recipe": recipe, "async_tp": async_tp, "distributed_optimizer": dist, **opts}
+    return {"float8_recipe": recipe, "async_tp": async_tp, "distributed_optimizer": dist, **opts,
+            **torchtitan_compiled_loss(r)}
+
+
+# torchtitan compiles the loss with the model when compile is on since bbb1b61 (2025-04-02, "refactor
+# train_spec.loss_fn to build_loss_fn": ``if job_config.training.compile: loss_fn = torch.compile(loss_fn)`` in
+# torchtitan/components/loss.py); before, the compile of the loss was commented out ("compiling loss function causes
+# CUDA errors", train.py @9dec370) [framework source]
+TORCHTITAN_COMPILED_LOSS_SINCE = (2025, 4)
+
+
+def torchtitan_compiled_loss(r: dict) -> dict:
+    """``fused_loss`` for a torchtitan row with compile whose table is dated (``YYYYMM`` / ``YYYY-MM`` in its name)
+    on or after TORCHTITAN_COMPILED_LOSS_SINCE: inductor fuses the fp32 cross-entropy (no fp32 copy of the
+    logits, no log-softmax output kept: the memory of parsim's fused loss). Undated rows keep torch's eager loss."""
+    if "torchtitan" not in str(_num(r.get("source"), "")).lower() or not int(_num(r.get("compile"), 0)):
+        return {}
+    m = re.search(r"(20\d\d)[-_]?(0[1-9]|1[0-2])(?!\d)", str(_num(r.get("table"), "")))
+    if m and (int(m.group(1)), int(m.group(2))) >= TORCHTITAN_COMPILED_LOSS_SINCE:
+        return {"fused_loss": True}
+    return {}
 
 
 # what the framework that ran a row does by default and a plan must say (configuration, not a fitted factor):
@@ -383,6 +405,9 @@ def _add_published_measurement(row: dict, r: dict, plan: Plan) -> None:
     mem = _num(r.get("measured_mem_gib"))
     try:
         row["measured_peak_bytes"] = float(mem) * 2**30 if mem is not None else None
+        # the published memory rows are torchtitan's, whose Memory column is the caching allocator's reserved peak
+        # (max_reserved, torchtitan/metrics.py); compared with the predicted reserved memory
+        row["measured_memory_kind"] = "reserved" if mem is not None else None
     except ValueError:
         pass
     if tps.upper() == "OOM":
@@ -454,9 +479,14 @@ def summarize(rows: list[dict], predicted_key: str = "predicted_step_s") -> dict
     out.update(_step_stats(ok, predicted_key, rule))
     mem = [r for r in rows if r.get("measured_peak_bytes") and r.get("predicted_peak_bytes")
            and r["status"] == "ok" and r.get("confidence") != "low"]
-    mape = [abs(r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"] for r in mem]
+    mape = [abs(predicted_memory(r) - r["measured_peak_bytes"]) / r["measured_peak_bytes"] for r in mem]
     out.update(memory_n=len(mem), memory_mape=float(np.mean(mape)) if mape else None,
-               memory_max_ape=float(np.max(mape)) if mape else None)
+               memory_max_ape=float(np.max(mape)) if mape else None,
+               memory_kind=sorted({r.get("measured_memory_kind") or "allocated" for r in mem}))
+    reserved = [r for r in mem if r.get("measured_memory_kind") == "reserved"]
+    if reserved:  # the same rows against the allocated peak: what the allocator model adds
+        alloc = [abs(r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"] for r in reserved]
+        out["memory_mape_if_allocated"] = float(np.mean(alloc))
     if any(r["tier"] == "measured" for r in ok):
         out["top1_regret"] = _top1_regret(ok)
     if any(r["tier"] == "published" for r in rows):
@@ -465,6 +495,14 @@ def summarize(rows: list[dict], predicted_key: str = "predicted_step_s") -> dict
                                            None if rule is None else rule[[r["source"] == s for r in ok]])
                             for s in sorted({str(r["source"]) for r in ok})}
     return out
+
+
+def predicted_memory(row: dict) -> float:
+    """The prediction a row's measured memory is compared with: the reserved memory where the measurement is the
+    allocator's reserved peak (published torchtitan rows, GPU runs), else the allocated peak."""
+    if row.get("measured_memory_kind") == "reserved" and row.get("predicted_reserved_bytes"):
+        return float(row["predicted_reserved_bytes"])
+    return float(row["predicted_peak_bytes"])
 
 
 def _fit_check(rows: list[dict]) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 SLICE_SEED = 2026
-SLICE_TRACED = 100  # about 115 s on 2 cores (CI keeps under 20 minutes)
+SLICE_TRACED = 100  # about 115 s on 2 cores with AVX-512; 150 took 490 s on a 2-core AMD EPYC (CI <= 20 min)
 
 
 def _differential():

@@ -20,7 +20,9 @@ def test_fused_loss_equals_torch_cross_entropy(dtype, tol, vocab):
     la.backward()
     lb.backward()
     assert lb.dtype == torch.float32
-    assert float(lb.detach()) == pytest.approx(float(la.detach()), rel=1e-6, abs=1e-6)
+    # two fp32 sums of the row's exponentials in different orders (torch's kernel vs chunked logsumexp): they differ
+    # by a few ulps times sqrt(vocab); seen 2.1e-6 relative at 300,000 on an AMD EPYC without AVX-512
+    assert float(lb.detach()) == pytest.approx(float(la.detach()), rel=1e-5, abs=1e-6)
     assert b.grad.dtype == dtype
     torch.testing.assert_close(b.grad.float(), a.grad.float(), rtol=tol, atol=tol * 0.1)
 

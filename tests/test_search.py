@@ -29,7 +29,8 @@ def test_best_plan_fits_and_matches_predict():
     for plan, step, mem, *_ in res.top:
         assert mem <= res.usable_memory_bytes
         pred = predict(L8, plan, H100)  # the scalar path agrees with the vectorized search
-        assert pred.fits and pred.step_time_s == pytest.approx(step) and pred.peak_memory_bytes == pytest.approx(mem)
+        assert pred.fits and pred.step_time_s == pytest.approx(step)
+        assert pred.reserved_memory_bytes == pytest.approx(mem)  # search keeps what must fit: reserved memory
     steps = [t[1] for t in res.top]
     assert steps == sorted(steps)
 
@@ -313,15 +314,17 @@ def test_what_the_pruned_search_relies_on(model, gpus, kw, profile):
     b = _batch_at(base, opts, gid, sp, hw.gpus_per_node)
     full = evaluate(spec, b, hw)
     fast = evaluate(spec, _batch_at(base, opts, gid, sp, None), hw, time_bound=True)
-    mem_only = evaluate(spec, _batch_at(base, opts, gid, sp, None), hw, memory_only=True)["peak_memory_bytes"]
-    assert np.array_equal(mem_only, full["peak_memory_bytes"])
+    mem_only = evaluate(spec, _batch_at(base, opts, gid, sp, None), hw, memory_only=True)
+    for k in ("peak_memory_bytes", "reserved_memory_bytes"):
+        assert np.array_equal(mem_only[k], full[k])
     lb = fast["step_time_lower_bound_s"]
     assert np.all(lb <= full["step_time_s"] * (1 + 1e-9)) and np.all(lb > 0)
     assert (lb < full["step_time_s"] * 0.999).any()  # not the step itself: collectives are left out
     row = np.searchsorted(base["row_start"], gid // no, side="right") - 1
     mcls, _ = _memory_classes(opts)
     tcls, _ = _time_classes(opts)
-    for key, values in ((row * 100 + mcls[gid % no], full["peak_memory_bytes"]), (row * 100 + tcls[gid % no], lb)):
+    for key, values in ((row * 100 + mcls[gid % no], full["peak_memory_bytes"]),
+                        (row * 100 + mcls[gid % no], full["reserved_memory_bytes"]), (row * 100 + tcls[gid % no], lb)):
         _, inv = np.unique(key, return_inverse=True)
         lo, hi = np.full(inv.max() + 1, np.inf), np.full(inv.max() + 1, -np.inf)
         np.minimum.at(lo, inv, values)

@@ -74,6 +74,7 @@ from .layers import (
     stage_bounds,
 )
 from .memory import MEMORY_KEYS, PHASES, Block, RankMemory, Unit, simulate
+from .reserved import RESERVED_KEYS, reserved_breakdown
 
 TIME_KEYS = ("compute_forward", "compute_backward", "recompute", "pp_bubble", "optimizer")
 # [derived] AdamW reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq (fp32: 7 x 4 B),
@@ -276,16 +277,18 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
             per_rank.append(_time_lower_bound(b, hw, c, _rank_params(b, rv)[1]))
         elif memory_only:
             c = _rank_compute(spec, b, sh, hw, rv, costs)
-            phases, p_opt = _rank_memory(spec, b, sh, rank, rv, c, above_bytes)
-            mem = np.max(np.stack([sum(v.values()) for v in phases.values()]), axis=0)
+            phases, _ = _rank_memory(spec, b, sh, rank, rv, c, above_bytes)
+            pk = _rank_peak(b, sh, hw, rv, c, phases)
             static = _static_bytes(b, rv)
-            per_rank.append(np.where(static > above_bytes, np.maximum(mem, static), mem))
+            per_rank.append({k: np.where(static > above_bytes, np.maximum(pk[k], static), pk[k])
+                             for k in ("mem", "reserved")})
         else:
             per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
     if time_bound:
         return {"step_time_lower_bound_s": np.maximum(per_rank[0], per_rank[1])}
     if memory_only:
-        return {"peak_memory_bytes": np.maximum(per_rank[0], per_rank[1])}
+        return {"peak_memory_bytes": np.maximum(per_rank[0]["mem"], per_rank[1]["mem"]),
+                "reserved_memory_bytes": np.maximum(per_rank[0]["reserved"], per_rank[1]["reserved"])}
     return _combine(spec, b, hw, per_rank, detail)
 
 
@@ -643,14 +646,22 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
         tb["comm_" + axis] = tt
     tb["comm_interference"] = _interference(hw, cm["ledger"])
     tb.update(_framework_overheads(spec, b, hw, cm["ledger"], rv.n_layers, M))
+    return {"step": sum(tb.values()), "tb": tb, "ledger": cm["ledger"], **_rank_peak(b, sh, hw, rv, c, phases)}
+
+
+def _rank_peak(b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, c: dict, phases: dict) -> dict:
+    """A rank's allocated peak (the largest phase: ``mem``, its breakdown ``mb``, ``phase`` its index, every
+    phase's total ``phase_totals``) and what CUDA's caching allocator reserves at it (``reserved``, itemized
+    ``rb``: costmodel/reserved.py; a gloo (CPU) profile has no caching allocator)."""
     n, z = len(b), np.zeros(len(b))
     totals = {k: sum(v.values()) for k, v in phases.items()}
     names = list(phases)
     which = np.argmax(np.stack([totals[k] for k in names]), axis=0)
     mb = {k: np.choose(which, [np.broadcast_to(phases[p].get(k, z), (n,)) for p in names]) for k in MEMORY_KEYS}
-    return {"step": sum(tb.values()), "tb": tb, "mem": np.choose(which, [np.broadcast_to(totals[p], (n,))
-                                                                         for p in names]),
-            "mb": mb, "phase": which, "phase_totals": totals, "ledger": cm["ledger"]}
+    mem = np.choose(which, [np.broadcast_to(totals[p], (n,)) for p in names])
+    rsv = reserved_breakdown(b, rv, np.asarray(c["logits"], dtype=float), np.asarray(sh.act_b, dtype=float),
+                             _rank_params(b, rv)[0], mem, mb, which, allocator=hw.comm_overlap)
+    return {"mem": mem, "mb": mb, "phase": which, "phase_totals": totals, "reserved": sum(rsv.values()), "rb": rsv}
 
 
 def _async_tp_exposed_fraction(b: PlanBatch, hw: HardwareProfile, tp_s, gemm_s) -> np.ndarray:
@@ -805,10 +816,14 @@ def _combine(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, per_rank: list,
     mem_rank = np.where(last["mem"] > first["mem"], LAST, FIRST)
     step = np.where(time_rank == LAST, last["step"], first["step"])
     peak_mem = np.where(mem_rank == LAST, last["mem"], first["mem"])
+    # what must fit is what the allocator reserves (its rank can differ from the allocated peak's)
+    rsv_rank = np.where(last["reserved"] > first["reserved"], LAST, FIRST)
+    reserved = np.where(rsv_rank == LAST, last["reserved"], first["reserved"])
     tps = b.global_batch_size * b.seq_len / step / b.world
     mfu = _model_flops_per_token(spec, b) * tps / hw.peak("bfloat16")
-    out = {"step_time_s": step, "peak_memory_bytes": peak_mem, "fits": peak_mem <= hw.usable_memory_bytes,
-           "tokens_per_s_per_gpu": tps, "mfu": mfu, "peak_rank": mem_rank, "time_rank": time_rank}
+    out = {"step_time_s": step, "peak_memory_bytes": peak_mem, "fits": reserved <= hw.usable_memory_bytes,
+           "reserved_memory_bytes": reserved, "tokens_per_s_per_gpu": tps, "mfu": mfu, "peak_rank": mem_rank,
+           "time_rank": time_rank}
 
     def pick(src: str, rank_sel) -> dict:
         keys = sorted(set(first[src]) | set(last[src]))
@@ -821,6 +836,8 @@ def _combine(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, per_rank: list,
     out["time_breakdown_s"] = pick("tb", time_rank)
     out["memory_breakdown_bytes"] = {k: np.where(mem_rank == LAST, last["mb"][k], first["mb"][k])
                                      for k in MEMORY_KEYS}
+    out["reserved_breakdown_bytes"] = {k: np.where(rsv_rank == LAST, last["rb"][k], first["rb"][k])
+                                       for k in RESERVED_KEYS}
     out["comm_bytes"] = first["ledger"].bytes_by_key()
     out["peak_phase"] = np.where(mem_rank == LAST, last["phase"], first["phase"])
     for r in per_rank:
@@ -893,6 +910,8 @@ def rank_details(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict[int, 
         out[which] = {
             "peak_memory_bytes": float(rk["mem"][0]), "peak_phase": PHASES[int(rk["phase"][0])],
             "memory_breakdown_bytes": {k: float(v[0]) for k, v in rk["mb"].items()},
+            "reserved_memory_bytes": float(rk["reserved"][0]),
+            "reserved_breakdown_bytes": {k: float(v[0]) for k, v in rk["rb"].items()},
             "phase_totals_bytes": {k: float(np.broadcast_to(v, (1,))[0]) for k, v in rk["phase_totals"].items()},
             "comm_bytes": _named({k: float(v[0]) for k, v in rk["ledger"].bytes_by_key().items()}, names),
         }
@@ -963,6 +982,8 @@ def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
         memory_breakdown_bytes=mb, step_time_s=float(r["step_time_s"][0]), time_breakdown_s=tb, comm_bytes=comm,
         tokens_per_s_per_gpu=float(r["tokens_per_s_per_gpu"][0]), mfu=float(r["mfu"][0]), plan=plan.to_dict(),
         comm_time_s=comm_t, exposed_comm_time_s=exposed,
+        reserved_memory_bytes=float(r["reserved_memory_bytes"][0]),
+        reserved_breakdown_bytes={k: float(v[0]) for k, v in r["reserved_breakdown_bytes"].items()},
         interval_s=(step * math.exp(-q), step * math.exp(q)),
         interval_tokens_per_s_per_gpu=(tps * math.exp(-q), tps * math.exp(q)),
     )

@@ -38,6 +38,8 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
                                 "--steps", str(steps), "--warmup", str(warmup), "--optimizer", optimizer]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
+        # the allocator setting torchtitan's launch script uses and parsim's reserved-memory model assumes
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if device == "cpu":
             env["PARSIM_DEVICE"] = "cpu"
         t0 = time.perf_counter()
@@ -89,6 +91,9 @@ def _merge(plan: Plan, res: dict, prov: dict) -> Measurement:
                 comm_counts=r0.get("comm_counts", {}),
                 step_time_p90_s=sorted(times)[max(0, int(round(0.9 * len(times))) - 1)] if times else None)
     tps = plan.global_batch_size * plan.seq_len / med / plan.world_size if med else None
+    reserved = [r["memory_breakdown_bytes"]["reserved_peak"] for r in ranks
+                if "reserved_peak" in (r.get("memory_breakdown_bytes") or {})]
     return Measurement(plan_id=plan.plan_id, kind="run", status="ok", step_times_s=times, median_step_time_s=med,
                        peak_memory_bytes=peak, memory_breakdown_bytes=bd, comm_bytes=r0["comm_bytes"],
-                       losses=r0["losses"], tokens_per_s_per_gpu=tps, provenance=prov)
+                       losses=r0["losses"], tokens_per_s_per_gpu=tps, provenance=prov,
+                       reserved_peak_memory_bytes=max(reserved) if reserved else None)

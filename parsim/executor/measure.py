@@ -158,9 +158,17 @@ class PeakTracker(TorchDispatchMode):
     microbatches, gradient accumulation) and FSDPMemTracker counted loss-parallel DTensors at more than their
     local size (seen here: 4.4 GB where the local storages held 1.6 GB)."""
 
-    def __init__(self, baseline: dict | None = None, resizable=(), phase: dict | None = None, grads_fn=None):
+    def __init__(self, baseline: dict | None = None, resizable=(), phase: dict | None = None, grads_fn=None,
+                 record_events: bool = False):
         super().__init__()
         import weakref
+
+        # with ``record_events``: every allocation and free in order, ``(+1, key, bytes, stream)`` / ``(-1, key, 0,
+        # 0)``, the stream numbered in order of first use (0: the default stream; FSDP2's all-gather copy-in and
+        # reduce-scatter streams are torch.cpu streams here, made current by FSDP2's own code), for replaying
+        # through a model of the device's caching allocator (parsim.allocator)
+        self.events: list | None = [] if record_events else None
+        self._streams: dict[int, int] = {id(torch.cpu.current_stream()): 0}
 
         # the step's phase (``phase["now"]``, set by the traced step) and the gradient tensors alive (``grads_fn``):
         # at each new peak the phase is noted and the step's storages that are gradients are counted apart
@@ -179,6 +187,9 @@ class PeakTracker(TorchDispatchMode):
                 seen.add(st._cdata)
                 self.watched.append(st)
         self.watched_keys = seen
+        self._watched_bytes = [st.nbytes() for st in self.watched]
+        if self.events is not None:  # unsharded parameters already gathered when the step starts
+            self.events += [(1, -1 - i, n, 0) for i, n in enumerate(self._watched_bytes) if n]
         self.live: dict[int, tuple[int, str]] = {}
         self.refs = {}
         self.current: dict[str, int] = {}
@@ -210,6 +221,8 @@ class PeakTracker(TorchDispatchMode):
             return
         nbytes = st.nbytes()
         self.live[key] = (nbytes, cat)
+        if self.events is not None:
+            self.events.append((1, key, nbytes, self._stream()))
         if self.debug:
             self.origin[key] = f"{self._op} {tuple(t.shape)} {t.dtype}"
         self.current[cat] = self.current.get(cat, 0) + nbytes
@@ -217,7 +230,24 @@ class PeakTracker(TorchDispatchMode):
         self._check_peak()
         self.refs[key] = self._weakref.ref(st, lambda _r, key=key: self._free(key))
 
+    def _stream(self) -> int:
+        return self._streams.setdefault(id(torch.cpu.current_stream()), len(self._streams))
+
+    def _record_resizes(self) -> None:
+        """FSDP2's unsharded parameters are allocated and freed by resizing their storages (on the default stream,
+        in its copy-out and reshard): each change of size is one free and / or one allocation."""
+        for i, st in enumerate(self.watched):
+            now, before = st.nbytes(), self._watched_bytes[i]
+            if now != before:
+                if before:
+                    self.events.append((-1, -1 - i, 0, 0))
+                if now:
+                    self.events.append((1, -1 - i, now, 0))
+                self._watched_bytes[i] = now
+
     def _check_peak(self):
+        if self.events is not None and self.watched:
+            self._record_resizes()
         unsharded = sum(st.nbytes() for st in self.watched)
         if self.total + unsharded > self.peak:
             self.peak = self.total + unsharded
@@ -256,6 +286,8 @@ class PeakTracker(TorchDispatchMode):
     def _free(self, key):
         nbytes, cat = self.live.pop(key, (0, None))
         self.refs.pop(key, None)
+        if self.events is not None and cat is not None:
+            self.events.append((-1, key, 0, 0))
         if cat is not None:
             self.current[cat] -= nbytes
             self.total -= nbytes
@@ -263,6 +295,8 @@ class PeakTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils._pytree import tree_flatten
 
+        if self.events is not None and self.watched:
+            self._record_resizes()
         out = func(*args, **(kwargs or {}))
         self._op = str(func)
         for t in tree_flatten(out)[0]:
@@ -304,10 +338,12 @@ def grad_tensors(parts) -> list:
     return out
 
 
-def track_step(step, parts, opt, phase: dict | None = None):
+def track_step(step, parts, opt, phase: dict | None = None, events: list | None = None):
     """Run ``step()`` under a PeakTracker seeded with this rank's parameters, gradients and optimizer state.
     Returns (step's result, peak bytes, breakdown at the peak, the op that set the peak); with ``phase`` (a dict
-    whose "now" the step keeps current) the phase at the peak is left in ``phase["at_peak"]``."""
+    whose "now" the step keeps current) the phase at the peak is left in ``phase["at_peak"]``; with ``events`` (a
+    list) the step's allocations and frees are appended to it (``PeakTracker``'s ``record_events``), after the
+    allocations of the state the step starts with."""
     params = [p for m in parts for p in m.parameters()]
     base = {"parameters": params,
             "gradients": [p.grad for p in params if p.grad is not None],
@@ -319,9 +355,12 @@ def track_step(step, parts, opt, phase: dict | None = None):
             state = mod._get_fsdp_state() if hasattr(mod, "_get_fsdp_state") else None
             for group in (getattr(state, "_fsdp_param_groups", None) or []):
                 unsharded += [fp._unsharded_param for fp in group.fsdp_params if hasattr(fp, "_unsharded_param")]
-    tracker = PeakTracker(base, resizable=unsharded, phase=phase, grads_fn=lambda: grad_tensors(parts))
+    tracker = PeakTracker(base, resizable=unsharded, phase=phase, grads_fn=lambda: grad_tensors(parts),
+                          record_events=events is not None)
     with tracker:
         out = step()
+    if events is not None:
+        events.extend(tracker.events or ())
     if phase is not None:
         phase["at_peak"] = tracker.phase_at_peak
     if tracker.debug:

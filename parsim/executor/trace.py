@@ -121,12 +121,14 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
             if sends["bytes"]:
                 comm["send/pp"] = comm.get("send/pp", 0) + sends["bytes"]
             sends["bytes"] = 0
-            _, peak, breakdown, peak_op = track_step(step, parts, opt, phase)
+            events: list = []
+            _, peak, breakdown, peak_op = track_step(step, parts, opt, phase, events)
         prov.update(memory_source=f"parsim PeakTracker under FakeTensorMode (tensor-level, rank {rank})",
                     peak_op=peak_op, peak_phase=phase.get("at_peak", ""), pp_stage=stage_ids[0] % plan.pp,
-                    comm_counts=dict(counter.counts), wall_s=time.perf_counter() - t0)
+                    comm_counts=dict(counter.counts), wall_s=time.perf_counter() - t0, **_reserved(events))
         return Measurement(plan_id=plan.plan_id, kind="trace", status="ok", peak_memory_bytes=peak,
-                           memory_breakdown_bytes=breakdown, comm_bytes=comm, provenance=prov)
+                           memory_breakdown_bytes=breakdown, comm_bytes=comm, provenance=prov,
+                           reserved_peak_memory_bytes=prov["reserved_peak_bytes_expandable"])
     except Exception as e:  # noqa: BLE001 - a plan the code cannot trace is recorded, not raised
         import traceback
 
@@ -136,6 +138,28 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
     finally:
         dist.destroy_process_group()
         _forget_meshes()
+
+
+def _reserved(events: list) -> dict:
+    """The step's allocations and frees replayed through the model of CUDA's caching allocator
+    (``parsim.allocator``), with and without expandable segments: what a GPU would have reserved for them."""
+    import os
+
+    from ..allocator import replay
+
+    if os.environ.get("PARSIM_ALLOC_EVENTS"):  # debugging: the raw stream, for replaying by hand
+        import pickle
+
+        with open(os.environ["PARSIM_ALLOC_EVENTS"], "wb") as f:
+            pickle.dump(events, f)
+    out = {}
+    for name, expandable in (("expandable", True), ("classic", False)):
+        r = replay(events, expandable_segments=expandable)
+        out[f"reserved_peak_bytes_{name}"] = r.reserved_peak_bytes
+        out[f"reserved_by_stream_bytes_{name}"] = r.reserved_by_stream_bytes
+    out["allocator_allocated_peak_bytes"] = r.allocated_peak_bytes
+    out["allocator_events"] = len(events)
+    return out
 
 
 def _forget_meshes() -> None:
