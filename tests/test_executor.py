@@ -18,7 +18,14 @@ H100 = load_profile("h100-sxm-spec")
 G, S, STEPS = 8, 64, 4  # global batch, sequence, steps (2 warm-up + 2 timed)
 
 # Each option appears at least once; options are combined where one run can check them together (every run costs
-# 10-20 s of CI): plain FSDP 4 is in the AC cases, plain FSDP x TP and PP x FSDP in their device-order cases.
+# 10-20 s of CI): plain FSDP 4 is in the AC cases, plain FSDP x TP and PP x FSDP in their device-order cases. Cases
+# marked LONG repeat a kind CI already runs (pytest -m long runs them).
+
+
+def LONG(model: str, kw: dict) -> tuple:  # noqa: N802 - reads as a tag in the table below
+    return (model, kw, "long")
+
+
 PARITY = [
     ("tiny", dict(pp=2, tp=2, local_batch_size=8, micro_batch_size=2)),
     ("tiny-moe", dict(dp_shard=4, ep=2, local_batch_size=2)),
@@ -26,18 +33,18 @@ PARITY = [
     ("tiny", dict(dp_shard=2, local_batch_size=4, compile=True)),
     # device orders other than the default (issue 12): TP outer of FSDP, PP innermost, EP inside a reversed mesh
     ("tiny", dict(dp_shard=2, tp=2, local_batch_size=4, mesh_order=("pp", "dp_replicate", "cp", "tp", "dp_shard"))),
-    ("tiny", dict(pp=2, dp_shard=2, local_batch_size=4, micro_batch_size=2,
+    LONG("tiny", dict(pp=2, dp_shard=2, local_batch_size=4, micro_batch_size=2,
                   mesh_order=("dp_replicate", "cp", "tp", "dp_shard", "pp"))),
     ("tiny-moe", dict(dp_replicate=2, dp_shard=2, ep=2, local_batch_size=2,
                       mesh_order=("tp", "cp", "dp_shard", "dp_replicate", "pp"))),
     # EP with TP (issue 12): EP borrowed from tp (ep2) and from dp_shard x tp (ep4), with PP, experts TP-sharded
-    ("tiny-moe", dict(dp_shard=2, tp=2, ep=2, local_batch_size=4)),
-    ("tiny-moe", dict(dp_shard=2, tp=2, ep=4, local_batch_size=4)),
+    LONG("tiny-moe", dict(dp_shard=2, tp=2, ep=2, local_batch_size=4)),
+    LONG("tiny-moe", dict(dp_shard=2, tp=2, ep=4, local_batch_size=4)),
     ("tiny-moe", dict(pp=2, tp=2, ep=2, local_batch_size=8, micro_batch_size=2)),
-    ("tiny-moe", dict(dp_shard=2, tp=2, local_batch_size=4, sequence_parallel=False)),
+    LONG("tiny-moe", dict(dp_shard=2, tp=2, local_batch_size=4, sequence_parallel=False)),
     # the fused cross-entropy (issue 11), with selective-op AC, and as a pipeline's loss
     ("tiny", dict(dp_shard=4, local_batch_size=2, ac="selective-op", fused_loss=True)),
-    ("tiny", dict(pp=2, dp_shard=2, local_batch_size=4, micro_batch_size=2, fused_loss=True)),
+    LONG("tiny", dict(pp=2, dp_shard=2, local_batch_size=4, micro_batch_size=2, fused_loss=True)),
 ]
 
 
@@ -47,8 +54,9 @@ def references():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,kw", PARITY,
-                         ids=[f"{m}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for m, kw in PARITY])
+@pytest.mark.parametrize("model,kw", [
+    pytest.param(c[0], c[1], marks=[pytest.mark.long] if len(c) > 2 else [],
+                 id=f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[1].items())}") for c in PARITY])
 def test_loss_parity_with_single_process(model, kw, references):
     """Same model, init, data, loss, clipping and SGD as one process on the whole batch. fp32 throughout; the
     only differences are summation orders (sharded reductions, TP partial sums), ~1e-7 relative per step. SGD
@@ -116,7 +124,7 @@ def test_trace_64_rank_fsdp_tp_matches_the_model():
     _assert_trace_matches_prediction(PRESETS["llama3-8b"], Plan(dp_shard=8, tp=8, seq_len=2048), 0.01)
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.long)])  # the fused: 2 min of chunks
 def test_trace_of_the_loss_matches_the_model(fused):
     # llama3-8b, FSDP 8 without TP: whole-vocabulary logits (4096 x 128256 per rank) set the peak; torch's fp32
     # cross-entropy keeps 12 B/logit at its peak, the fused one 4 (the bf16 logits and their gradient). With the
@@ -129,6 +137,7 @@ def test_trace_of_the_loss_matches_the_model(fused):
     assert (p.peak_memory_bytes - t.peak_memory_bytes) * (1 if fused else -1) > 4 * logits
 
 
+@pytest.mark.long
 def test_trace_with_another_device_order_matches_the_model():
     # the issue's example order at full scale: TP outer of FSDP (FSDP groups strided, TP groups contiguous)
     _assert_trace_matches_prediction(PRESETS["llama3-8b"], Plan(dp_shard=8, tp=8, seq_len=2048,
