@@ -160,6 +160,13 @@ class HardwareProfile:
     # FlashAttention's throughput grows with sequence length at any batch (public kernel benchmarks); when set it is
     # used instead of ``attention_efficiency`` (which stays the FLOP-indexed curve a profiler fits)
     attention_keys_efficiency: EfficiencyCurve | None = None
+    # Transformer Engine's attention (Megatron-Core layers, ``te_layers``) over the FlashAttention-2 kernel the
+    # attention curves describe, at the same shape: on Hopper TE runs cuDNN's fused attention (its backend
+    # selection disables FlashAttention "to give FusedAttention preference on Hopper+ for performance reasons",
+    # transformer_engine/pytorch/attention/dot_product_attention/utils.py), which the FlashAttention-3 paper
+    # (arXiv 2407.08608, H100 SXM5, head dim 128) measures at 1.58-1.65x FA2 in the causal forward and 1.57-1.63x in
+    # the backward from 1k to 16k keys. 1.0 where TE runs flash-attn too (before Hopper) or no figure is known.
+    fused_attention_speedup: float = 1.0
     compile_memory_bound_factor: float = 0.5  # memory-bound time with torch.compile (fusion), fraction of eager
     comm_overlap: bool = True  # collectives run beside compute (NCCL streams); gloo on CPU blocks the rank
     samples: dict = field(default_factory=dict)  # raw measurements (or a path to them), kept for refits
@@ -206,6 +213,7 @@ class HardwareProfile:
         check_number("memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s, 1.0)
         check_number("memory_efficiency", self.memory_efficiency, 0.0, 1.0, low_open=True)
         check_number("compile_memory_bound_factor", self.compile_memory_bound_factor, 0.0, 1.0, low_open=True)
+        check_number("fused_attention_speedup", self.fused_attention_speedup, 1.0, 10.0)
         if not isinstance(self.comm_overlap, bool):
             raise ParsimError(f"comm_overlap must be true or false, got {self.comm_overlap!r}")
         for n, kind in (("gemm_efficiency", EfficiencyCurve), ("attention_efficiency", EfficiencyCurve),

@@ -20,6 +20,10 @@ COMMON_ASSUMPTIONS = (
     "attention_keys_efficiency: FlashAttention-2 forward+backward, causal, head dim 128 (flash-attention repository "
     "benchmark figures) fitted as eff_max * keys / (keys + keys_half) [public benchmark]; attention_efficiency "
     "(FLOP-indexed) is kept for profiles without it and is assumed",
+    "fused_attention_speedup (Transformer Engine's cuDNN attention over FlashAttention-2, Megatron-Core plans): 1.6 "
+    "on Hopper from the FlashAttention-3 paper's cuDNN and FA2 figures (arXiv 2407.08608, H100, head dim 128) "
+    "[public benchmark]; 1.0 on A100 (TE prefers cuDNN only on sm90+) and on B200 (no public figure here) "
+    "[assumed]",
     "float8_gemm_efficiency: eff_max = fp8 MAMF over the fp8 peak [public benchmark]; x_half twice the bf16 one "
     "(same fixed cost, twice the rate) [derived]",
     "memory_efficiency (fraction of HBM bandwidth reached by elementwise/norm kernels) is assumed",
@@ -35,6 +39,11 @@ COMMON_ASSUMPTIONS = (
 # rowwise on 8192^3 (pytorch/FBGEMM PR #2546) against 794.5 and 1402.6 MAMF on a 700 W H100 SXM
 H100_500W_BF16 = 585.0 / 794.5
 H100_500W_FP8 = 1126.0 / 1402.6
+# [public benchmark] Transformer Engine's attention on Hopper is cuDNN's fused kernel (TE's backend selection prefers
+# it over flash-attn on sm90+); FlashAttention-3 paper (arXiv 2407.08608) Figs. 5-6, H100 SXM5, head dim 128, cuDNN
+# over FlashAttention-2: causal forward 410/260, 484/298, 518/319, 529/333, 539/335 TFLOP/s at 1k..16k keys
+# (1.58-1.63x), backward 408/260, 465/291, 499/310, 518/318, 516/322 (1.57-1.63x): 1.6x at every length
+TE_ATTENTION_HOPPER = 1.6
 
 SHEETS = {
     "h100-sxm-spec": dict(
@@ -43,6 +52,7 @@ SHEETS = {
         peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12},
         memory_bandwidth_bytes_per_s=3350 * GB,
         gemm=(794.5 / 989, 4e9), attn=(0.50, 4e9), keys=(0.34, 543.0), fp8=(1402.6 / 1979, 8e9),
+        te_attn=TE_ATTENTION_HOPPER,
         intra={"all_reduce": 480 * GB, "all_gather": 370 * GB, "reduce_scatter": 370 * GB,
                "all_to_all": 370 * GB, "broadcast": 370 * GB, "send": 370 * GB},
         nic=46 * GB,
@@ -56,6 +66,7 @@ SHEETS = {
         memory_bandwidth_bytes_per_s=2400 * GB,
         gemm=(794.5 / 989 * H100_500W_BF16, 4e9), attn=(0.50 * H100_500W_BF16, 4e9),
         keys=(0.34 * H100_500W_BF16, 543.0), fp8=(1402.6 / 1979 * H100_500W_FP8, 8e9),
+        te_attn=TE_ATTENTION_HOPPER,
         intra={"all_reduce": 480 * GB, "all_gather": 370 * GB, "reduce_scatter": 370 * GB,
                "all_to_all": 370 * GB, "broadcast": 370 * GB, "send": 370 * GB},
         nic=46 * GB,
@@ -74,6 +85,7 @@ SHEETS = {
         peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12},
         memory_bandwidth_bytes_per_s=4800 * GB,
         gemm=(794.5 / 989, 4e9), attn=(0.50, 4e9), keys=(0.34, 543.0), fp8=(1453.4 / 1979, 8e9),
+        te_attn=TE_ATTENTION_HOPPER,
         intra={"all_reduce": 475 * GB, "all_gather": 370 * GB, "reduce_scatter": 370 * GB,
                "all_to_all": 370 * GB, "broadcast": 370 * GB, "send": 370 * GB},
         nic=46 * GB,
@@ -122,6 +134,7 @@ def build(name: str, s: dict) -> HardwareProfile:
         peak_flops=s["peak_flops"], memory_bandwidth_bytes_per_s=float(s["memory_bandwidth_bytes_per_s"]),
         gemm_efficiency=EfficiencyCurve(*s["gemm"]), attention_efficiency=EfficiencyCurve(*s["attn"]),
         float8_gemm_efficiency=fp8, attention_keys_efficiency=EfficiencyCurve(*s["keys"]),
+        fused_attention_speedup=float(s.get("te_attn", 1.0)),
         memory_efficiency=0.7, compile_memory_bound_factor=0.5, corrections={"comm_interference": 0.189},
         topology=Topology(intra_node_busbw_bytes_per_s=s["intra"], inter_node_bytes_per_s_per_gpu=s["nic"],
                           intra_latency_s=10e-6, inter_latency_s=20e-6, latency_per_log2_rank_s=3e-6),

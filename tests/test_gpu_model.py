@@ -168,3 +168,36 @@ def test_interleaved_rows_without_a_virtual_stage_count_are_predicted_with_the_f
                                     "dp_replicate": 8})
     assert plan.pp_stages_per_rank == 5
     assert predict(PRESETS["llama3-70b"], plan, load_profile("h100-sxm-spec")).step_time_s > 0
+
+
+def test_transformer_engine_attention_runs_cudnn_speed_on_hopper_only():
+    """TE layers on Hopper run cuDNN's fused attention, 1.6x FlashAttention-2 at the same shape (profile field
+    fused_attention_speedup, FA3 paper figures); the GEMMs are unchanged (TE's fused memory-bound kernels are
+    another matter); A100 keeps FA2."""
+    from parsim.codec import encode
+    from parsim.costmodel.layers import Shapes
+    from parsim.costmodel.step import block_overheads, layer_compute_items
+
+    plan = Plan(dp_replicate=2, tp=4, seq_len=8192, local_batch_size=1, float8=True)
+    for name, speedup in (("h100-sxm-spec", 1.6), ("a100-sxm-80gb-spec", 1.0)):
+        hw = load_profile(name)
+        assert hw.fused_attention_speedup == speedup
+        items = {}
+        for te in (False, True):
+            p = dataclasses.replace(plan, te_layers=te, float8=plan.float8 and "float8" in hw.peak_flops)
+            b = encode([p], 8)
+            items[te] = {n: (float(e[0]), float(t[0]))
+                         for n, _k, _w, e, t, _s in layer_compute_items(L70, b, Shapes(L70, b), hw, False,
+                                                                        block_overheads(hw)[0])}
+        eff_fa2, t_fa2 = items[False].pop("attention (causal)")
+        eff_te, t_te = items[True].pop("attention (causal)")
+        assert eff_te == pytest.approx(eff_fa2 * speedup, rel=1e-12)
+        assert t_te == pytest.approx(t_fa2 / speedup, rel=1e-12)
+        gemms = [n for n in items[False] if n.startswith("w")]
+        assert len(gemms) >= 7 and all(items[True][n] == items[False][n] for n in gemms)
+    # a profile whose curve times the speedup would pass 1 is capped at 1
+    fast = dataclasses.replace(H100, fused_attention_speedup=10.0)
+    b = encode([dataclasses.replace(plan, te_layers=True)], 8)
+    att = [x for x in layer_compute_items(L70, b, Shapes(L70, b), fast, False, block_overheads(fast)[0])
+           if x[0] == "attention (causal)"][0]
+    assert float(att[3][0]) == pytest.approx(1.0)

@@ -145,13 +145,16 @@ def _attention_item(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfi
     length at a fixed token count (FA2 forward+backward on H100, hd 128, causal: 163 TFLOP/s at 512 keys, 294 at
     4k, 328 at 16k), which a FLOP-indexed curve cannot express (a 64k-token batch of 512-token sequences has the
     FLOPs of a 4k-token batch of 4k-token sequences). Under CP, torchtitan's ring attention runs ``cp`` kernels of
-    ``seq / cp`` keys each."""
+    ``seq / cp`` keys each. Plans on Transformer Engine layers (``te_layers``) run TE's attention, on Hopper cuDNN's
+    fused kernel: the curve's efficiency times the profile's ``fused_attention_speedup`` (capped at 1)."""
     a_flops = attention_flops(spec, sh)
     if hw.attention_keys_efficiency is None:
-        return ("attention (causal)", "attention", a_flops, hw.attention_efficiency(a_flops),
-                hw.attention_efficiency.time_s(a_flops, peak), False)
-    eff = hw.attention_keys_efficiency(sh.seq / b.cp)
-    return ("attention (causal)", "attention", a_flops, eff, a_flops / (eff * peak), False)
+        eff, t = hw.attention_efficiency(a_flops), hw.attention_efficiency.time_s(a_flops, peak)
+    else:
+        eff = hw.attention_keys_efficiency(sh.seq / b.cp)
+        t = a_flops / (eff * peak)
+    boost = np.where(b.te, np.minimum(hw.fused_attention_speedup, 1.0 / np.maximum(eff, 1e-12)), 1.0)
+    return ("attention (causal)", "attention", a_flops, eff * boost, t / boost, False)
 
 
 def compute_peak(hw: HardwareProfile, b: PlanBatch) -> np.ndarray:
