@@ -267,7 +267,12 @@ def note_options(r: dict, deg: dict) -> dict:
     them (the same words for every row):
 
     * float8 recipe: "rowwise_with_gw_hp" / "rowwise" / otherwise tensorwise (torchao's default);
-    * async TP: "asynctp" / "async TP", not negated ("async TP off", "no async TP");
+    * async TP: "asynctp" / "async TP", not negated ("async TP off", "no async TP"); on Megatron-family rows
+      (TE layers) with TP > 1 also when the notes do not say: their performance recipes overlap TP communication
+      with the GEMMs (``tp_comm_overlap`` with userbuffers: Megatron-Bridge's ``COMM_OVERLAP_CONFIG_MAP`` gives
+      llama3 70B / 405B on H100 ``userbuffers_{bf16,fp8}_h100_h8192_tp4_mbs1_seqlen8192`` / ``..._h16384_tp8_cp2``,
+      NeMo's recipes import the same userbuffers configs) [framework source; assumed for rows whose recipe was not
+      read], unless the notes negate it ("TP comm overlap off");
     * distributed optimizer: Megatron-style DDP (dp_replicate > 1, dp_shard 1) whose notes speak of optimizer-state
       sharding — Megatron-Bridge rows say its distributed optimizer is used ("distributed-optimizer state
       sharding"); NeMo 24.07 rows say "optimizer-state sharding not stated", and NeMo's launcher configs for these
@@ -275,7 +280,10 @@ def note_options(r: dict, deg: dict) -> dict:
     n = str(_num(r.get("notes"), "")).lower()
     opts = framework_options(r)
     recipe = "rowwise_with_gw_hp" if "gw_hp" in n else "rowwise" if "rowwise" in n else "tensorwise"
-    async_tp = deg["tp"] > 1 and re.search(r"(?<!no )\basync ?tp\b(?!\s*off)", n) is not None
+    said = re.search(r"(?<!no )\basync ?tp\b(?!\s*off)", n) is not None
+    negated = re.search(r"\bno (async ?tp|tp comm(unication)? overlap)\b|\b(async ?tp|tp comm(unication)? overlap)"
+                        r"\s*off\b", n) is not None
+    async_tp = deg["tp"] > 1 and not negated and (said or bool(opts.get("te_layers")))
     ddp = deg["dp_replicate"] > 1 and deg["dp_shard"] == 1
     dist = ddp and ("optimizer-state sharding" in n or "optimizer state sharding" in n)
     return {"float8_recipe": recipe, "async_tp": async_tp, "distributed_optimizer": dist, **opts,

@@ -77,6 +77,16 @@ def test_published_notes_say_async_tp(note, expected):
     assert V.note_options({"notes": note}, {"tp": 8, "dp_replicate": 1, "dp_shard": 8})["async_tp"] is expected
 
 
+def test_megatron_rows_overlap_tp_communication_unless_said_otherwise():
+    """Megatron-Bridge / NeMo performance recipes run tp_comm_overlap (userbuffers) where TP > 1."""
+    deg = {"tp": 4, "dp_replicate": 2, "dp_shard": 1}
+    row = {"source": "megatron-bridge", "table": "x", "notes": "FP8"}
+    assert V.note_options(row, deg)["async_tp"]
+    assert not V.note_options(row, {**deg, "tp": 1})["async_tp"]
+    assert not V.note_options({**row, "notes": "FP8; TP comm overlap off"}, deg)["async_tp"]
+    assert not V.note_options({**row, "source": "torchtitan"}, deg)["async_tp"]
+
+
 def test_published_notes_say_recipe_and_distributed_optimizer():
     deg = {"tp": 1, "dp_replicate": 8, "dp_shard": 1}
     assert V.note_options({"notes": "float8 rowwise"}, deg)["float8_recipe"] == "rowwise"
