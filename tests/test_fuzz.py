@@ -182,7 +182,7 @@ def check_plan_honours(plan: dict, flags: dict) -> None:
             assert plan[key] == _as_int(v), (f, v, plan[key])
 
 
-@settings(max_examples=n_cases(1000), **SETTINGS)
+@settings(max_examples=n_cases(500), **SETTINGS)
 @given(plan_args())
 def test_cli_predict_fuzz(case):
     argv, flags = case
@@ -199,7 +199,7 @@ SEARCH_EXTRA = st.one_of(st.just([]), st.sampled_from([
     ["--headroom", "0.5"], ["--headroom", "nan"], ["--explain", "2"], ["--max-plans", "10"]]))
 
 
-@settings(max_examples=n_cases(200), **SETTINGS)
+@settings(max_examples=n_cases(100), **SETTINGS)
 @given(plan_args(gpus=SEARCH_GPUS, max_flags=5), SEARCH_EXTRA)
 def test_cli_search_fuzz(case, extra):
     argv, flags = case
@@ -222,7 +222,7 @@ def test_cli_search_fuzz(case, extra):
         assert p["pp"] * p["dp_replicate"] * p["dp_shard"] * p["cp"] * p["tp"] == doc["n_gpus"]
 
 
-@settings(max_examples=n_cases(600), **SETTINGS)
+@settings(max_examples=n_cases(400), **SETTINGS)
 @given(st.sampled_from(["run", "trace"]), plan_args(),
        st.sampled_from([[], ["--nnodes", "abc"], ["--nnodes", "1:x"], ["--nnodes", "2:1"], ["--timeout", "nan"],
                         ["--timeout", "-1"], ["--timeout", "1e300"], ["--steps", "0"], ["--rank", "-1"],
