@@ -280,9 +280,9 @@ def note_options(r: dict, deg: dict) -> dict:
     n = str(_num(r.get("notes"), "")).lower()
     opts = framework_options(r)
     recipe = "rowwise_with_gw_hp" if "gw_hp" in n else "rowwise" if "rowwise" in n else "tensorwise"
-    said = re.search(r"(?<!no )\basync ?tp\b(?!\s*off)", n) is not None
-    negated = re.search(r"\bno (async ?tp|tp comm(unication)? overlap)\b|\b(async ?tp|tp comm(unication)? overlap)"
-                        r"\s*off\b", n) is not None
+    overlap = r"(async ?tp|tp comm(unication)? overlap)"
+    said = re.search(r"\basync ?tp\b", n) is not None
+    negated = re.search(rf"\bno {overlap}\b|\b{overlap}\s*off\b", n) is not None
     async_tp = deg["tp"] > 1 and not negated and (said or bool(opts.get("te_layers")))
     ddp = deg["dp_replicate"] > 1 and deg["dp_shard"] == 1
     dist = ddp and ("optimizer-state sharding" in n or "optimizer state sharding" in n)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 SLICE_SEED = 2026
-# CI's slice: 150 plans took 490 s on a 2-core AMD EPYC (100: 315 s), too much of CI's 20 minutes there (32: CI at
-# 20:58 with 40 plans there, so 32); the
-# 100-plan slice (SLICE_SEED, same draw) runs with pytest -m long, 3000 plans in bench/differential.py
+# CI's slice: 150 plans took 490 s on a 2-core AMD EPYC (100: 315 s), too much of CI's 20 minutes there, where CI
+# took 20:58 with 40; the 100-plan slice (SLICE_SEED, same draw) runs with pytest -m long, 3000 plans in
+# bench/differential.py
 SLICE_TRACED = 32
 
 
