@@ -11,8 +11,8 @@ predictions beside what it measured (``bash bench/gpu_acceptance.sh``; under 10 
 3. **Executor runs on this machine's GPUs** (``parsim.executor.launch.run_plan``, 5 timed steps after 2 warm-up):
    the model cut to ``--layers`` layers, data parallel over every GPU (FSDP2 with 2+; on one GPU no FSDP wrapper, as
    torchtitan with dp_shard 1), no AC, full AC, selective-op AC, layer:2 AC, compile, float8 (rowwise); each beside
-   its prediction on the profile just measured (with the blocks measured at the run's shapes): step time,
-   ``torch.cuda`` allocated peak (predicted) and reserved peak (measured only: parsim predicts allocated memory).
+   its prediction on the profile just measured (blocks and the model's ends measured at the run's shapes): step time,
+   ``torch.cuda`` allocated and reserved peaks, each beside its prediction (reserved: ``costmodel/reserved.py``).
 4. **Writes** ``OUT/<name>.json`` (the profile with its blocks), ``OUT/report.json`` and ``OUT/report.md``, and
    copies the profile to ``profiles/<name>.json`` (``--no-install`` keeps it out).
 
@@ -85,8 +85,9 @@ def _parsim(args: list[str], env: dict) -> dict:
 
 
 def _runs(s: Setup, model_path: str, profile_path: Path, cuda: bool) -> list[dict]:
-    """Each variant run for real and predicted on the profile (blocks at the run's shapes measured first)."""
-    from parsim.blockshape import plan_block_shapes
+    """Each variant run for real and predicted on the profile (blocks and the model's ends at the run's shapes
+    measured first)."""
+    from parsim.blockshape import plan_measured_shapes
     from parsim.costmodel import predict
     from parsim.executor.launch import run_plan
     from parsim.hardware import HardwareProfile
@@ -101,7 +102,7 @@ def _runs(s: Setup, model_path: str, profile_path: Path, cuda: bool) -> list[dic
         plan = Plan(dp_shard=s.nproc, seq_len=s.seq_len, local_batch_size=1, micro_batch_size=1,
                     param_dtype=s.dtype, **opts)
         hw = HardwareProfile.from_dict(read_json(profile_path, "profile"))
-        shapes = [x for x in plan_block_shapes(spec, plan).values() if x is not None]
+        shapes = [x for x in plan_measured_shapes(spec, plan) if x is not None]
         hw, _ = add_measured_blocks(hw, shapes, profile_path)
         p = predict(spec, plan, hw)
         t0 = time.perf_counter()
@@ -109,6 +110,7 @@ def _runs(s: Setup, model_path: str, profile_path: Path, cuda: bool) -> list[dic
         rows.append({"variant": name, "plan_id": plan.plan_id, "status": m.status, "error": m.error[:300],
                      "pred_step_s": p.step_time_s, "meas_step_s": m.median_step_time_s,
                      "pred_allocated_bytes": p.peak_memory_bytes, "meas_allocated_bytes": m.peak_memory_bytes,
+                     "pred_reserved_bytes": p.reserved_memory_bytes,
                      "meas_reserved_bytes": m.memory_breakdown_bytes.get("reserved_peak"),
                      "wall_s": time.perf_counter() - t0})
         print(f"  {name}: {m.status} step {m.median_step_time_s} s (predicted {p.step_time_s:.4g} s)", flush=True)
@@ -124,10 +126,12 @@ def _markdown(doc: dict) -> str:
     if not runs.empty:
         runs["step err %"] = 100 * (runs["pred_step_s"] / runs["meas_step_s"] - 1)
         runs["alloc err %"] = 100 * (runs["pred_allocated_bytes"] / runs["meas_allocated_bytes"] - 1)
-        for c in ("pred_allocated_bytes", "meas_allocated_bytes", "meas_reserved_bytes"):
-            runs[c.replace("_bytes", "_GiB")] = runs[c] / GiB
+        meas_res = pd.to_numeric(runs["meas_reserved_bytes"], errors="coerce")  # None on CPU (no caching allocator)
+        runs["reserved err %"] = 100 * (pd.to_numeric(runs["pred_reserved_bytes"], errors="coerce") / meas_res - 1)
+        for c in ("pred_allocated_bytes", "meas_allocated_bytes", "pred_reserved_bytes", "meas_reserved_bytes"):
+            runs[c.replace("_bytes", "_GiB")] = pd.to_numeric(runs[c], errors="coerce") / GiB
         cols = ["variant", "status", "pred_step_s", "meas_step_s", "step err %", "pred_allocated_GiB",
-                "meas_allocated_GiB", "alloc err %", "meas_reserved_GiB"]
+                "meas_allocated_GiB", "alloc err %", "pred_reserved_GiB", "meas_reserved_GiB", "reserved err %"]
         lines.append("```\n" + runs[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}") + "\n```")
     lines += ["", "## Re-ranked with measured blocks (`parsim search --measure 10`)", ""]
     ranked = pd.DataFrame(doc["search_measured"]["rows"])

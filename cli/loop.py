@@ -101,9 +101,10 @@ def _components(out: Path, diffs: list[dict]) -> dict:
 
 
 def measure_plan_shapes(plan_file: str, out: str, out_dir: str | None, model: str | None) -> dict:
-    """``parsim profile --measure-shapes-of PLANFILE --out PROFILE``: the blocks of the plans in the file, measured
-    at their local shapes on this device and kept in the profile (resumable: shapes it has are not re-measured)."""
-    from parsim.blockshape import plan_block_shapes
+    """``parsim profile --measure-shapes-of PLANFILE --out PROFILE``: the blocks and ends (embedding, output and
+    loss) of the plans in the file, measured at their local shapes on this device and kept in the profile
+    (resumable: shapes it has are not re-measured)."""
+    from parsim.blockshape import plan_measured_shapes
     from parsim.hardware import HardwareProfile
     from parsim.jsonio import read_json
     from parsim.plan import Plan
@@ -116,7 +117,7 @@ def measure_plan_shapes(plan_file: str, out: str, out_dir: str | None, model: st
     for e in entries:
         if not isinstance(e, dict) or not isinstance(e.get("plan"), dict) or not (model or e.get("model")):
             raise ParsimError(f"{plan_file}: each entry needs 'model' and 'plan' (as search --emit-plan writes)")
-        got = plan_block_shapes(load_model(model or e["model"]), Plan.from_dict(e["plan"])).values()
+        got = plan_measured_shapes(load_model(model or e["model"]), Plan.from_dict(e["plan"]))
         shapes += [s for s in got if s is not None]
         skipped += sum(s is None for s in got)
     path = resolve_profile_out(out, out_dir)
@@ -130,16 +131,16 @@ def measure_plan_shapes(plan_file: str, out: str, out_dir: str | None, model: st
 
 
 def _with_measured_blocks(hw, lines: list[dict]):
-    """The profile with a block measured at every local shape of the plans in ``lines`` (measured here, written
-    to the profile folder under the profile's name); (profile, {key: wall s}, number of shapes)."""
-    from parsim.blockshape import plan_block_shapes
+    """The profile with a block and the ends measured at every local shape of the plans in ``lines`` (measured
+    here, written to the profile folder under the profile's name); (profile, {key: wall s}, number of shapes)."""
+    from parsim.blockshape import plan_measured_shapes
     from parsim.hardware import profile_write_dir
     from parsim.plan import Plan
     from parsim.spec import load_model
 
     shapes = []
     for ln in lines:
-        shapes += [s for s in plan_block_shapes(load_model(ln["model"]), Plan.from_dict(ln["plan"])).values() if s]
+        shapes += [s for s in plan_measured_shapes(load_model(ln["model"]), Plan.from_dict(ln["plan"])) if s]
     shapes = list(dict.fromkeys(shapes))
     hw, walls = measure_blocks_into(hw, shapes, profile_write_dir() / f"{hw.name}.json")
     return hw, walls, len(shapes)

@@ -106,3 +106,46 @@ def plan_block_shapes(spec: ModelSpec, plan) -> dict[str, BlockShape | None]:
     return {k: block_shape(spec, k == "moe", tp=plan.tp, ep=plan.ep, etp=etp, micro_batch=plan.micro_batch_size,
                            seq_len=plan.seq_len, cp=plan.cp, dtype=plan.param_dtype, compile=plan.compile,
                            float8=plan.float8) for k in kinds}
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """The model's ends on one rank: the token embedding (first stage) and the final norm, output projection and
+    loss (last stage), at the vocabulary rows a rank holds (``ceil(V / tp)``, as ``torch.chunk`` shards it),
+    micro batch, local sequence and dtype; never compiled (the executor compiles the blocks only). Under TP the
+    executor's loss is ``loss_parallel`` over vocab-sharded logits: measured here as a plain loss over the local
+    rows (its all-reduces are collectives, costed as such)."""
+
+    d_model: int
+    vocab: int  # rows on the rank (after tp)
+    micro_batch: int
+    seq_len: int
+    dtype: str
+    fused_loss: bool
+    norm: str
+
+    @property
+    def key(self) -> str:
+        return "head|" + "|".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in asdict(self).items())
+
+
+def head_shape(spec: ModelSpec, *, tp: int, micro_batch: int, seq_len: int, cp: int, dtype: str,
+               fused_loss: bool) -> HeadShape | None:
+    """The ends of ``spec`` on a rank, or None where a measured head cannot stand for them: CP (the loss over
+    seq / cp tokens is measurable, but CP plans keep the curves throughout) and learned positions (an embedding
+    the executor adds beside the tokens')."""
+    if cp > 1 or spec.max_position_embeddings:
+        return None
+    return HeadShape(d_model=spec.d_model, vocab=-(-spec.vocab_size // tp), micro_batch=micro_batch,
+                     seq_len=seq_len, dtype=dtype, fused_loss=fused_loss, norm=spec.norm)
+
+
+def plan_head_shape(spec: ModelSpec, plan) -> HeadShape | None:
+    return head_shape(spec, tp=plan.tp, micro_batch=plan.micro_batch_size, seq_len=plan.seq_len, cp=plan.cp,
+                      dtype=plan.param_dtype, fused_loss=plan.fused_loss)
+
+
+def plan_measured_shapes(spec: ModelSpec, plan) -> list:
+    """Every shape of ``plan`` a profile can hold a measurement of: its blocks (``plan_block_shapes``) and its
+    ends (``plan_head_shape``); None for each that cannot be measured."""
+    return [*plan_block_shapes(spec, plan).values(), plan_head_shape(spec, plan)]

@@ -172,7 +172,8 @@ class HardwareProfile:
     samples: dict = field(default_factory=dict)  # raw measurements (or a path to them), kept for refits
     corrections: dict = field(default_factory=dict)  # multiplicative corrections fitted by calibrate
     # blocks measured at plans' local shapes (parsim.profiler.blocks): BlockShape.key -> {fwd_s, bwd_s, spreads,
-    # reps, device, torch, measured_at}; the cost model uses one where a plan's shape has one (parsim.blockshape)
+    # reps, device, torch, measured_at}, and the model's ends: HeadShape.key ("head|...") -> {emb_fwd_s, emb_bwd_s,
+    # out_fwd_s, out_bwd_s, ...}; the cost model uses one where a plan's shape has one (parsim.blockshape)
     measured_blocks: dict = field(default_factory=dict)
     # written by `parsim calibrate`: interval_log_halfwidth (the split-conformal q of its out-of-fold residuals),
     # the fitted factors, their cross-validated accuracy and the data used
@@ -232,7 +233,9 @@ class HardwareProfile:
         for k, v in self.measured_blocks.items():
             if not isinstance(v, dict):
                 raise ParsimError(f"measured_blocks[{k!r}] must be an object")
-            for n in ("fwd_s", "bwd_s"):
+            names = (("emb_fwd_s", "emb_bwd_s", "out_fwd_s", "out_bwd_s") if k.startswith("head|")
+                     else ("fwd_s", "bwd_s"))
+            for n in names:
                 check_number(f"measured_blocks[...].{n}", v.get(n), 0.0, 1e6, low_open=True)
         if "interval_log_halfwidth" in self.calibration:
             check_number("calibration.interval_log_halfwidth", self.calibration["interval_log_halfwidth"], 0.0, 10.0)

@@ -142,3 +142,11 @@ def print_explain(d: dict) -> None:
         else:
             note = f"layer time from the curves above: {blk.get('why', '')}"
         con.print(ct, note, s)
+    ends = d.get("ends", {})
+    if ends.get("source") == "measured ends":
+        con.print(f"model's ends measured at this shape (per microbatch): embedding forward "
+                  f"{ends['emb_fwd_s'] / MS:.4f} ms, backward {ends['emb_bwd_s'] / MS:.4f} ms; norm + output + loss "
+                  f"forward {ends['out_fwd_s'] / MS:.4f} ms, backward {ends['out_bwd_s'] / MS:.4f} ms "
+                  f"({ends.get('device')}, torch {ends.get('torch')}, {ends.get('measured_at')})")
+    elif ends:
+        con.print(f"model's ends from the {ends['source']}: {ends['why']}")

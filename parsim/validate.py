@@ -52,17 +52,17 @@ def family_of(plan: Plan) -> str:
 
 def measured_plans(spec: ModelSpec, nproc: int, *, seq_len: int = MEASURED_SEQ,
                    global_batch_size: int = MEASURED_GLOBAL_BATCH, param_dtype: str = "float32") -> list[Plan]:
-    """Every legal degree combination on ``nproc`` ranks (HSDP, TP, PP, EP with dp2ep and DDP-style, no CP: ring
-    attention over gloo is not supported by the executor) with default options, plus option variants of the
-    FSDP plan (AC full / selective-op / layer:2, compile, reshard never) and of a PP plan (GPipe, Interleaved1F1B,
-    more microbatches)."""
+    """Every legal degree combination on ``nproc`` ranks that the executor runs (HSDP, TP, PP, EP with dp2ep; no CP:
+    ring attention over gloo is not supported; no DDP-style EP, a cost-model option: ``codec``'s executor rules)
+    with default options, plus option variants of the FSDP plan (AC full / selective-op / layer:2, compile,
+    reshard never) and of a PP plan (GPipe, Interleaved1F1B, more microbatches)."""
     from .search import SearchSpace, candidates
 
     sp = SearchSpace(global_batch_size=global_batch_size, seq_len=seq_len, cp=(1,), pp_schedules=("1F1B",))
-    from .codec import invalid_reasons, plan_kwargs
+    from .codec import executor_refusals, invalid_reasons, plan_kwargs
 
     _, _, b = candidates(spec, nproc, sp)
-    ok = np.nonzero(invalid_reasons(b, spec) == "")[0]
+    ok = np.nonzero((invalid_reasons(b, spec) == "") & (executor_refusals(b, spec) == ""))[0]
     by_degrees: dict[tuple, Plan] = {}
     for i in ok:
         kw = plan_kwargs(b, int(i))

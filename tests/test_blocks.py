@@ -99,6 +99,8 @@ def test_profile_measure_shapes_of_a_plan_file_adds_them_to_the_profile(tmp_path
 
     monkeypatch.setattr(blocks, "measure_block", lambda shape, device=None, reps=5: {
         "fwd_s": 0.003, "bwd_s": 0.006, "wall_s": 0.1, "device": "fake"})
+    monkeypatch.setattr(blocks, "measure_head", lambda shape, device=None, reps=5: {
+        "emb_fwd_s": 1e-4, "emb_bwd_s": 2e-4, "out_fwd_s": 0.003, "out_bwd_s": 0.006, "wall_s": 0.1, "device": "fake"})
     plan = Plan(dp_shard=2, tp=2, seq_len=256, local_batch_size=2, param_dtype="float32")
     (tmp_path / "plans.json").write_text(json.dumps([{"model": "tiny", "plan": plan.to_dict()},
                                                      {"model": "tiny", "plan": dataclasses.replace(
@@ -109,9 +111,58 @@ def test_profile_measure_shapes_of_a_plan_file_adds_them_to_the_profile(tmp_path
                                  "--json"])
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
-    assert res["shapes"] == res["measured_now"] == 2
+    assert res["shapes"] == res["measured_now"] == 3  # a block with and without compile; the ends (not compiled)
     hw = load_profile(str(prof))
     assert predict(load_model("tiny"), plan, hw).step_time_s != predict(load_model("tiny"), plan,
                                                                         load_profile("cpu-gloo-2")).step_time_s
     r = CliRunner().invoke(app, ["profile", "--out", "x"])
     assert r.exit_code == 2 and "--nproc-per-node is required" in r.output
+
+
+def test_the_models_ends_have_a_shape_and_the_cost_model_uses_them_measured():
+    """The embedding (first stage) and the norm + output + loss (last stage) at the plan's local shape: measured
+    times replace the output GEMM and loss traffic of the curves and add the embedding's; plans of another shape
+    keep the curves; the breakdown still sums to the step."""
+    from parsim.blockshape import plan_head_shape, plan_measured_shapes
+
+    spec = load_model("tiny")
+    hw = load_profile("cpu-gloo-2")
+    p1 = Plan(dp_shard=2, seq_len=256, local_batch_size=2, param_dtype="float32")
+    h = plan_head_shape(spec, p1)
+    assert (h.vocab, h.micro_batch, h.seq_len, h.fused_loss) == (spec.vocab_size, 2, 256, False)
+    assert plan_head_shape(spec, dataclasses.replace(p1, tp=2, dp_shard=1)).vocab == -(-spec.vocab_size // 2)
+    assert plan_head_shape(spec, Plan(dp_shard=2, cp=2, seq_len=256)) is None
+    assert plan_measured_shapes(spec, p1)[-1] == h and h.key.startswith("head|")
+    scale = float(hw.corrections.get("compute_scale", 1.0))
+    ends = {"emb_fwd_s": 1e-3, "emb_bwd_s": 2e-3, "out_fwd_s": 3e-3, "out_bwd_s": 4e-3, "device": "test"}
+    a = predict(spec, p1, dataclasses.replace(hw, measured_blocks={h.key: ends}))
+    b = predict(spec, p1, dataclasses.replace(hw, measured_blocks={h.key: {k: (2 * v if k.endswith("_s") else v)
+                                                                          for k, v in ends.items()}}))
+    mb = p1.n_microbatches * p1.grad_accum_steps
+    assert b.time_breakdown_s["compute_forward"] - a.time_breakdown_s["compute_forward"] == pytest.approx(
+        mb * (1e-3 + 3e-3) * scale)
+    assert b.time_breakdown_s["compute_backward"] - a.time_breakdown_s["compute_backward"] == pytest.approx(
+        mb * (2e-3 + 4e-3) * scale)
+    for p in (a, b):
+        assert sum(p.time_breakdown_s.values()) == pytest.approx(p.step_time_s)
+    other = Plan(dp_shard=2, seq_len=256, local_batch_size=4, param_dtype="float32")  # another micro batch
+    assert predict(spec, other, dataclasses.replace(hw, measured_blocks={h.key: ends})).step_time_s == \
+        predict(spec, other, hw).step_time_s
+    e = explain(spec, p1, dataclasses.replace(hw, measured_blocks={h.key: ends}))["ends"]
+    assert e["source"] == "measured ends" and e["out_fwd_s"] == 3e-3
+    assert explain(spec, p1, hw)["ends"]["source"].startswith("curves")
+    with pytest.raises(ParsimError, match="measured_blocks"):
+        HardwareProfile.from_dict(dict(hw.to_dict(), measured_blocks={h.key: {"fwd_s": 1.0, "bwd_s": 1.0}}))
+
+
+def test_the_profiler_measures_the_models_ends():
+    pytest.importorskip("torch")
+    from parsim.blockshape import plan_head_shape
+    from parsim.profiler.blocks import measure_head
+
+    spec = load_model("tiny")
+    for fused in (False, True):
+        h = plan_head_shape(spec, Plan(dp_shard=2, seq_len=64, local_batch_size=2, param_dtype="float32",
+                                       fused_loss=fused))
+        m = measure_head(h, reps=2, warmup=1)
+        assert all(m[k] > 0 for k in ("emb_fwd_s", "emb_bwd_s", "out_fwd_s", "out_bwd_s")) and m["torch"]

@@ -63,6 +63,16 @@ def test_folds_keep_a_group_together():
     assert len(set(folds.tolist())) == 5
 
 
+def test_the_measured_space_holds_only_plans_the_executor_runs():
+    """DDP-style EP is a cost-model option: the measured tier left it in and got an error row per run."""
+    from parsim.codec import executor_refusal
+
+    for model, n in (("tiny", 2), ("tiny-moe", 2), ("tiny-moe", 4)):
+        plans = V.measured_plans(PRESETS[model], n)
+        assert plans and all(executor_refusal(p, PRESETS[model]) == "" for p in plans)
+    assert any(p.ep > 1 for p in V.measured_plans(PRESETS["tiny-moe"], 2))  # dp2ep stays
+
+
 def _synthetic_rows(hw, planted):
     rows = []
     truth = C.apply(hw, planted)
@@ -255,7 +265,13 @@ def test_validate_with_measured_blocks_scores_both_and_keeps_the_blocks(tmp_path
         t = shape.micro_batch * shape.seq_len * 1e-6
         return {"fwd_s": t, "bwd_s": 2 * t, "wall_s": 0.01, "device": "fake"}
 
+    def fake_head(shape, device=None, reps=5):  # the model's ends: embedding, norm + output + loss
+        measured.append(shape.key)
+        t = shape.micro_batch * shape.seq_len * 1e-7
+        return {"emb_fwd_s": t, "emb_bwd_s": t, "out_fwd_s": t, "out_bwd_s": 2 * t, "wall_s": 0.01, "device": "fake"}
+
     monkeypatch.setattr(blocks, "measure_block", fake_block)
+    monkeypatch.setattr(blocks, "measure_head", fake_head)
     plans = [p for p in V.measured_plans(PRESETS["tiny"], 2) if p.cp == 1][:4]
     V.run_measured("tiny", 2, tmp_path / "v", rounds=1, plans=plans)
     hw = load_profile("cpu-gloo-2")

@@ -90,3 +90,18 @@ def test_two_nodes_profile_collectives_across_nodes(tmp_path):
     shapes = {(c["op"], c["group_size"], c["ranks_per_node"]) for c in d["collectives"]}
     assert {("all_reduce", 2, 1), ("all_reduce", 4, 2), ("all_reduce", 2, 2)} <= shapes  # across, both, inside
     assert "measured across 2 nodes" in " ".join(d["assumptions"])
+
+
+def test_core_sharing_is_measured_and_becomes_the_compute_scale():
+    """Ranks sharing cores: the slowdown of a block run by that many single-threaded processes at once (not ranks /
+    cores, which misses time slicing and the shared caches), floored at 1; ranks / cores where not measured."""
+    import os
+
+    from parsim.profiler.compute import core_sharing_sample
+    from parsim.profiler.run import _compute_scale
+
+    s = core_sharing_sample(2, seq_len=32, reps=2, rounds=1)
+    assert s["kind"] == "core_sharing" and s["ranks"] == 2 and s["alone_s"] > 0 and s["factor"] > 0
+    assert _compute_scale([{**s, "factor": 2.12}], 4) == 2.12
+    assert _compute_scale([{**s, "factor": 0.97}], 2) == 1.0
+    assert _compute_scale([], 4) == max(1.0, 4 / (os.cpu_count() or 1))

@@ -159,6 +159,7 @@ class RankView:
     norm_shard: np.ndarray | float = 0.0
     outw_shard: np.ndarray | float = 0.0
     n_ckpt: dict = field(default_factory=dict)  # kind -> layers of that kind ``layer:N`` AC checkpoints on the rank
+    n_tensors: np.ndarray | float = 0.0  # parameter tensors the rank holds (its optimizer's foreach lists)
 
     @property
     def n_layers(self):

@@ -4,7 +4,7 @@ tensors one layer saves under each AC mode. Used by ``parsim predict --explain``
 
 from __future__ import annotations
 
-from ..blockshape import plan_block_shapes
+from ..blockshape import plan_block_shapes, plan_head_shape
 from ..codec import canonical_axes, canonical_key, encode
 from ..hardware import HardwareProfile
 from ..plan import Plan
@@ -22,6 +22,19 @@ def _block_source(shape, hw: HardwareProfile) -> dict:
     if m is None:
         return {"source": "curves", "why": "the profile has no block measured at this shape", "shape_key": shape.key}
     return {"source": "measured block", "shape_key": shape.key, "fwd_s": m["fwd_s"], "bwd_s": m["bwd_s"],
+            "device": m.get("device"), "torch": m.get("torch"), "measured_at": m.get("measured_at")}
+
+
+def _head_source(shape, hw: HardwareProfile) -> dict:
+    """Which compute the model's ends (embedding; final norm, output projection and loss) come from."""
+    m = hw.measured_blocks.get(shape.key) if shape is not None else None
+    if m is None:
+        why = ("CP plans and learned positions keep the curves" if shape is None else
+               "the profile has no measurement of the ends at this shape")
+        return {"source": "curves (output GEMM + loss traffic; the embedding uncharged)", "why": why,
+                "shape_key": shape.key if shape is not None else None}
+    return {"source": "measured ends", "shape_key": shape.key,
+            **{k: m[k] for k in ("emb_fwd_s", "emb_bwd_s", "out_fwd_s", "out_bwd_s")},
             "device": m.get("device"), "torch": m.get("torch"), "measured_at": m.get("measured_at")}
 
 
@@ -58,4 +71,4 @@ def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
                               for (n, nb, k), kk in zip(saved, keep, strict=True)],
         }
     return {"rank": f"pp stage {plan.pp - 1 if rank == LAST else 0}" if rank in (FIRST, LAST) else str(rank),
-            "ledger": ledger, "layers": layers}
+            "ledger": ledger, "layers": layers, "ends": _head_source(plan_head_shape(spec, plan), hw)}

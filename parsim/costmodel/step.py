@@ -45,8 +45,8 @@ import math
 
 import numpy as np
 
-from ..blockshape import block_shape
-from ..codec import PlanBatch, canonical_axes, canonical_key, encode
+from ..blockshape import block_shape, head_shape
+from ..codec import DTYPES, PlanBatch, canonical_axes, canonical_key, encode
 from ..hardware import HardwareProfile
 from ..ordering import ac_wraps_compile_recompute_factor
 from ..plan import AC_MODES, Plan, interval_group
@@ -247,6 +247,28 @@ def measured_block_times(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, moe
     return fwd, bwd, have
 
 
+def measured_head_times(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile) -> dict | None:
+    """Per microbatch and plan, from the profile's measured ends (``blockshape.HeadShape``): the token embedding's
+    forward / backward (``emb_fwd`` / ``emb_bwd``), the final norm + output projection + loss's (``out_fwd`` /
+    ``out_bwd``), and ``have`` (measured?). None when the profile has no measured heads."""
+    if not any(k.startswith("head|") for k in hw.measured_blocks):
+        return None
+    cols = np.stack([b.tp, b.micro_batch_size, b.seq_len, b.cp, b.param_dtype, b.fused_loss], axis=1).astype(np.int64)
+    uniq, inv = np.unique(cols, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    out = {k: np.zeros(len(cols)) for k in ("emb_fwd", "emb_bwd", "out_fwd", "out_bwd")}
+    out["have"] = np.zeros(len(cols), dtype=bool)
+    for i, (tp, mb, seq, cp, dt, fused) in enumerate(uniq.tolist()):
+        shape = head_shape(spec, tp=tp, micro_batch=mb, seq_len=seq, cp=cp, dtype=DTYPES[dt], fused_loss=bool(fused))
+        m = hw.measured_blocks.get(shape.key) if shape is not None else None
+        if m:
+            sel = inv == i
+            for k in ("emb_fwd", "emb_bwd", "out_fwd", "out_bwd"):
+                out[k][sel] = m[k + "_s"]
+            out["have"][sel] = True
+    return out
+
+
 def _gemm_output_bytes(spec, sh, moe):
     """Bytes of the saved tensors that GEMMs write (excluded from the memory-bound estimate)."""
     out = np.zeros_like(sh.T)
@@ -277,7 +299,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
         rv = _rank_view(spec, b, rank, layers, kinds, plocal, pshard)
         if time_bound:
             c = _rank_compute(spec, b, sh, hw, rv, costs)
-            per_rank.append(_time_lower_bound(b, hw, c, _rank_params(b, rv)[1]))
+            per_rank.append(_time_lower_bound(b, hw, c, _rank_params(b, rv)[1], rv.n_tensors))
         elif memory_only:
             c = _rank_compute(spec, b, sh, hw, rv, costs)
             phases, _ = _rank_memory(spec, b, sh, rank, rv, c, above_bytes)
@@ -554,16 +576,19 @@ def _rank_view(spec: ModelSpec, b: PlanBatch, rank: int, layers: dict, kinds: li
     outw_shard = np.where(has_out & own_out, fsdp_shard(v_rows, d, S), 0.0)
     ckpt = rank_ckpt(spec, b)
     n_ckpt = {k: ckpt[k][rank].astype(float) for k in (False, True)}
+    n_tensors = (sum(n_of[k] * len(layer_tensors(spec, b, k)) for k in kinds)
+                 + np.where(has_emb, 1.0 + (P > 0), 0.0) + np.where(has_out, norms + own_out, 0.0))
     return C.RankView(n_of, kinds, plocal, has_emb, has_out, emb_local, outw_local + norm_local, pshard=pshard,
                       emb_shard=emb_shard, norm_local=norm_local, norm_shard=norm_shard, outw_shard=outw_shard,
-                      n_ckpt=n_ckpt)
+                      n_ckpt=n_ckpt, n_tensors=n_tensors)
 
 
 def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView,
                   costs: dict) -> dict:
     """Per microbatch on one rank: forward, backward, recompute seconds; activation bytes kept per microbatch;
     the largest recompute transient; the output layer and loss on the last stage (GEMM T x d x V/tp, fp32
-    cross-entropy traffic of 16 B/logit)."""
+    cross-entropy traffic of 16 B/logit), or, where the profile measured the model's ends at the plan's shape
+    (``measured_head_times``), their measured times and the embedding's on the first stage."""
     n = len(b)
     fwd = sum(rv.n_of[k] * costs[k]["fwd"] for k in rv.kinds)
     bwd = sum(rv.n_of[k] * costs[k]["bwd"] for k in rv.kinds)
@@ -586,8 +611,15 @@ def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile
     hbm = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
     loss_fwd = np.where(b.fused_loss, sh.act_b, LOSS_BYTES_PER_LOGIT) * logits / hbm
     loss_bwd = np.where(b.fused_loss, 2.0 * sh.act_b, LOSS_BYTES_PER_LOGIT) * logits / hbm
-    fwd = fwd + np.where(rv.has_out, out_gemm + loss_fwd, 0.0)
-    bwd = bwd + np.where(rv.has_out, GEMM_BWD_PER_FWD * out_gemm + loss_bwd, 0.0)
+    out_fwd, out_bwd, emb_fwd, emb_bwd = out_gemm + loss_fwd, GEMM_BWD_PER_FWD * out_gemm + loss_bwd, 0.0, 0.0
+    head = measured_head_times(spec, b, hw)
+    if head is not None:  # the ends measured at the plan's shape replace the curves and add the embedding's
+        cs = float(hw.corrections.get("compute_scale", 1.0))
+        out_fwd = np.where(head["have"], head["out_fwd"] * cs, out_fwd)
+        out_bwd = np.where(head["have"], head["out_bwd"] * cs, out_bwd)
+        emb_fwd, emb_bwd = head["emb_fwd"] * cs, head["emb_bwd"] * cs
+    fwd = fwd + np.where(rv.has_out, out_fwd, 0.0) + np.where(rv.has_emb, emb_fwd, 0.0)
+    bwd = bwd + np.where(rv.has_out, out_bwd, 0.0) + np.where(rv.has_emb, emb_bwd, 0.0)
     return {"fwd": fwd, "bwd": bwd, "rec": rec, "act": act, "transient": transient, "logits": logits, "gemm": gemm,
             "costs": costs}
 
@@ -606,12 +638,23 @@ def _bubble(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb):
     return np.maximum(0.0, M * compute_mb / s + bubble1 - M * compute_mb)
 
 
-def _optimizer_time_s(hw: HardwareProfile, p_opt) -> np.ndarray:
-    """AdamW over the rank's ``p_opt`` parameters: memory-bound, ADAMW_BYTES_PER_PARAM of traffic each."""
+def _optimizer_time_s(hw: HardwareProfile, p_opt, n_tensors) -> np.ndarray:
+    """The optimizer step (gradient clipping and AdamW) over the rank's ``p_opt`` parameters in ``n_tensors``
+    tensors. A profile that measured the executor's step (``profiler.compute.optimizer_samples``, fitted by
+    ``fit.fit_optimizer_step``: ``optimizer_fixed_s``, ``optimizer_s_per_param``, ``optimizer_s_per_tensor``
+    [measured]) gets ``fixed + p x per_param + tensors x per_tensor``, times ``compute_scale`` as every
+    single-process measurement (ranks sharing cores). Otherwise (spec sheets) memory-bound:
+    ADAMW_BYTES_PER_PARAM of traffic per parameter at the elementwise bandwidth [derived]. Measured on this
+    2-core EPYC, one thread: 1.9 ns per parameter for AdamW alone where 32 B at the fitted 58 GB/s say 0.55."""
+    c = hw.corrections
+    if "optimizer_s_per_param" in c:
+        t = (float(c["optimizer_fixed_s"]) + p_opt * float(c["optimizer_s_per_param"])
+             + n_tensors * float(c.get("optimizer_s_per_tensor", 0.0)))
+        return t * float(c.get("compute_scale", 1.0))
     return p_opt * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
 
 
-def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: dict, p_opt) -> np.ndarray:
+def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: dict, p_opt, n_tensors) -> np.ndarray:
     """A lower bound of one rank's step time over every device order [derived]: ``_evaluate_rank``'s step is
     compute (forward, backward, recompute: the same in every device order) + bubble + optimizer + exposed
     collectives (>= 0) + interference (``comm_interference`` x hidden time >= 0 when the factor is >= 0). The
@@ -624,7 +667,7 @@ def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: dict, p_opt) -> np.n
     ga = b.grad_accum.astype(float)
     M = ga * b.n_micro
     compute_mb = c["fwd"] + c["bwd"] + c["rec"]
-    opt = _optimizer_time_s(hw, p_opt)
+    opt = _optimizer_time_s(hw, p_opt, n_tensors)
     return M * compute_mb + opt + _bubble(b, hw, M, ga, compute_mb, compute_mb)
 
 
@@ -642,7 +685,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     t_mb = c["fwd"] + c["bwd"] + c["rec"] + sum(per_mb_exposed.values())
     fsdp_exposed = _fsdp_exposed(b, hw, cm, c["fwd"], c["bwd"] + c["rec"], rv.n_layers)
     _set_exposed(cm["ledger"], fsdp_exposed, cm["fsdp_ag_total_s"] + cm["fsdp_red_total_s"], tp_ratio)
-    opt = _optimizer_time_s(hw, p_opt)
+    opt = _optimizer_time_s(hw, p_opt, rv.n_tensors)
     tb = {"compute_forward": M * c["fwd"], "compute_backward": M * c["bwd"], "recompute": M * c["rec"],
           "pp_bubble": _bubble(b, hw, M, ga, c["fwd"] + c["bwd"] + c["rec"], t_mb), "optimizer": opt}
     for axis, tt in cm["ledger"].exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives

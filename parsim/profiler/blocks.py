@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..blockshape import BlockShape
+from ..blockshape import BlockShape, HeadShape
 
 
 def _times(fn, reps: int, cuda: bool) -> list[float]:
@@ -66,23 +66,68 @@ def measure_block(shape: BlockShape, device: torch.device | None = None, reps: i
             "wall_s": time.perf_counter() - t_start}
 
 
+def measure_head(shape: HeadShape, device: torch.device | None = None, reps: int = 5, warmup: int = 2,
+                 threads: int | None = 1) -> dict:
+    """The model's ends at ``shape``, with the executor's modules and loss, timed as ``measure_block`` times a
+    block: the token embedding forward (``emb_fwd_s``) and backward into its dense gradient (``emb_bwd_s``), and
+    the final norm, output projection and loss forward (``out_fwd_s``) and backward (``out_bwd_s``)."""
+    from ..executor.loss import loss_sum
+    from ..executor.model import RMSNorm
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    if not cuda and threads:
+        torch.set_num_threads(threads)
+    dtype = getattr(torch, shape.dtype)
+    emb = torch.nn.Embedding(shape.vocab, shape.d_model).to(device=device, dtype=dtype)
+    norm = (RMSNorm if shape.norm == "rmsnorm" else torch.nn.LayerNorm)(shape.d_model).to(device=device, dtype=dtype)
+    out = torch.nn.Linear(shape.d_model, shape.vocab, bias=False).to(device=device, dtype=dtype)
+    tokens = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq_len), device=device)
+    target = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq_len), device=device)
+    h = torch.randn(shape.micro_batch, shape.seq_len, shape.d_model, device=device, dtype=dtype, requires_grad=True)
+    g_emb = torch.randn(shape.micro_batch, shape.seq_len, shape.d_model, device=device, dtype=dtype)
+    runs = {"emb_f": lambda: emb(tokens), "emb_fb": lambda: emb(tokens).backward(g_emb),
+            "out_f": lambda: loss_sum(out(norm(h)), target, shape.fused_loss),
+            "out_fb": lambda: loss_sum(out(norm(h)), target, shape.fused_loss).backward()}
+    t_start = time.perf_counter()
+    for _ in range(warmup):
+        for fn in runs.values():
+            fn()
+    t = {k: _times(fn, reps, cuda) for k, fn in runs.items()}
+    med = {k: statistics.median(v) for k, v in t.items()}
+    return {"emb_fwd_s": med["emb_f"], "emb_bwd_s": max(med["emb_fb"] - med["emb_f"], 1e-9),
+            "out_fwd_s": med["out_f"], "out_bwd_s": max(med["out_fb"] - med["out_f"], 1e-9),
+            "out_fwd_spread_s": max(t["out_f"]) - min(t["out_f"]),
+            "out_fwd_bwd_spread_s": max(t["out_fb"]) - min(t["out_fb"]), "reps": reps,
+            "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.perf_counter() - t_start}
+
+
+def measure_shape(shape, device=None, reps: int = 5) -> dict:
+    """A block (``BlockShape``) or the model's ends (``HeadShape``), measured."""
+    if isinstance(shape, HeadShape):
+        return measure_head(shape, device, reps=reps)
+    return measure_block(shape, device, reps=reps)
+
+
 def add_measured_blocks(hw, shapes, out_path, progress=None, device=None, reps: int = 5) -> tuple:
-    """Measure the ``shapes`` (BlockShape) the profile ``hw`` has no block for, on this device, and write the
-    profile with them to ``out_path`` after each one (an interrupted run keeps what it measured: run it again and
-    only the rest is measured). Float8 shapes off a GPU are skipped. Returns (profile, {key: wall seconds} of the
-    ones measured now). ``progress(done, total, key)`` is called before each."""
+    """Measure the ``shapes`` (BlockShape, HeadShape) the profile ``hw`` has no measurement of, on this device,
+    and write the profile with them to ``out_path`` after each one (an interrupted run keeps what it measured: run
+    it again and only the rest is measured). Float8 shapes off a GPU are skipped. Returns (profile, {key: wall
+    seconds} of the ones measured now). ``progress(done, total, key)`` is called before each."""
     import dataclasses
 
     from ..hardware import atomic_write_json
 
     blocks = dict(hw.measured_blocks)
     cuda = (device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
-    todo = [s for s in dict.fromkeys(shapes) if s.key not in blocks and (cuda or not s.float8)]
+    todo = [s for s in dict.fromkeys(shapes) if s.key not in blocks and (cuda or not getattr(s, "float8", False))]
     walls = {}
     for i, shape in enumerate(todo):
         if progress:
             progress(i, len(todo), shape.key)
-        blocks[shape.key] = measure_block(shape, device, reps=reps)
+        blocks[shape.key] = measure_shape(shape, device, reps=reps)
         walls[shape.key] = blocks[shape.key]["wall_s"]
         hw = dataclasses.replace(hw, measured_blocks=dict(blocks))
         atomic_write_json(out_path, hw.to_dict())

@@ -89,15 +89,29 @@ def memory_samples(device, sizes_elems, reps=5) -> list[dict]:
     return out
 
 
-def optimizer_samples(device, sizes_params, reps=3) -> list[dict]:
+def optimizer_samples(device, sizes_params, tensor_counts=(1, 16, 64), reps=3) -> list[dict]:
+    """The executor's optimizer step (``executor.worker.clip_and_step``: the gradient norm, the clipping multiply
+    and foreach AdamW with its weight decay) over ``k`` tensors of ``n / k`` parameters each, one process, no
+    process group, for every ``n`` in ``sizes_params`` and ``k`` in ``tensor_counts``: a step costs a fixed part,
+    a part per parameter (memory traffic) and a part per tensor (foreach kernels loop over tensors on a CPU; on a
+    GPU they launch per chunk), which ``fit.fit_optimizer_step`` separates."""
+    from ..executor.worker import clip_and_step, make_optimizer
+
     cuda = device.type == "cuda"
     out = []
     for n in sizes_params:
-        p = torch.nn.Parameter(torch.randn(n, device=device))
-        p.grad = torch.randn(n, device=device)
-        opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
-        t = _time(opt.step, reps, cuda)
-        out.append({"kind": "adamw", "params": n, "time_s": t})
+        for k in tensor_counts:
+            ps = [torch.nn.Parameter(torch.randn(max(1, n // k), device=device)) for _ in range(k)]
+            grads = [torch.randn_like(p) for p in ps]
+            opt = make_optimizer(ps, "adamw")
+
+            def step(ps=ps, grads=grads, opt=opt):
+                for p, g in zip(ps, grads, strict=True):
+                    p.grad = g  # what backward leaves; clip_and_step sets them to None after the step
+                clip_and_step(ps, opt)
+
+            t = _time(step, reps, cuda)
+            out.append({"kind": "adamw", "params": sum(p.numel() for p in ps), "tensors": k, "time_s": t})
     return out
 
 
@@ -138,7 +152,58 @@ def run_compute(device, spec=None, seq_len=512, threads: int | None = 1, quick=F
         [(1, 32, 1024, 128), (1, 32, 4096, 128), (2, 32, 8192, 128)]
     out += attention_samples(device, dtype, att[:2] if quick else att)
     out += memory_samples(device, [1 << 18, 1 << 20, 1 << 22] + ([] if quick else [1 << 24]))
-    out += optimizer_samples(device, [1 << 16, 1 << 20] + ([] if quick else [1 << 22]))
+    out += optimizer_samples(device, [1 << 18, 1 << 20] + ([] if quick else [1 << 22]))
     if spec is not None:
         out.append(block_sample(spec, seq_len, seq_len, device, dtype))
     return out
+
+
+def _sharing_worker(seq_len: int, reps: int, barrier, queue) -> None:
+    """One process of ``core_sharing_sample``: the probe block's forward + backward, one thread, ``reps`` times
+    after warm-up, started together with the others (barrier); puts its median."""
+    torch.set_num_threads(1)
+    from ..executor.model import Block, rope_cache
+    from ..spec import PRESETS
+
+    spec = PRESETS["tiny"]
+    blk = Block(spec, 0)
+    rope = rope_cache(spec.head_dim, seq_len)
+    x = torch.randn(2, seq_len, spec.d_model, requires_grad=True)
+    for _ in range(2):
+        blk(x, rope).sum().backward()
+    barrier.wait()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        blk(x, rope).sum().backward()
+        ts.append(time.perf_counter() - t0)
+    queue.put(statistics.median(ts))
+
+
+def core_sharing_sample(ranks: int, seq_len: int = 256, reps: int = 8, rounds: int = 2) -> dict:
+    """What ``ranks`` single-threaded processes running at once do to each one's compute on this CPU: a block's
+    forward + backward timed alone and in each of ``ranks`` processes started together, ``rounds`` times
+    interleaved; ``factor`` = median concurrent / median alone. With more ranks than cores this is about
+    ranks / cores, plus what time slicing and the shared caches and memory bus add (measured on a 2-core EPYC:
+    2.09-2.16 with 4 ranks, 1.00-1.08 with 2) [measured]; the profile's ``compute_scale``."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+
+    def run(k: int) -> float:
+        q, bar = ctx.Queue(), ctx.Barrier(k)
+        ps = [ctx.Process(target=_sharing_worker, args=(seq_len, reps, bar, q)) for _ in range(k)]
+        for p in ps:
+            p.start()
+        out = [q.get(timeout=600) for _ in range(k)]
+        for p in ps:
+            p.join()
+        return statistics.median(out)
+
+    alone, together = [], []
+    for _ in range(rounds):
+        alone.append(run(1))
+        together.append(run(ranks))
+    a, c = statistics.median(alone), statistics.median(together)
+    return {"kind": "core_sharing", "ranks": ranks, "alone_s": a, "concurrent_s": c, "factor": c / a,
+            "rounds": rounds, "reps": reps}

@@ -95,3 +95,22 @@ def fit_framework_overheads(samples: list[dict]) -> dict:
         coef, _ = _nnls_rel(np.stack([np.ones_like(x), x], axis=1), t)
         out[f"{prefix}_fixed_s"], out[f"{prefix}_s_per_byte"] = float(coef[0]), float(coef[1])
     return out
+
+
+def fit_optimizer_step(samples: list[dict]) -> dict:
+    """The profile's named optimizer quantities from ``compute.optimizer_samples`` (the executor's clip + AdamW
+    step over k tensors holding n parameters): ``t = fixed + n x per_param + k x per_tensor`` by NNLS on relative
+    errors [measured, fitted here]. ``optimizer_s_per_param`` is the memory traffic of the step (the cost model's
+    bandwidth estimate divides 32 B by the elementwise bandwidth; AdamW's sqrt / div and the norm's reduction run
+    slower than a copy), ``optimizer_s_per_tensor`` what each tensor adds to every foreach kernel (a loop over
+    tensors on a CPU, chunked launches on a GPU), ``optimizer_fixed_s`` the rest (the norm's reduction to a
+    scalar, Python). No samples with a tensor count (profiles written before), no quantities."""
+    rows = [s for s in samples if s.get("kind") == "adamw" and s.get("tensors")]
+    if len(rows) < 3:
+        return {}
+    n = np.array([float(s["params"]) for s in rows])
+    k = np.array([float(s["tensors"]) for s in rows])
+    t = np.array([float(s["time_s"]) for s in rows])
+    coef, _ = _nnls_rel(np.stack([np.ones_like(n), n, k], axis=1), t)
+    return {"optimizer_fixed_s": float(coef[0]), "optimizer_s_per_param": float(coef[1]),
+            "optimizer_s_per_tensor": float(coef[2])}

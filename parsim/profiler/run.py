@@ -26,7 +26,7 @@ from ..hardware import COLLECTIVE_OPS, EfficiencyCurve, HardwareProfile, Topolog
 from ..jsonio import atomic_write_json, atomic_write_text, check_output_path, read_json
 from ..machine import this_machine
 from ..procs import check_timeout, run_tree
-from .fit import fit_collective, fit_throughput
+from .fit import fit_collective, fit_optimizer_step, fit_throughput
 
 
 def _cpu_name() -> str:
@@ -70,7 +70,7 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
     _check_resume_args(partial / "args.json", args, resume)
     import torch
 
-    from .compute import run_compute
+    from .compute import core_sharing_sample, run_compute
 
     t0 = time.perf_counter()
     # 1. collectives under torchrun
@@ -88,6 +88,10 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
         log("measuring compute (GEMM, attention, elementwise, AdamW, one block) ...")
         comp = {"samples": run_compute(dev, spec, seq_len, threads=1 if dev.type == "cpu" else None, quick=quick),
                 "threads": torch.get_num_threads()}
+        if dev.type == "cpu" and nproc_per_node > 1 and nodes is None:
+            log(f"measuring core sharing ({nproc_per_node} single-threaded processes at once) ...")
+            comp["samples"].append(core_sharing_sample(nproc_per_node, reps=4 if quick else 8,
+                                                       rounds=1 if quick else 2))
         atomic_write_json(comp_f, comp)
     # 3. framework overhead (FSDP2 / DTensor TP beside their collectives) on 2 ranks, once per machine
     fw_f = partial / "frameworks.json"
@@ -338,7 +342,8 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
                           inter_latency_s=float(max(lat)) if lat else 1e-4, latency_per_log2_rank_s=0.0),
         collectives=tuple(fits), source="measured", comm_overlap=dev.type != "cpu",
         # ranks that share cores get that share of the single-thread compute measured (measured: os.cpu_count())
-        corrections={"compute_scale": max(1.0, nproc_per_node / (os.cpu_count() or 1))} if dev.type == "cpu" else {},
+        corrections={**({"compute_scale": _compute_scale(cs, nproc_per_node)} if dev.type == "cpu" else {}),
+                     **fit_optimizer_step(cs)},
         assumptions=(
             "peak_flops are the sustained throughput fitted on the measured GEMMs (eff_max = 1), not a spec sheet",
             ("inter-node bandwidth measured across %d nodes: the topology fallback's NIC rate is the median of the "
@@ -346,8 +351,9 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
             "inter-node bandwidth is not measured (one node): the topology fallback uses the slowest intra-node op",
             "compile_memory_bound_factor is not measured" + ("" if f8 else "; float8 GEMMs are not measured (no "
                                                               "GPU with compute capability 8.9+)"),
-            "gloo on CPU: collectives block the rank (comm_overlap false); ranks beyond the cores share them "
-            "(corrections.compute_scale = ranks / cores)",
+            "gloo on CPU: collectives block the rank (comm_overlap false); ranks share the cores: "
+            "corrections.compute_scale is the measured slowdown of a block run by that many processes at once "
+            "(ranks / cores where not measured)",
             ("CPU: compute measured with 1 thread, as each torchrun rank runs (OMP_NUM_THREADS=1); "
              if dev.type == "cpu" else "")
             + "memory_bytes is the device memory per rank" + (" (RAM / ranks)" if dev.type == "cpu" else ""),
@@ -367,6 +373,15 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
             "machine": this_machine(torch.cuda.get_device_name(0) if dev.type == "cuda" else None)},
     )
     return hw, rows
+
+
+def _compute_scale(compute_samples: list[dict], nproc_per_node: int) -> float:
+    """Ranks sharing this CPU's cores: the measured core-sharing factor (``compute.core_sharing_sample``) where the
+    profile has one, else ranks / cores [derived]; at least 1."""
+    shared = [s for s in compute_samples if s.get("kind") == "core_sharing"]
+    if shared:
+        return max(1.0, float(shared[-1]["factor"]))
+    return max(1.0, nproc_per_node / (os.cpu_count() or 1))
 
 
 def _block_sample(compute_samples: list[dict]) -> dict:
