@@ -293,34 +293,14 @@ def search(
 ):
     """Search every plan for a model on N GPUs and rank them by predicted step time. Every plan flag given pins
     its dimension (--tp 8, --ac full, --no-compile, --mesh-order tp,dp_shard ...)."""
-    from parsim.flags import check_int, search_space
-    from parsim.jsonio import check_output_path
+    from parsim.flags import search_space
     from parsim.spec import load_model
 
-    check_int("--top", top, 1, 10_000)
-    check_int("--execute", execute, 0, top)
-    check_int("--measure", measure, 0, 1000)
-    if execute or measure:
-        require_torch("search --execute" if execute else "search --measure")
-    if measure_budget_flops is not None and not (measure_budget_flops > 0):
-        from parsim.errors import ParsimError
-
-        raise ParsimError(f"--measure-budget-flops must be > 0, got {measure_budget_flops}")
-    if explain is not None:
-        check_int("--explain", explain, 1, top)
+    _check_search_options(top, execute, measure, measure_budget_flops, explain, torchtitan_format,
+                          (emit_plan, emit_torchtitan, emit_megatron, csv, execute_out))
     gpus, space = search_space(flags, no_pp=no_pp, no_cp=no_cp, max_tp=max_tp, max_pp=max_pp, ac_modes=ac_modes,
-                               default_mesh_order=fixed_order, headroom=headroom, max_plans=max_plans)
-    if max_seconds is not None:
-        import dataclasses
-
-        space = dataclasses.replace(space, max_seconds=max_seconds)
-    if torchtitan_format not in ("python", "toml"):
-        from parsim.errors import ParsimError
-
-        raise ParsimError(f"--torchtitan-format takes python or toml, got {torchtitan_format!r}")
-    for path in (emit_plan, emit_torchtitan, emit_megatron, csv, execute_out):  # fail now, not after the search
-        if path is not None:
-            check_output_path(path)
+                               default_mesh_order=fixed_order, headroom=headroom, max_plans=max_plans,
+                               max_seconds=max_seconds)
     spec = load_model(flags["model"])
     # plans run here are predicted with a profile of this machine (measured first when the given one is not)
     hw = profile_measured_here(flags["profile"]) if execute or measure else profile_for_this_machine(flags["profile"])
@@ -333,6 +313,28 @@ def search(
                    model_arg=flags["model"], execute_out=execute_out, wide=wide,
                    torchtitan_format=torchtitan_format, emit_megatron=emit_megatron, measure=measure,
                    measure_budget_flops=measure_budget_flops)
+
+
+def _check_search_options(top, execute, measure, measure_budget_flops, explain, torchtitan_format, paths) -> None:
+    """search's options checked before anything runs; output paths too (fail now, not after the search)."""
+    from parsim.errors import ParsimError
+    from parsim.flags import check_int
+    from parsim.jsonio import check_output_path
+
+    check_int("--top", top, 1, 10_000)
+    check_int("--execute", execute, 0, top)
+    check_int("--measure", measure, 0, 1000)
+    if execute or measure:
+        require_torch("search --execute" if execute else "search --measure")
+    if measure_budget_flops is not None and not (measure_budget_flops > 0):
+        raise ParsimError(f"--measure-budget-flops must be > 0, got {measure_budget_flops}")
+    if explain is not None:
+        check_int("--explain", explain, 1, top)
+    if torchtitan_format not in ("python", "toml"):
+        raise ParsimError(f"--torchtitan-format takes python or toml, got {torchtitan_format!r}")
+    for path in paths:
+        if path is not None:
+            check_output_path(path)
 
 
 def _check_profile_is_this_device(hw) -> None:
@@ -498,6 +500,49 @@ def trace(
         print_comparison(pred, m)
 
 
+def _check_profile_options(nproc_per_node, resume: bool, restart: bool, device) -> None:
+    from parsim.errors import ParsimError
+
+    if nproc_per_node is None:
+        raise ParsimError("--nproc-per-node is required (unless --measure-shapes-of)")
+    if resume and restart:
+        raise ParsimError("give --resume or --restart, not both")
+    if device not in (None, "cpu"):
+        raise ParsimError(f"--device takes only cpu (to profile gloo on a GPU machine), got {device!r}")
+
+
+def _profile_frameworks(out: str, out_dir, device, as_json: bool) -> None:
+    """``profile --measure-frameworks``: FSDP2 / DTensor TP overhead on 2 ranks into an existing profile."""
+    from parsim.errors import ParsimError
+    from parsim.profiler.run import add_framework_overheads, resolve_profile_out
+
+    path = resolve_profile_out(out, out_dir)
+    if not path.exists():
+        raise ParsimError(f"profile {path} does not exist: measure one first (parsim profile --nproc-per-node N)")
+    hw = add_framework_overheads(path, device)
+    keys = [k for k in hw.corrections if k.startswith(("fsdp_unit_", "tp_block_"))]
+    res = {"profile": str(path), **{k: hw.corrections[k] for k in keys}}
+    if as_json:
+        emit_json(res)
+    else:
+        typer.echo(f"FSDP unit {res.get('fsdp_unit_fixed_s', 0) * 1e3:.2f} ms + "
+                   f"{res.get('fsdp_unit_s_per_byte', 0) * 1e9:.2f} ms/MB per reduction; TP block "
+                   f"{res.get('tp_block_fixed_s', 0) * 1e3:.2f} ms + {res.get('tp_block_s_per_byte', 0) * 1e9:.1f}"
+                   f" ms/GB per microbatch -> {path}")
+
+
+def _profile_shapes(measure_shapes_of: str, out: str, out_dir, model: str, as_json: bool) -> None:
+    """``profile --measure-shapes-of``: blocks at given plans' local shapes into an existing profile."""
+    from parsim.cli.loop import measure_plan_shapes
+
+    res = measure_plan_shapes(measure_shapes_of, out, out_dir, model if model != "tiny" else None)
+    if as_json:
+        emit_json(res)
+    else:
+        typer.echo(f"{res['shapes']} local shapes ({res['not_measurable']} not measurable as one block), "
+                   f"{res['measured_now']} measured now in {res['measurement_wall_s']:.1f} s -> {res['profile']}")
+
+
 @app.command()
 @guarded
 def profile(
@@ -538,40 +583,10 @@ def profile(
     from parsim.errors import ParsimError
 
     if measure_frameworks:
-        from parsim.profiler.run import add_framework_overheads, resolve_profile_out
-
-        path = resolve_profile_out(out, out_dir)
-        if not path.exists():
-            raise ParsimError(f"profile {path} does not exist: measure one first (parsim profile --nproc-per-node N)")
-        hw = add_framework_overheads(path, device)
-        keys = [k for k in hw.corrections if k.startswith(("fsdp_unit_", "tp_block_"))]
-        res = {"profile": str(path), **{k: hw.corrections[k] for k in keys}}
-        if as_json:
-            emit_json(res)
-        else:
-            typer.echo(f"FSDP unit {res.get('fsdp_unit_fixed_s', 0) * 1e3:.2f} ms + "
-                       f"{res.get('fsdp_unit_s_per_byte', 0) * 1e9:.2f} ms/MB per reduction; TP block "
-                       f"{res.get('tp_block_fixed_s', 0) * 1e3:.2f} ms + {res.get('tp_block_s_per_byte', 0) * 1e9:.1f}"
-                       f" ms/GB per microbatch -> {path}")
-        return
-
+        return _profile_frameworks(out, out_dir, device, as_json)
     if measure_shapes_of:
-        from parsim.cli.loop import measure_plan_shapes
-
-        res = measure_plan_shapes(measure_shapes_of, out, out_dir, model if model != "tiny" else None)
-        if as_json:
-            emit_json(res)
-        else:
-            typer.echo(f"{res['shapes']} local shapes ({res['not_measurable']} not measurable as one block), "
-                       f"{res['measured_now']} measured now in {res['measurement_wall_s']:.1f} s -> {res['profile']}")
-        return
-    if nproc_per_node is None:
-        raise ParsimError("--nproc-per-node is required (unless --measure-shapes-of)")
-
-    if resume and restart:
-        raise ParsimError("give --resume or --restart, not both")
-    if device not in (None, "cpu"):
-        raise ParsimError(f"--device takes only cpu (to profile gloo on a GPU machine), got {device!r}")
+        return _profile_shapes(measure_shapes_of, out, out_dir, model, as_json)
+    _check_profile_options(nproc_per_node, resume, restart, device)
     from parsim.profiler.run import NodeSpec
     from parsim.profiler.run import profile as _profile
 
@@ -582,10 +597,14 @@ def profile(
             raise ParsimError("--nnodes > 1 needs --node-rank (or $SLURM_NODEID)")
         nodes = NodeSpec(nnodes, int(rank), master_addr or "", master_port)
     hw = _profile(out, nproc_per_node, resume=resume, restart=restart, min_bytes=min_bytes, max_bytes=max_bytes,
-                  factor=factor,
-                  ops=ops, model=model, seq_len=seq_len, out_dir=out_dir, device=device,
+                  factor=factor, ops=ops, model=model, seq_len=seq_len, out_dir=out_dir, device=device,
                   log=lambda m: typer.echo(m, err=True), nodes=nodes)
-    if hw is None:  # another node than 0: node 0 writes the profile
+    _print_profile_result(hw, nodes, as_json)
+
+
+def _print_profile_result(hw, nodes, as_json: bool) -> None:
+    """The profile written (JSON or a summary); on a node other than 0 (node 0 writes the profile), which node."""
+    if hw is None:
         if as_json:
             emit_json({"node_rank": nodes.node_rank if nodes else 0, "profile_written_by": "node 0"})
         return

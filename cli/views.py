@@ -162,34 +162,16 @@ class ParquetSink(CsvSink):
 def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torchtitan, csv_path, as_json,
                    execute=0, model_arg=None, execute_out=None, wide=False, torchtitan_format="python",
                    emit_megatron=None, measure=0, measure_budget_flops=None):
-    from rich import box
+    """`parsim search`: search (progress bar; every plan to --csv), measure and re-rank (--measure), write the
+    best plan out (--emit-*), run the top (--execute), then print (tables or one JSON document)."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
-    from rich.table import Table
 
-    from parsim.emit import megatron_gaps, to_megatron_args, to_torchtitan_python, to_torchtitan_toml, torchtitan_gaps
     from parsim.errors import ParsimError
-    from parsim.jsonio import atomic_write_json, atomic_write_text
-    from parsim.search import result_to_dict, search
+    from parsim.jsonio import atomic_write_json
+    from parsim.search import result_to_dict
 
-    err = Console(stderr=True)
-    con = Console()
-    sink = (ParquetSink if str(csv_path).endswith(".parquet") else CsvSink)(csv_path) if csv_path else None
-    ok = False
-    try:
-        with Progress(TextColumn("searching"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
-                      console=err, transient=True, disable=not err.is_terminal) as prog:
-            task = prog.add_task("search", total=None)
-
-            def progress(done, total):
-                prog.update(task, completed=done, total=total)
-
-            res = search(spec, hw, gpus, space, top_k=top, progress=progress,
-                         csv_writer=sink)
-        ok = True
-    finally:
-        if sink:
-            sink.close(ok)
+    err, con = Console(stderr=True), Console()
+    res = _search_with_progress(spec, hw, gpus, space, top, csv_path, err)
     if explain is not None and not 1 <= explain <= len(res.top):
         raise ParsimError(f"--explain {explain}: only {len(res.top)} plans ranked")
     best = res.top[0][0] if res.top else None
@@ -198,40 +180,9 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         from parsim.plan import Plan
 
         best = Plan.from_dict(measured["rows"][0]["plan"])
-    if emit_plan and best:
-        # the plan with the model it was searched for (`predict --plan F` then needs no --model)
-        atomic_write_json(emit_plan, {"model": model_arg or spec.name, "plan_id": best.plan_id,
-                                      "plan": best.to_dict()})
-    if best:  # what parsim predicted for the plan it writes out
-        _, step, mem, tps, mfu, _ = res.top[0]
-        if measured:
-            from parsim.costmodel import predict
-
-            p = predict(spec, best, measured["profile"])
-            step, mem, tps, mfu = p.step_time_s, p.reserved_memory_bytes, p.tokens_per_s_per_gpu, p.mfu
-        q = _interval_factor(hw, best)
-        said = (f"step {step:.3f} s (90% interval {step / q:.3f}-{step * q:.3f} s), {tps:,.0f} tokens/s/GPU, "
-                f"MFU {100 * mfu:.1f}%, {mem / GiB:.1f} GiB reserved per GPU on {hw.name}")
-    if emit_torchtitan and best:
-        emit = to_torchtitan_python if torchtitan_format == "python" else to_torchtitan_toml
-        said_tt = said
-        if torchtitan_format == "python" and best.float8 and best.float8_recipe == "tensorwise":
-            import dataclasses
-
-            from parsim.costmodel import predict
-
-            rw = predict(spec, dataclasses.replace(best, float8_recipe="rowwise"), hw)  # what 0.3.0 will run
-            said_tt += (f"; as emitted (float8 rowwise): step {rw.step_time_s:.3f} s, "
-                        f"{rw.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {100 * rw.mfu:.1f}%")
-        atomic_write_text(emit_torchtitan, emit(best, spec, said_tt))
-        version = "0.3.0" if torchtitan_format == "python" else "0.2"
-        for gap in torchtitan_gaps(best, spec, version):  # also at the top of the file
-            err.print(f"parsim: torchtitan {version} cannot express: {gap}", markup=False, highlight=False,
-                      soft_wrap=True)
-    if emit_megatron and best:
-        atomic_write_text(emit_megatron, to_megatron_args(best, spec, said))
-        for gap in megatron_gaps(best, spec):
-            err.print(f"parsim: Megatron-LM cannot express: {gap}", markup=False, highlight=False, soft_wrap=True)
+    if best:
+        _write_best(spec, hw, res, best, measured, err, emit_plan=emit_plan, emit_torchtitan=emit_torchtitan,
+                    emit_megatron=emit_megatron, torchtitan_format=torchtitan_format, model_arg=model_arg)
     executed = _execute(spec, hw, res, execute, model_arg or spec.name, err) if execute else []
     if execute_out and executed:
         atomic_write_json(execute_out, executed)
@@ -247,6 +198,101 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
             d["measured"] = {k: v for k, v in measured.items() if k != "profile"}
         emit_json(d)
         return
+    if not _print_search(con, spec, hw, gpus, space, res, top, wide):
+        return
+    if measured:
+        _print_reranked(con, measured)
+    if explain:
+        _print_explain(con, spec, hw, res, explain, top)
+    if executed:
+        _print_executed(con, executed)
+    if emit_plan and best:
+        con.print(f"wrote plan #1 ({best.plan_id}) to {emit_plan}")
+    if emit_megatron:
+        con.print(f"wrote the Megatron-LM arguments of plan #1 to {emit_megatron}")
+    if emit_torchtitan:
+        con.print(f"wrote the torchtitan {'0.3.0 Python' if torchtitan_format == 'python' else 'v0.2 TOML'} config "
+                  f"of plan #1 to {emit_torchtitan}")
+
+
+def _search_with_progress(spec, hw, gpus, space, top, csv_path, err):
+    """The search with a progress bar on stderr (a terminal only); every evaluated plan to ``csv_path`` (closed
+    atomically: an interrupted search leaves no half file)."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from parsim.search import search
+
+    sink = (ParquetSink if str(csv_path).endswith(".parquet") else CsvSink)(csv_path) if csv_path else None
+    ok = False
+    try:
+        with Progress(TextColumn("searching"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                      console=err, transient=True, disable=not err.is_terminal) as prog:
+            task = prog.add_task("search", total=None)
+
+            def progress(done, total):
+                prog.update(task, completed=done, total=total)
+
+            res = search(spec, hw, gpus, space, top_k=top, progress=progress, csv_writer=sink)
+        ok = True
+    finally:
+        if sink:
+            sink.close(ok)
+    return res
+
+
+def _said_of(spec, hw, res, best, measured) -> str:
+    """What parsim predicted for the plan it writes out (the re-ranked prediction after --measure)."""
+    _, step, mem, tps, mfu, _ = res.top[0]
+    if measured:
+        from parsim.costmodel import predict
+
+        p = predict(spec, best, measured["profile"])
+        step, mem, tps, mfu = p.step_time_s, p.reserved_memory_bytes, p.tokens_per_s_per_gpu, p.mfu
+    q = _interval_factor(hw, best)
+    return (f"step {step:.3f} s (90% interval {step / q:.3f}-{step * q:.3f} s), {tps:,.0f} tokens/s/GPU, "
+            f"MFU {100 * mfu:.1f}%, {mem / GiB:.1f} GiB reserved per GPU on {hw.name}")
+
+
+def _write_best(spec, hw, res, best, measured, err, *, emit_plan, emit_torchtitan, emit_megatron,
+                torchtitan_format, model_arg) -> None:
+    """--emit-plan / --emit-torchtitan / --emit-megatron: the best plan written out (atomically), with what parsim
+    predicted for it; what a framework cannot express is said on stderr (and at the top of the file)."""
+    from parsim.emit import megatron_gaps, to_megatron_args, to_torchtitan_python, to_torchtitan_toml, torchtitan_gaps
+    from parsim.jsonio import atomic_write_json, atomic_write_text
+
+    if emit_plan:
+        # the plan with the model it was searched for (`predict --plan F` then needs no --model)
+        atomic_write_json(emit_plan, {"model": model_arg or spec.name, "plan_id": best.plan_id,
+                                      "plan": best.to_dict()})
+    said = _said_of(spec, hw, res, best, measured)
+    if emit_torchtitan:
+        emit = to_torchtitan_python if torchtitan_format == "python" else to_torchtitan_toml
+        said_tt = said
+        if torchtitan_format == "python" and best.float8 and best.float8_recipe == "tensorwise":
+            import dataclasses
+
+            from parsim.costmodel import predict
+
+            rw = predict(spec, dataclasses.replace(best, float8_recipe="rowwise"), hw)  # what 0.3.0 will run
+            said_tt += (f"; as emitted (float8 rowwise): step {rw.step_time_s:.3f} s, "
+                        f"{rw.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {100 * rw.mfu:.1f}%")
+        atomic_write_text(emit_torchtitan, emit(best, spec, said_tt))
+        version = "0.3.0" if torchtitan_format == "python" else "0.2"
+        for gap in torchtitan_gaps(best, spec, version):  # also at the top of the file
+            err.print(f"parsim: torchtitan {version} cannot express: {gap}", markup=False, highlight=False,
+                      soft_wrap=True)
+    if emit_megatron:
+        atomic_write_text(emit_megatron, to_megatron_args(best, spec, said))
+        for gap in megatron_gaps(best, spec):
+            err.print(f"parsim: Megatron-LM cannot express: {gap}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_search(con, spec, hw, gpus, space, res, top, wide) -> bool:
+    """The search's text output: what was considered, pruned and evaluated, the top table and the Pareto front;
+    when nothing fits, the plan closest to fitting. False when no plan is ranked."""
+    from rich import box
+    from rich.table import Table
+
     con.print(f"[bold]{spec.name}[/bold] on {gpus} x {hw.device_name} ({hw.name}), global batch "
               f"{space.global_batch_size} x seq {space.seq_len}: {res.considered:,} plans considered, "
               f"{res.fitting:,} fit, {res.pruned_memory:,} do not fit (usable {res.usable_memory_bytes / GiB:.1f} "
@@ -268,7 +314,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
                       "Add GPUs, shorten the sequence or lower the batch.")
         else:
             con.print("[red]no valid plan[/red]: every degree combination was structurally invalid (see above)")
-        return
+        return False
     con.print(_top_table(res, top, hw, wide, con.width))
     pt = Table(title=f"Pareto front: step time vs reserved memory ({len(res.pareto)} plans)", box=box.SIMPLE_HEAD,
                padding=(0, 0), show_edge=False)
@@ -279,19 +325,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
         pt.add_row(f"{step / MS:.1f}", f"{mem / GiB:.1f}", short_degrees(plan), _sched_str(plan),
                    short_batch(plan), short_ac(plan.ac), short_options(plan))
     con.print(pt)
-    if measured:
-        _print_reranked(con, measured)
-    if explain:
-        _print_explain(con, spec, hw, res, explain, top)
-    if executed:
-        _print_executed(con, executed)
-    if emit_plan:
-        con.print(f"wrote plan #1 ({best.plan_id}) to {emit_plan}")
-    if emit_megatron:
-        con.print(f"wrote the Megatron-LM arguments of plan #1 to {emit_megatron}")
-    if emit_torchtitan:
-        con.print(f"wrote the torchtitan {'0.3.0 Python' if torchtitan_format == 'python' else 'v0.2 TOML'} config "
-                  f"of plan #1 to {emit_torchtitan}")
+    return True
 
 
 def _interval_factor(hw, plan) -> float:

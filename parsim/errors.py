@@ -6,7 +6,13 @@ import numbers
 
 
 class ParsimError(ValueError):
-    """Invalid model, plan, profile or file; the message says what and shows the arithmetic."""
+    """Invalid model, plan, profile or file; the message says what and shows the arithmetic. Always one line: a
+    value from a file interpolated as it is (a string holding a line break) is shown with its breaks escaped, as
+    ``repr`` would show them (found by the profile-file fuzz: a ``schema_version`` of ``"\\n"``)."""
+
+    def __init__(self, message: object = "", *args: object):
+        text = str(message).replace("\r", "\\r").replace("\n", "\\n")
+        super().__init__(text, *args)
 
 
 class ParsimWarning(UserWarning):

@@ -165,10 +165,10 @@ def check_left_out_axes(degrees: dict, left_out: tuple[str, ...]) -> None:
 
 def search_space(given: dict, *, no_pp: bool = False, no_cp: bool = False, max_tp: int | None = None,
                  max_pp: int | None = None, ac_modes: str | None = None, default_mesh_order: bool = False,
-                 headroom: float = 0.0, max_plans: int | None = None):
-    """The SearchSpace of `parsim search`: every plan flag the user gave pins its dimension (a degree, a batch
-    size, the schedule, AC, compile, float8, SP, reshard, the device order, the wrapper order); none is ignored.
-    Contradictory pins give one ParsimError line."""
+                 headroom: float = 0.0, max_plans: int | None = None, max_seconds: float | None = None):
+    """The SearchSpace of `parsim search` (``max_seconds``: stop after this long with the best plans so far): every
+    plan flag the user gave pins its dimension (a degree, a batch size, the schedule, AC, compile, float8, SP,
+    reshard, the device order, the wrapper order); none is ignored. Contradictory pins give one ParsimError line."""
     from .search import SearchSpace
 
     check_flags(given)
@@ -178,7 +178,7 @@ def search_space(given: dict, *, no_pp: bool = False, no_cp: bool = False, max_t
     kw: dict = {"global_batch_size": given.get("global_batch_size") or gpus,
                 "seq_len": given.get("seq_len") or DEFAULTS["seq_len"], "max_tp": max_tp, "max_pp": max_pp,
                 "device_orders": not default_mesh_order, "headroom": headroom,
-                "max_plans": max_plans}
+                "max_plans": max_plans, **({"max_seconds": max_seconds} if max_seconds is not None else {})}
     for a in DEGREES:
         if given.get(a) is not None and not (a == "dp_shard" and given[a] == -1):
             kw[a] = (given[a],)

@@ -185,7 +185,7 @@ class HardwareProfile:
 
     def __post_init__(self):
         if self.schema_version != SCHEMA_VERSION:
-            raise ParsimError(f"profile {self.name}: schema_version {self.schema_version}, expected {SCHEMA_VERSION}")
+            raise ParsimError(f"profile {self.name}: schema_version {self.schema_version!r}, expected {SCHEMA_VERSION}")
         self._check_values()
         object.__setattr__(self, "collectives", tuple(self.collectives))
         object.__setattr__(self, "assumptions", tuple(self.assumptions))

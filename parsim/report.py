@@ -106,16 +106,19 @@ def print_profile(hw) -> None:
 
 
 def print_explain(d: dict) -> None:
-    """``parsim predict --explain``: the ledger, one layer's compute and its saved tensors per AC mode."""
+    """``parsim predict --explain``: the ledger, one layer's compute and its saved tensors per AC mode, the factors."""
+    from rich.markup import escape
     from rich.table import Table
 
     con = _console()
-    t = Table(title=f"collective ledger ({d['rank']}; per step; raw = the calls' time, exposed = what the step waits)")
-    for c in ("collective", "op/axis", "calls", "bytes/call", "group", "per node", "raw ms", "exposed ms"):
+    t = Table(title=f"collective ledger ({d['rank']}; per step; raw = the calls' time, x scale = the correction "
+                    "in it (factors below), exposed = what the step waits)")
+    for c in ("collective", "op/axis", "calls", "bytes/call", "group", "per node", "x scale", "raw ms", "exposed ms"):
         t.add_column(c, justify="left" if c in ("collective", "op/axis") else "right")
     for r in d["ledger"]:
-        t.add_row(r["what"], r["key"], f"{r['calls']:,.0f}", f"{r['bytes_per_call']:,.0f}", str(r["group_size"]),
-                  str(r["ranks_per_node"]), f"{r['raw_s'] / MS:.3f}", f"{r['exposed_s'] / MS:.3f}")
+        t.add_row(escape(r["what"]), r["key"], f"{r['calls']:,.0f}", f"{r['bytes_per_call']:,.0f}",
+                  str(r["group_size"]), str(r["ranks_per_node"]), f"{r['scale']:.3g}", f"{r['raw_s'] / MS:.3f}",
+                  f"{r['exposed_s'] / MS:.3f}")
     con.print(t)
     for kind, lay in d["layers"].items():
         ct = Table(title=f"forward compute of one {kind} layer per microbatch ({lay['tokens_per_microbatch']:,.0f} "
@@ -150,3 +153,22 @@ def print_explain(d: dict) -> None:
                   f"({ends.get('device')}, torch {ends.get('torch')}, {ends.get('measured_at')})")
     elif ends:
         con.print(f"model's ends from the {ends['source']}: {ends['why']}")
+    _print_factors(con, d.get("factors", []))
+
+
+def _print_factors(con, rows: list) -> None:
+    """The factors table of ``--explain``: every correction, curve and count the prediction applied."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    if not rows:
+        return
+    t = Table(title="factors applied to this prediction (value, what it multiplies or counts, where it comes from)")
+    for col in ("factor", "value", "applies to", "source"):
+        t.add_column(col, justify="right" if col == "value" else "left")
+    for f in rows:
+        v = f["value"]
+        shown = ", ".join(f"{x:.4g}" for x in v) if isinstance(v, list) else (
+            str(v) if isinstance(v, bool) else f"{v:.4g}")
+        t.add_row(escape(f["name"]), shown, escape(f["applies_to"]), escape(f["source"]))
+    con.print(t)

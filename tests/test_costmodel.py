@@ -190,6 +190,46 @@ def test_predict_explain_cli_shows_ledger_compute_and_saved_tensors():
     assert r.exit_code == 0 and "collective ledger" in r.stdout and "saves per microbatch" in r.stdout
 
 
+def test_explain_factors_rebuild_the_printed_numbers():
+    """--explain names every factor it applies, so the printed numbers follow from the output alone: each ledger
+    row's raw time is calls x the profile's collective curve x the row's scale (the calibrated comm_scale of its
+    axis class and op), the interference term is its factor x the hidden collective time, and the factors say
+    where each value comes from (calibrate's fit, a measurement, the profile, the plan)."""
+    from parsim.costmodel.explain import explain
+
+    cal = load_profile("h100-sxm-spec-cal")
+    plan = Plan(dp_shard=16, tp=2, pp=2, seq_len=4096, local_batch_size=4, micro_batch_size=1)
+    d = explain(PRESETS["llama3-8b"], plan, cal)
+    p = predict(PRESETS["llama3-8b"], plan, cal)
+    for r in d["ledger"]:
+        curve = cal.collective_time_s(r["key"].split("/")[0], r["bytes_per_call"], r["group_size"],
+                                      r["ranks_per_node"])
+        assert r["raw_s"] == pytest.approx(r["calls"] * float(curve) * r["scale"], rel=1e-9)
+    tp_rows = [r for r in d["ledger"] if r["key"] == "reduce_scatter/tp"]
+    assert tp_rows and tp_rows[0]["scale"] == pytest.approx(cal.corrections["comm_scale_tp"])
+    f = {x["name"]: x for x in d["factors"]}
+    hidden = sum(r["raw_s"] - r["exposed_s"] for r in d["ledger"])
+    assert f["comm_interference"]["value"] * hidden == pytest.approx(p.time_breakdown_s["comm_interference"])
+    assert f["collective time scale reduce_scatter/tp"]["source"].startswith("fitted by parsim calibrate")
+    assert f["pipeline bubble (microbatch times)"]["value"] == 1.0
+    assert f["microbatches in flight at the peak (first stage, last stage)"]["value"] == [2.0, 1.0]
+    cpu = {x["name"]: x for x in explain(PRESETS["tiny"], Plan(tp=2, seq_len=256), load_profile("cpu-gloo-4"))[
+        "factors"]}
+    assert cpu["compute_scale"]["value"] == 2.0 and cpu["compute_scale"]["source"].startswith("measured")
+    assert cpu["comm_overlap"]["value"] is False
+
+
+def test_explain_prints_bracketed_names():
+    """Names with brackets ("[final norm, output] unit") are printed as written, not eaten as rich markup."""
+    from typer.testing import CliRunner
+
+    from parsim.cli.main import app
+
+    r = CliRunner().invoke(app, ["predict", "--model", "tiny", "--gpus", "4", "--explain"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    assert "[final norm, output] unit" in r.stdout and "factors applied to this prediction" in r.stdout
+
+
 def test_memory_only_evaluation_equals_the_full_one():
     from parsim.codec import encode
     from parsim.costmodel.step import evaluate

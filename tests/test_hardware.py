@@ -69,3 +69,15 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path):
         atomic_write_json(p, {"a": object()})
     assert json.loads(p.read_text()) == {"a": 1}
     assert [x.name for x in tmp_path.iterdir()] == ["f.json"]
+
+
+@pytest.mark.parametrize("value", ["\n", "2\r\n", ["a\nb"]])
+def test_a_value_with_line_breaks_still_gives_one_line(value):
+    """ParsimError is one line whatever a file holds: a schema_version of "\\n" (found by the profile-file fuzz
+    under hypothesis 6.170) is shown escaped, in this message and in any other that interpolates a value."""
+    d = load_profile("cpu-gloo-2").to_dict()
+    d["schema_version"] = value
+    with pytest.raises(ParsimError) as e:
+        HardwareProfile.from_dict(d)
+    assert "\n" not in str(e.value) and "\r" not in str(e.value) and "schema_version" in str(e.value)
+    assert "\n" not in str(ParsimError("a\nb")) and str(ParsimError("a\nb")) == "a\\nb"

@@ -1,16 +1,19 @@
-"""Where a prediction comes from: the collective ledger of the rank whose step time is reported, the compute of
-one layer (each GEMM with its FLOPs and the efficiency used, attention, memory-bound kernels, overheads) and the
-tensors one layer saves under each AC mode. Used by ``parsim predict --explain`` and ``search --explain``."""
+"""Where a prediction comes from: the collective ledger of the rank whose step time is reported (each call's time
+with the correction factor it carries), the compute of one layer (each GEMM with its FLOPs and the efficiency used,
+attention, memory-bound kernels, overheads), the tensors one layer saves under each AC mode, and every factor the
+model applied (``factors``: the profile's corrections, curves and counts, each with where it comes from), so that any
+printed number can be traced from the output alone. Used by ``parsim predict --explain``."""
 
 from __future__ import annotations
 
 from ..blockshape import plan_block_shapes, plan_head_shape
 from ..codec import canonical_axes, canonical_key, encode
-from ..hardware import HardwareProfile
+from ..hardware import EfficiencyCurve, HardwareProfile
 from ..plan import Plan
 from ..spec import ModelSpec
-from .layers import FIRST, LAST, Shapes, kept_by_ac_mode, saved_tensors
-from .step import block_overheads, evaluate, layer_compute_items, stage_rank
+from .comm import AXIS_CLASS, axis_class_scale
+from .layers import FIRST, LAST, Shapes, inflight, kept_by_ac_mode, saved_tensors
+from .step import ADAMW_BYTES_PER_PARAM, block_overheads, evaluate, layer_compute_items, stage_rank
 
 
 def _block_source(shape, hw: HardwareProfile) -> dict:
@@ -46,10 +49,13 @@ def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
     rank = int(r["time_rank"][0])
     # keys named as the executor names the collectives (``codec.canonical_axes``), as in ``predict``
     names = canonical_axes(plan, stage_rank(plan, rank))
+    comm_scale = float(hw.corrections.get("comm_scale", 1.0))  # on every collective (hardware.collective_time_s)
     ledger = [{"what": rec.what, "key": canonical_key(rec.key, names), "calls": float(rec.calls[0]),
                "bytes_per_call": float(rec.bytes_per_call[0]), "group_size": int(rec.group[0]),
                "ranks_per_node": int(min(rec.ranks_per_node[0], rec.group[0])), "phase": rec.phase,
-               "overlap": rec.overlap, "raw_s": float(rec.time_s[0]), "exposed_s": float(rec.exposed_s[0])}
+               "overlap": rec.overlap, "scale": axis_class_scale(hw, rec.axis, rec.op) * comm_scale,
+               "axis_class": AXIS_CLASS.get(rec.axis, rec.axis), "raw_s": float(rec.time_s[0]),
+               "exposed_s": float(rec.exposed_s[0])}
               for rec in r["ledgers"][rank].records if rec.calls[0] > 0]
     sh = Shapes(spec, b)
     kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
@@ -71,4 +77,144 @@ def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
                               for (n, nb, k), kk in zip(saved, keep, strict=True)],
         }
     return {"rank": f"pp stage {plan.pp - 1 if rank == LAST else 0}" if rank in (FIRST, LAST) else str(rank),
-            "ledger": ledger, "layers": layers, "ends": _head_source(plan_head_shape(spec, plan), hw)}
+            "ledger": ledger, "layers": layers, "ends": _head_source(plan_head_shape(spec, plan), hw),
+            "factors": factors(plan, hw, r, ledger)}
+
+
+# profile quantities a measured (``parsim profile``) profile carries at their defaults [see profiler/run.py]
+NOT_MEASURED = ("compile_memory_bound_factor", "fused_attention_speedup")
+
+
+def _source(hw: HardwareProfile, key: str, calibrated: str | None = None) -> str:
+    """Where a profile quantity comes from: ``parsim calibrate``'s factor on it, a measurement, or the profile's
+    own value (spec sheet: its ``assumptions`` name each one's source), or the model's default (absent)."""
+    fitted = hw.calibration.get("factors", {}) if isinstance(hw.calibration, dict) else {}
+    if calibrated is not None and calibrated in fitted:
+        cal = hw.calibration
+        return (f"fitted by parsim calibrate (x{float(fitted[calibrated]):.3g} on the profile's value; "
+                f"{cal.get('n_rows', '?')} rows, {str(cal.get('date', ''))[:10]})")
+    if key == "default":
+        return "default: not in the profile"
+    if hw.source != "measured":
+        return f"the profile's {key} (a spec-sheet profile: its assumptions name each value's source)"
+    if key in NOT_MEASURED:
+        return f"the profile's {key}, assumed: the profiler does not measure it"
+    return f"measured by parsim profile ({key})"
+
+
+def _row(name: str, value, applies: str, source: str) -> dict:
+    return {"name": name, "value": value, "applies_to": applies, "source": source}
+
+
+def _corr(hw: HardwareProfile, key: str, default: float) -> tuple[float, str]:
+    """A correction's value and the key it was read from (``default`` when the profile has none)."""
+    return (float(hw.corrections[key]), f"corrections.{key}") if key in hw.corrections else (default, "default")
+
+
+def _compute_factors(plan: Plan, hw: HardwareProfile) -> list[dict]:
+    """The compute side: core sharing, per-layer overheads, the efficiency curves' ceilings, memory-bound kernels."""
+    cs, cs_key = _corr(hw, "compute_scale", 1.0)
+    ov_f, ov_b = block_overheads(hw)
+    if "layer_overhead_fwd_s" in hw.corrections:
+        ov_src = _source(hw, "corrections.layer_overhead_*_s", "layer_overhead")
+    elif isinstance(hw.samples, dict) and hw.samples.get("block"):
+        ov_src = ("derived at predict time: the profile's measured block sample (samples.block) minus the model's "
+                  "time for that block, floored at 0")
+    else:
+        ov_src = "default: the profile has no block sample (0)"
+    rows = [
+        _row("compute_scale", cs, "every compute term (layers, the model's ends, the optimizer step, framework "
+             "overheads) is multiplied by it; the pipeline bubble gives the shared cores back (step._bubble)",
+             _source(hw, cs_key)),
+        _row("layer overhead forward / backward (s per layer and microbatch)", [ov_f, ov_b],
+             "added to each layer's curve time (the 'overhead' item of the layer table)", ov_src)]
+    curves: list[tuple[str, EfficiencyCurve | None, str, str]] = [
+        ("gemm_efficiency", hw.gemm_efficiency, "gemm_eff_max", "every GEMM: time = (FLOPs + x_half) / "
+               "(eff_max x peak)"),
+              ("attention_keys_efficiency" if hw.attention_keys_efficiency is not None else "attention_efficiency",
+               hw.attention_keys_efficiency or hw.attention_efficiency, "attention_eff_max", "attention kernels")]
+    if plan.float8:
+        curves.append(("float8_gemm_efficiency", hw.float8_gemm_efficiency, "float8_eff_max", "float8 GEMMs"))
+    for name, curve, cal, what in curves:
+        if curve is not None:
+            rows.append(_row(f"{name} (eff_max, x_half)", [curve.eff_max, curve.x_half], what,
+                             _source(hw, name, cal)))
+    rows.append(_row("memory_efficiency x bandwidth (B/s)",
+                     [hw.memory_efficiency, hw.memory_bandwidth_bytes_per_s],
+                     "memory-bound kernels (norms, RoPE, activations, residuals, the unfused loss): bytes / "
+                     "(bandwidth x efficiency)", _source(hw, "memory_efficiency", "memory_efficiency")))
+    if plan.compile:
+        rows.append(_row("compile_memory_bound_factor", hw.compile_memory_bound_factor,
+                         "memory-bound time under torch.compile (x)",
+                         _source(hw, "compile_memory_bound_factor", "compile_memory_factor")))
+    if plan.te_layers:
+        rows.append(_row("fused_attention_speedup", hw.fused_attention_speedup,
+                         "attention under Transformer Engine layers (efficiency x, capped at 1)",
+                         _source(hw, "fused_attention_speedup")))
+    return rows
+
+
+def _comm_factors(hw: HardwareProfile, r: dict, ledger: list[dict]) -> list[dict]:
+    """The communication side: each (op, axis)'s scale on the fitted collective curves, overlap, interference."""
+    rows = []
+    for key in sorted({row["key"] for row in ledger}):
+        first = next(row for row in ledger if row["key"] == key)
+        op, cls = key.split("/", 1)[0], first["axis_class"]
+        c_cls, k_cls = _corr(hw, f"comm_scale_{cls}", 1.0)
+        c_op, k_op = _corr(hw, f"comm_scale_op_{op}", 1.0)
+        rows.append(_row(f"collective time scale {key}", first["scale"],
+                         f"raw time of every {key} call = the profile's fitted curve x comm_scale_{cls} "
+                         f"({c_cls:.3g}) x comm_scale_op_{op} ({c_op:.3g})",
+                         _source(hw, k_cls if k_cls != "default" else k_op,
+                                 "comm_scale_all_reduce" if op == "all_reduce" and k_cls == "default"
+                                 else f"comm_scale_{cls}")))
+    if "comm_scale" in hw.corrections:
+        rows.append(_row("comm_scale (every collective)", float(hw.corrections["comm_scale"]),
+                         "the time of every collective call (included in the scales above)",
+                         _source(hw, "corrections.comm_scale")))
+    k, k_key = _corr(hw, "comm_interference", 0.0)
+    hidden = sum(row["raw_s"] - row["exposed_s"] for row in ledger)
+    rows.append(_row("comm_overlap", hw.comm_overlap, "collectives run beside compute (exposed < raw)" if
+                     hw.comm_overlap else "collectives block the rank (gloo on CPU): exposed = raw",
+                     _source(hw, "comm_overlap")))
+    rows.append(_row("comm_interference", k, f"x hidden collective time {hidden * 1e3:.3f} ms = "
+                     f"{float(r['time_breakdown_s'].get('comm_interference', [0.0])[0]) * 1e3:.3f} ms "
+                     "(comm_interference in the step time)", _source(hw, k_key, "comm_interference")))
+    return rows
+
+
+def _schedule_factors(plan: Plan, hw: HardwareProfile, b) -> list[dict]:
+    """Counts: microbatches per step, those in flight at each stage's peak, the bubble; the optimizer's terms."""
+    ga, m_pass = int(b.grad_accum[0]), int(b.n_micro[0])
+    rows = [_row("microbatches per step per rank", ga * m_pass, "compute, per-microbatch collectives and "
+                 f"activations (gradient accumulation {ga} x {m_pass} per pass)", "derived from the plan")]
+    if plan.pp > 1:
+        first, last = float(inflight(b, FIRST)[0]), float(inflight(b, LAST)[0])
+        rows.append(_row("microbatches in flight at the peak (first stage, last stage)", [first, last],
+                         "activations alive at the memory peak, in microbatches through all of the stage's layers",
+                         f"derived from the {plan.pp_schedule} schedule (layers.inflight)"))
+        rows.append(_row("pipeline bubble (microbatch times)", ga * (plan.pp - 1) / plan.pp_stages_per_rank,
+                         "pp_bubble = ga x (pp - 1) / v x one microbatch's time (step._bubble)",
+                         "derived (Narayanan et al. 2021)"))
+    c = hw.corrections
+    if "optimizer_s_per_param" in c:
+        rows.append(_row("optimizer step: fixed s, s per parameter, s per tensor",
+                         [float(c["optimizer_fixed_s"]), float(c["optimizer_s_per_param"]),
+                          float(c.get("optimizer_s_per_tensor", 0.0))], "the optimizer step (x compute_scale)",
+                         _source(hw, "corrections.optimizer_*")))
+    else:
+        rows.append(_row("optimizer step: bytes per parameter at the memory-bound bandwidth", ADAMW_BYTES_PER_PARAM,
+                         "the optimizer step (AdamW traffic / (bandwidth x memory_efficiency))", "derived"))
+    for key, what in (("fsdp_unit", "framework_fsdp: per FSDP reduce-scatter call"),
+                      ("tp_block", "framework_tp: per TP block and microbatch")):
+        if f"{key}_fixed_s" in c:
+            rows.append(_row(f"{key}: fixed s, s per byte", [float(c[f"{key}_fixed_s"]),
+                             float(c[f"{key}_s_per_byte"])], what + " (x compute_scale)",
+                             _source(hw, f"corrections.{key}_*")))
+    return rows
+
+
+def factors(plan: Plan, hw: HardwareProfile, r: dict, ledger: list[dict]) -> list[dict]:
+    """Every factor the model applied to this plan's prediction, with what it multiplies and where it comes from."""
+    b = encode([plan], hw.gpus_per_node)
+    return _compute_factors(plan, hw) + _comm_factors(hw, r, ledger) + _schedule_factors(plan, hw, b)

@@ -164,24 +164,11 @@ def attention_flops(spec: ModelSpec, sh: Shapes) -> np.ndarray:
     return sh.T * sh.seq * (spec.n_heads / sh.t) * (spec.d_qk_head + spec.d_v_head)
 
 
-def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.ndarray, str]]:
-    """Tensors autograd keeps for one layer, in bytes: (name, bytes, kind). kind: input (the block input),
-    mm (output of an aten.mm), gmm (grouped GEMM output), sdpa (attention output / logsumexp), rs (reduce-scatter
-    output), other (elementwise / norm inputs)."""
-    T, t, sd = sh.T, sh.t, sh.sp_div
-    d = spec.d_model
-    b2, b4 = sh.act_b, 4.0  # activations in param_dtype; norm rstd, logsumexp, router scores in fp32 [derived]
-    rb = sh.res_b
-    te = sh.te
-    # the norm output a column-parallel linear keeps: gathered over tp (torch SP: the all-gather's output is what
-    # the matmul saves), or, under TE layers, the local sequence shard in float8 / param_dtype, all-gathered again
-    # in the backward (TE LayerNormLinear with sequence_parallel) [derived]
-    norm_out = np.where(te, T * d / sd * sh.f8b, T * d * b2)
-    out = [
-        ("attention_norm.input", T * d / sd * rb, "input"),
-        ("attention_norm.rstd", T / sd * b4, "other"),
-        ("attention_norm.output(gathered)", norm_out, "other"),
-    ]
+def _qkv_saved(spec: ModelSpec, sh: Shapes) -> list[tuple[str, np.ndarray, str]]:
+    """What the q / k / v projections keep (MLA's low-rank projections and norms; Qwen3's q / k norms)."""
+    T, t = sh.T, sh.t
+    b2, b4 = sh.act_b, 4.0
+    out: list[tuple[str, np.ndarray, str]] = []
     mats = spec.attention_matrices()
     if spec.mla:
         m = spec.mla
@@ -201,6 +188,28 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
         hq, hk, hd = spec.n_heads / t, spec.n_kv_heads / t, spec.head_dim
         out += [("q_norm.rstd", T * hq * b4, "other"), ("k_norm.rstd", T * hk * b4, "other"),
                 ("q.rotated", T * hq * hd * b2, "other"), ("k.rotated", T * hk * hd * b2, "other")]
+    return out
+
+
+def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.ndarray, str]]:
+    """Tensors autograd keeps for one layer, in bytes: (name, bytes, kind). kind: input (the block input),
+    mm (output of an aten.mm), gmm (grouped GEMM output), sdpa (attention output / logsumexp), rs (reduce-scatter
+    output), other (elementwise / norm inputs)."""
+    T, t, sd = sh.T, sh.t, sh.sp_div
+    d = spec.d_model
+    b2, b4 = sh.act_b, 4.0  # activations in param_dtype; norm rstd, logsumexp, router scores in fp32 [derived]
+    rb = sh.res_b
+    te = sh.te
+    # the norm output a column-parallel linear keeps: gathered over tp (torch SP: the all-gather's output is what
+    # the matmul saves), or, under TE layers, the local sequence shard in float8 / param_dtype, all-gathered again
+    # in the backward (TE LayerNormLinear with sequence_parallel) [derived]
+    norm_out = np.where(te, T * d / sd * sh.f8b, T * d * b2)
+    out = [
+        ("attention_norm.input", T * d / sd * rb, "input"),
+        ("attention_norm.rstd", T / sd * b4, "other"),
+        ("attention_norm.output(gathered)", norm_out, "other"),
+    ]
+    out += _qkv_saved(spec, sh)
     rope_dim = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
     out += [
         # the bf16 cos and sin (hd/2 each) the rotation keeps; TE's fused RoPE recomputes them
@@ -423,39 +432,38 @@ def inflight(b: PlanBatch, rank: int) -> np.ndarray:
     return np.where(pp == 1, 1.0, out).astype(float)
 
 
-def backward_steps(spec: ModelSpec, b, sh: Shapes, moe: bool) -> list[dict]:
-    """One block's backward at op level, as the executor's modules run it (each op, in reverse forward order,
-    allocates its input gradients and its weight gradients, then frees the gradient it consumed and the tensors
-    it saved): a list of steps ``{"alloc", "free", "saved", "pgrad"}`` — bytes of activation gradients made and
-    freed (``alloc`` before the step's moment, ``free`` after), names of ``saved_tensors`` released after it,
-    weight-gradient elements made (``pgrad``: (non-expert, routed expert)). The peak inside a block's backward is at
-    one of these moments: e.g. inside the MLP, with its gradients of the hidden activation, its first weight
-    gradients and every attention tensor still saved [derived from the block's autograd graph; trace]."""
-    T, t, sd, b2, rb = sh.T, sh.t, sh.sp_div, sh.act_b, sh.res_b
-    d = float(spec.d_model)
-    sp = sd > 1
-    z = np.zeros_like(T)
-    g_full = np.where(sp, T * d * b2, 0.0)  # SP: the gathered gradient (a reduce-scatter's backward)
-    elems = {name: rows * per_row for name, rows, per_row, _e in layer_tensors(spec, b, moe)}
-    n_norm = 2.0 if spec.norm == "layernorm" else 1.0
+class _BackwardSteps:
+    """The step list ``backward_steps`` builds, with the sizes every step uses (see there)."""
 
-    def pg(*names, expert=False):
-        tot = sum((elems.get(n, z) + elems.get(f"{n}.bias", z) for n in names), z)
+    def __init__(self, spec: ModelSpec, b, sh: Shapes, moe: bool):
+        self.spec, self.b, self.sh = spec, b, sh
+        self.T, self.t, self.sd, self.b2, self.rb = sh.T, sh.t, sh.sp_div, sh.act_b, sh.res_b
+        self.d = float(spec.d_model)
+        self.sp = self.sd > 1
+        self.z = np.zeros_like(self.T)
+        self.g_full = np.where(self.sp, self.T * self.d * self.b2, 0.0)  # SP: the gathered gradient
+        self.elems = {name: rows * per_row for name, rows, per_row, _e in layer_tensors(spec, b, moe)}
+        n_norm = 2.0 if spec.norm == "layernorm" else 1.0
+        self.norm_pg = (n_norm * self.d * np.ones_like(self.T), self.z)
+        self.steps: list[dict] = []
+
+    def pg(self, *names, expert=False):
+        z = self.z
+        tot = sum((self.elems.get(n, z) + self.elems.get(f"{n}.bias", z) for n in names), z)
         return (z, tot) if expert else (tot, z)
 
-    norm_pg = (n_norm * d * np.ones_like(T), z)
-    steps: list[dict] = []
-
-    def step(alloc=0.0, free=0.0, saved=(), pgrad=(0.0, 0.0), cast=True):
+    def step(self, alloc=0.0, free=0.0, saved=(), pgrad=(0.0, 0.0), cast=True):
         # cast: the step's non-expert weight gradients are linears' (autocast caches their cast weights)
-        steps.append({"alloc": alloc + z, "free": free + z, "saved": tuple(saved), "pgrad": pgrad, "cast": cast})
+        self.steps.append({"alloc": alloc + self.z, "free": free + self.z, "saved": tuple(saved), "pgrad": pgrad,
+                           "cast": cast})
 
-    def mlp(prefix, tokens, ff, names, expert=False, last_saved=()):
+    def mlp(self, prefix, tokens, ff, names, expert=False, last_saved=()):
         """SwiGLU: w2 (its input's gradient), mul (two), silu, w3 and w1 (the normed input's gradient, summed);
         GeLU: w2, gelu, w1."""
-        hid = tokens * ff * b2
-        tin = tokens * d * b2
-        if spec.mlp == "swiglu":
+        step, pg = self.step, self.pg
+        hid = tokens * ff * self.b2
+        tin = tokens * self.d * self.b2
+        if self.spec.mlp == "swiglu":
             step(hid, 0.0, [f"{prefix}.w2.input"], pg(names + "w2", expert=expert))
             step(2 * hid, hid, [f"{prefix}.silu.out", f"{prefix}.w3.out"])
             step(hid, hid, [f"{prefix}.w1.out"])
@@ -466,45 +474,69 @@ def backward_steps(spec: ModelSpec, b, sh: Shapes, moe: bool) -> list[dict]:
             step(hid, hid, [f"{prefix}.w1.out"])
             step(tin, hid, last_saved, pg(names + "w1", expert=expert))
 
-    step(g_full)
-    if not moe:
-        mlp("mlp", T, spec.d_ff / t, "", last_saved=["ffn_norm.output(gathered)"])
-        step(0.0, g_full)
-    else:
-        m = spec.moe
+    def moe_ffn(self):
+        """The MoE FFN: combine, EP all-to-alls, the routed experts' MLP, the token gather, the router, the shared
+        experts."""
+        step, sh, d, b2, T = self.step, self.sh, self.d, self.b2, self.T
+        m = self.spec.moe
         assert m is not None
         tr, t_router = sh.Tr, sh.Tr / (m.top_k * m.capacity_factor)
-        ep_on = np.where(b.ep > 1, 1.0, 0.0)
+        ep_on = np.where(self.b.ep > 1, 1.0, 0.0)
         step(tr * d * b2)  # the combine's backward: the routed pairs' gradient
         step(tr * d * b2, tr * d * b2, ["experts.w2.out"])  # weighted by the routing weights
         step(ep_on * tr * d * b2, ep_on * tr * d * b2)  # EP: the combine's all-to-all back
-        mlp("experts", tr, m.d_ff_expert / sh.etp, "experts.", expert=True, last_saved=["experts.input(permuted)"])
+        self.mlp("experts", tr, m.d_ff_expert / sh.etp, "experts.", expert=True,
+                 last_saved=["experts.input(permuted)"])
         step(ep_on * tr * d * b2, ep_on * tr * d * b2)  # EP: the dispatch's all-to-all back
         step(t_router * d * b2, tr * d * b2)  # the token gather's backward (into the tokens' gradient)
         step(t_router * m.n_experts * 4.0, 0.0, ["router.probs"])
-        step(t_router * d * b2, t_router * m.n_experts * 4.0 + t_router * d * b2, ["router.logits"], pg("router"))
+        step(t_router * d * b2, t_router * m.n_experts * 4.0 + t_router * d * b2, ["router.logits"],
+             self.pg("router"))
         if m.n_shared_experts:
-            mlp("shared", T, m.d_ff_expert * m.n_shared_experts / t, "shared.")
-        step(0.0, g_full + T * d * b2 * np.where(m.n_shared_experts > 0, 1.0, 0.0),
+            self.mlp("shared", T, m.d_ff_expert * m.n_shared_experts / self.t, "shared.")
+        step(0.0, self.g_full + T * d * b2 * np.where(m.n_shared_experts > 0, 1.0, 0.0),
              ["ffn_norm.output(gathered)"])
-    # the FFN norm: its output's gradient reduce-scattered (SP), its backward, summed into the residual gradient
-    step(np.where(sp, T * d / sd * b2, 0.0), np.where(sp, T * d * b2, 0.0))
-    step(T * d / sd * rb, T * d / sd * b2, ["ffn_norm.input", "ffn_norm.rstd"], norm_pg, cast=False)
-    step(0.0, T * d / sd * rb)
-    # attention: wo, SDPA (q, k, v gradients), RoPE, q/k norms, wv / wk / wq (summed), the attention norm
-    ao, q_, kv_ = spec.attn_out_dim / t, spec.q_dim / t, spec.kv_dim / t
-    step(g_full)
-    step(T * ao * b2, g_full, (), pg("wo"))
-    qk_saved = ["q.rotated", "k.rotated"] if spec.qk_norm else ["wq.out", "wk.out"]
-    step(T * (q_ + 2 * kv_) * b2, T * ao * b2, ["sdpa.out", "sdpa.logsumexp", "wv.out", *qk_saved])
-    step(T * (q_ + kv_) * b2, T * (q_ + kv_) * b2, ["rope.cos_sin"])
-    if spec.qk_norm:
-        step(T * (q_ + kv_) * b2, T * (q_ + kv_) * b2, ["wq.out", "wk.out", "q_norm.rstd", "k_norm.rstd"],
-             pg("qk_norm"), cast=False)
-    step(T * d * b2, T * kv_ * b2, (), pg("wv"))
-    step(T * d * b2, T * kv_ * b2 + T * d * b2, (), pg("wk"))
-    step(T * d * b2, T * q_ * b2 + T * d * b2, ["attention_norm.output(gathered)"], pg("wq"))
-    step(np.where(sp, T * d / sd * b2, 0.0), np.where(sp, T * d * b2, 0.0))
-    step(T * d / sd * rb, T * d / sd * b2, ["attention_norm.input", "attention_norm.rstd"], norm_pg, cast=False)
-    step(0.0, T * d / sd * rb)
-    return steps
+
+    def norm(self, name: str):
+        """A norm: its output's gradient reduce-scattered (SP), its backward, summed into the residual gradient."""
+        step, T, d, sd, b2, sp = self.step, self.T, self.d, self.sd, self.b2, self.sp
+        step(np.where(sp, T * d / sd * b2, 0.0), np.where(sp, T * d * b2, 0.0))
+        step(T * d / sd * self.rb, T * d / sd * b2, [f"{name}.input", f"{name}.rstd"], self.norm_pg, cast=False)
+        step(0.0, T * d / sd * self.rb)
+
+    def attention(self):
+        """wo, SDPA (q, k, v gradients), RoPE, q/k norms, wv / wk / wq (summed)."""
+        step, pg, spec, T, d, b2, t = self.step, self.pg, self.spec, self.T, self.d, self.b2, self.t
+        ao, q_, kv_ = spec.attn_out_dim / t, spec.q_dim / t, spec.kv_dim / t
+        step(self.g_full)
+        step(T * ao * b2, self.g_full, (), pg("wo"))
+        qk_saved = ["q.rotated", "k.rotated"] if spec.qk_norm else ["wq.out", "wk.out"]
+        step(T * (q_ + 2 * kv_) * b2, T * ao * b2, ["sdpa.out", "sdpa.logsumexp", "wv.out", *qk_saved])
+        step(T * (q_ + kv_) * b2, T * (q_ + kv_) * b2, ["rope.cos_sin"])
+        if spec.qk_norm:
+            step(T * (q_ + kv_) * b2, T * (q_ + kv_) * b2, ["wq.out", "wk.out", "q_norm.rstd", "k_norm.rstd"],
+                 pg("qk_norm"), cast=False)
+        step(T * d * b2, T * kv_ * b2, (), pg("wv"))
+        step(T * d * b2, T * kv_ * b2 + T * d * b2, (), pg("wk"))
+        step(T * d * b2, T * q_ * b2 + T * d * b2, ["attention_norm.output(gathered)"], pg("wq"))
+
+
+def backward_steps(spec: ModelSpec, b, sh: Shapes, moe: bool) -> list[dict]:
+    """One block's backward at op level, as the executor's modules run it (each op, in reverse forward order,
+    allocates its input gradients and its weight gradients, then frees the gradient it consumed and the tensors
+    it saved): a list of steps ``{"alloc", "free", "saved", "pgrad"}`` — bytes of activation gradients made and
+    freed (``alloc`` before the step's moment, ``free`` after), names of ``saved_tensors`` released after it,
+    weight-gradient elements made (``pgrad``: (non-expert, routed expert)). The peak inside a block's backward is at
+    one of these moments: e.g. inside the MLP, with its gradients of the hidden activation, its first weight
+    gradients and every attention tensor still saved [derived from the block's autograd graph; trace]."""
+    bs = _BackwardSteps(spec, b, sh, moe)
+    bs.step(bs.g_full)
+    if not moe:
+        bs.mlp("mlp", bs.T, spec.d_ff / bs.t, "", last_saved=["ffn_norm.output(gathered)"])
+        bs.step(0.0, bs.g_full)
+    else:
+        bs.moe_ffn()
+    bs.norm("ffn_norm")
+    bs.attention()
+    bs.norm("attention_norm")
+    return bs.steps

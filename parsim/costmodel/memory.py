@@ -652,7 +652,6 @@ def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str
     ex = blk.experts
     made = [np.zeros(q.n), np.zeros(q.n)]
     deferred, freed = np.zeros(q.n), np.zeros(q.n)
-    nf = ~q.fsdp
     first = _first(q, mode)
     cache = blk.series_cache.get(id(mode))
     if cache is None or cache[0] is not mode:  # (the summaries depend on the block and the microbatch's mode)
@@ -680,31 +679,42 @@ def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str
             freed = freed + r["saved"]
             tl.apply_series(phase, summary)
             continue
-        d_sum = 0.0
-        gbuf: np.ndarray | float = 0.0
-        grads: np.ndarray | float = 0.0
-        acw: np.ndarray | float = 0.0
-        ps = r["p"]
-        if ex is not None and len(ps) == 2:  # (with ep 1 the routed experts' gradients are the block unit's)
-            own = _own_unit(ex)
-            ps = [ps[0] + np.where(own, 0.0, ps[1]), np.where(own, ps[1], 0.0)]
-        for i, p in enumerate(ps):
-            cum = np.minimum(made[i] + np.cumsum(p, axis=0), np.maximum(totals[i], made[i]))
-            x = np.diff(cum, axis=0, prepend=made[i][None, :])
-            made[i] = cum[-1]
-            d = np.where(defer & r["cast"], x, 0.0) if i == 0 else np.zeros_like(x)  # (routed experts: no cache)
-            if i == 0:
-                d_sum = d.sum(axis=0)  # type: ignore[assignment]
-                deferred = deferred + d_sum
-            gbuf = gbuf + np.where(q.fsdp, x, 0.0) + np.where(nf & ~first, x - d, 0.0)
-            grads = grads + np.where(nf & first, x, 0.0)
-            acw = acw + np.where(nf & ~first, d * q.param_bytes / 4.0, 0.0)
+        summary, made, d_sum = _run_summary(q, ex, r, made, totals, defer, first)
+        deferred = deferred + d_sum
         freed = freed + r["saved"]
-        summary = series_summary(q.n, {"activations": r["alloc"], "fsdp_grad_buffers": gbuf, "gradients": grads,
-                                       "autocast_weight_grads": acw}, {"activations": -r["free"]})
         done[n_item] = (summary, tuple(made), d_sum)
         tl.apply_series(phase, summary)
     return made, deferred, freed
+
+
+def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, first) -> tuple:
+    """One run of op steps (``r``) summarized for ``Timeline.apply_series``: its activations made and freed, the
+    weight gradients it makes (capped at the unit's totals) into FSDP's buffers, the plain gradients (the first
+    microbatch without FSDP) or autocast's deferred cast-weight gradients. Returns (summary, the gradient bytes
+    made after it [unit, experts], the deferred part)."""
+    made = list(made)
+    nf = ~q.fsdp
+    d_sum = 0.0
+    gbuf: np.ndarray | float = 0.0
+    grads: np.ndarray | float = 0.0
+    acw: np.ndarray | float = 0.0
+    ps = r["p"]
+    if ex is not None and len(ps) == 2:  # (with ep 1 the routed experts' gradients are the block unit's)
+        own = _own_unit(ex)
+        ps = [ps[0] + np.where(own, 0.0, ps[1]), np.where(own, ps[1], 0.0)]
+    for i, p in enumerate(ps):
+        cum = np.minimum(made[i] + np.cumsum(p, axis=0), np.maximum(totals[i], made[i]))
+        x = np.diff(cum, axis=0, prepend=made[i][None, :])
+        made[i] = cum[-1]
+        d = np.where(defer & r["cast"], x, 0.0) if i == 0 else np.zeros_like(x)  # (routed experts: no cache)
+        if i == 0:
+            d_sum = d.sum(axis=0)  # type: ignore[assignment]
+        gbuf = gbuf + np.where(q.fsdp, x, 0.0) + np.where(nf & ~first, x - d, 0.0)
+        grads = grads + np.where(nf & first, x, 0.0)
+        acw = acw + np.where(nf & ~first, d * q.param_bytes / 4.0, 0.0)
+    summary = series_summary(q.n, {"activations": r["alloc"], "fsdp_grad_buffers": gbuf, "gradients": grads,
+                                   "autocast_weight_grads": acw}, {"activations": -r["free"]})
+    return summary, made, d_sum
 
 
 def _grads_made(tl: Timeline, q: RankMemory, x, mode, deferred=0.0) -> None:

@@ -406,6 +406,44 @@ def _block_runs(spec: ModelSpec, pp: int, v: int, rank: int, every: int, before_
     return [tuple(r) for r in runs]
 
 
+def _memory_unit(shard, local, s, last, pb, gb, rb) -> Unit:
+    """An FSDP unit's sizes for ``memory.simulate``: gathered params, unsharded grads, the reduce-scatter's
+    input, its output, the fp32 sharded grad, and the last gradient ``foreach_reduce`` keeps (``linger``: only over a
+    shard group of 2+, the loop runs only there)."""
+    linger = np.where(s > 1, last, 0.0)
+    return Unit(s * shard * pb, local * gb, s * shard * rb, shard * rb, shard * 4.0, local * rb,
+                linger * gb, linger * rb)
+
+
+def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, idx: np.ndarray, moe: bool,
+                  ckpt: bool, steps_of: dict, sizes: tuple) -> Block:
+    """One block kind (dense or MoE; checkpointed by ``layer:N`` or not) of the plans ``idx``: its FSDP units,
+    the activations each AC mode keeps, the transient of its recompute, its backward steps and saved tensors."""
+    pb, gb, rb, S, Se, ep1 = sizes
+    ne_s, ex_s = (np.asarray(x)[idx] for x in rv.pshard[moe])
+    ne_l, ex_l = (np.asarray(x)[idx] for x in rv.plocal[moe])
+    a = {m: (np.asarray(v[0])[idx], np.asarray(v[1])[idx]) for m, v in costs[moe]["act_split"].items()}
+    full = (b.ac[idx] == AC_MODES["full"]) | ((b.ac[idx] == AC_MODES["layer"]) & ckpt)
+    sac = b.ac[idx] == AC_MODES["selective-op"]
+    act_attn, act_ffn = (np.where(full, a["full"][k], np.where(sac, a["sac"][k], a["none"][k])) for k in (0, 1))
+    transient = a["none"][0] + a["none"][1] - act_attn - act_ffn
+    last_blk, last_ex = (x[idx] for x in last_param_elems(spec, b, moe))
+    blk_unit = _memory_unit(ne_s + np.where(ep1, ex_s, 0.0), ne_l + np.where(ep1, ex_l, 0.0), S, last_blk, pb, gb,
+                            rb)
+    experts = (_memory_unit(np.where(ep1, 0.0, ex_s), np.where(ep1, 0.0, ex_l), Se, last_ex, pb, gb, rb)
+               if moe else None)
+
+    def sel(x):
+        return np.broadcast_to(np.asarray(x, dtype=float), (len(b),))[idx]
+
+    all_steps, items = steps_of[moe]
+    steps = [{"alloc": sel(st["alloc"]), "free": sel(st["free"]), "saved": st["saved"], "cast": st["cast"],
+              "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
+    keep = kept_by_ac_mode(items)
+    saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
+    return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb)
+
+
 def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, p_shard,
                         p_opt, idx: np.ndarray, runs: list, steps_of: dict) -> RankMemory:
     """The sizes ``memory.simulate`` replays, for the plans ``idx`` (bytes). ``steps_of``: per block kind, its
@@ -414,47 +452,17 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     fsdp_on = (b.dp_replicate * b.dp_shard * b.cp > 1)[idx]
     gb = np.where(fsdp_on, pb, 4.0)  # unsharded gradients: param dtype under FSDP, the fp32 parameters' without
     S, Se = b.fsdp[idx].astype(float), b.efsdp[idx].astype(float)
-    ep1 = (b.ep == 1)[idx]
+    sizes = (pb, gb, rb, S, Se, (b.ep == 1)[idx])
 
     def unit(shard, local, s, last) -> Unit:
-        linger = np.where(s > 1, last, 0.0)  # (``foreach_reduce`` runs that loop only over a shard group of 2+)
-        return Unit(s * shard * pb, local * gb, s * shard * rb, shard * rb, shard * 4.0, local * rb,
-                    linger * gb, linger * rb)
+        return _memory_unit(shard, local, s, last, pb, gb, rb)
 
     has_emb, has_out = rv.has_emb[idx], rv.has_out[idx]
-    costs = c["costs"]
     blocks = []
     built: dict = {}  # (MoE?, checkpointed?) -> Block: runs of the same kind share one (and its replay caches)
     for moe, ckpt, count in runs:
-        if (moe, ckpt) in built:
-            blocks.append((built[moe, ckpt], count))
-            continue
-        ne_s, ex_s = (np.asarray(x)[idx] for x in rv.pshard[moe])
-        ne_l, ex_l = (np.asarray(x)[idx] for x in rv.plocal[moe])
-        split = costs[moe]["act_split"]
-        a = {m: (np.asarray(v[0])[idx], np.asarray(v[1])[idx]) for m, v in split.items()}
-        full = (b.ac[idx] == AC_MODES["full"]) | ((b.ac[idx] == AC_MODES["layer"]) & ckpt)
-        sac = b.ac[idx] == AC_MODES["selective-op"]
-
-        def pick(part, a=a, full=full, sac=sac):
-            return np.where(full, a["full"][part], np.where(sac, a["sac"][part], a["none"][part]))
-
-        act_attn, act_ffn = pick(0), pick(1)
-        none = a["none"][0] + a["none"][1]
-        transient = none - act_attn - act_ffn
-        last_blk, last_ex = (x[idx] for x in last_param_elems(spec, b, moe))
-        blk_unit = unit(ne_s + np.where(ep1, ex_s, 0.0), ne_l + np.where(ep1, ex_l, 0.0), S, last_blk)
-        experts = unit(np.where(ep1, 0.0, ex_s), np.where(ep1, 0.0, ex_l), Se, last_ex) if moe else None
-        def sel(x):
-            return np.broadcast_to(np.asarray(x, dtype=float), (len(b),))[idx]
-
-        all_steps, items = steps_of[moe]
-        steps = [{"alloc": sel(st["alloc"]), "free": sel(st["free"]), "saved": st["saved"], "cast": st["cast"],
-                  "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
-        keep = kept_by_ac_mode(items)
-        saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True)
-                 if kk["none"]}
-        built[moe, ckpt] = Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb)
+        if (moe, ckpt) not in built:
+            built[moe, ckpt] = _memory_block(spec, b, rv, c["costs"], idx, moe, ckpt, steps_of, sizes)
         blocks.append((built[moe, ckpt], count))
     emb_local = np.asarray(rv.emb_local)[idx]
     V, d = spec.vocab_size, float(spec.d_model)
@@ -773,6 +781,56 @@ def _interference(hw: HardwareProfile, ledger) -> np.ndarray:
     return k * np.maximum(hidden, 0.0)
 
 
+def _unsharded_params(b: PlanBatch, gathered: dict, sharded, local, layer_g, pb) -> tuple:
+    """FSDP's unsharded parameters at the forward-side and backward-side moments (bytes): with
+    reshard_after_forward off (or the distributed optimizer's whole model) the whole stage stays unsharded
+    (``keep_all``); resharding, the [norm, output] unit at the end of forward, plus two blocks (the one in its
+    backward and the prefetched next) in the backward."""
+    out_g = gathered["out"]
+    keep_all = np.where(sharded, gathered["blocks"] + gathered["emb"] + out_g, local) * pb
+    dist = b.zero1
+    unsh_fwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, out_g * pb, keep_all), 0.0))
+    unsh_bwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, (out_g + 2.0 * layer_g) * pb,
+                                                                   keep_all), 0.0))
+    return keep_all, unsh_fwd, unsh_bwd
+
+
+def _logits_and_loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: dict) -> np.ndarray:
+    """The loss's tensors at its peak on the last stage, plus the final norm's input and gathered output (bytes)."""
+    d = spec.d_model
+    # the loss: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the end of forward under loss
+    # parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the log-softmax output,
+    # the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read off the live
+    # storages at the peak of executor traces). Plus the final norm's input and gathered output. An fp32 plan has
+    # no separate fp32 copy of its logits: 8 B/logit under loss parallel [derived from the bf16 case].
+    # A fused cross-entropy keeps the logits and writes one gradient of their size (param_dtype each) [derived;
+    # full-scale trace of the executor's fused loss: test_trace_of_the_loss_matches_the_model]
+    per_logit = np.where(b.fused_loss, 2.0 * sh.act_b,
+                         np.where(b.tp > 1, sh.act_b + np.where(sh.act_b < 4, 4.0, 0.0) + 4.0, 12.0))  # [measured]
+    return np.where(rv.has_out, c["logits"] * per_logit + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
+
+
+def _gradients_alive(b: PlanBatch, rv: C.RankView, local, p_shard, n_inflight, rb, vocab_elems) -> tuple:
+    """(the embedding's gradient elements, the stage's accumulated gradient bytes, the gradient bytes alive at the
+    forward-side peaks); ``local``: the stage's parameter elements, ``vocab_elems``: V x d."""
+    emb_local, has_emb = rv.emb_local, rv.has_emb
+    ga, m_pass = b.grad_accum.astype(float), b.n_micro.astype(float)
+    # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
+    # earlier passes; with PP, once the schedule reaches its steady state (more microbatches than in flight,
+    # 1F1B / interleaved, or any schedule with ga > 1) the unsharded grads accumulated in reduce_dtype — the
+    # embedding's at full vocabulary size — sit beside a full set of in-flight activations; before that (GPipe
+    # in its one pass) nothing has accumulated
+    # the embedding's gradient: dense over the full vocabulary (torch's embedding backward, also under
+    # RowwiseParallel), or its vocab shard under TE layers (Megatron's VocabParallelEmbedding) [derived]
+    emb_full = np.where(b.te, emb_local, vocab_elems)
+    accumulated = (local - emb_local) * rb + np.where(has_emb, emb_full * rb, 0.0)
+    # with gradient accumulation (ga > 1) the grads of the earlier passes are there in every schedule (traces of
+    # pp2 GPipe with ga 4 in fp32: the stage's full gradients beside the activations) [measured]
+    steady = (b.pp > 1) & (((b.sched != SCHED_GPIPE) & (m_pass > n_inflight)) | (ga > 1))
+    grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, np.where(steady, accumulated, 0.0))
+    return emb_full, accumulated, grads_prev
+
+
 def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, ne_local,
                    ex_local, p_shard, p_opt, gathered: dict) -> dict:
     """The moments of the step, each itemized by MEMORY_KEYS (see the module docstring). The distributed
@@ -785,19 +843,8 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     n_inflight = inflight(b, rank)
     dist = b.zero1
     base = {"parameters": p_opt * 4.0, "optimizer_states": p_opt * 8.0}
-    # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
-    # earlier passes; with PP, once the schedule reaches its steady state (more microbatches than in flight,
-    # 1F1B / interleaved, or any schedule with ga > 1) the unsharded grads accumulated in reduce_dtype — the
-    # embedding's at full vocabulary size — sit beside a full set of in-flight activations; before that (GPipe
-    # in its one pass) nothing has accumulated
-    # the embedding's gradient: dense over the full vocabulary (torch's embedding backward, also under
-    # RowwiseParallel), or its vocab shard under TE layers (Megatron's VocabParallelEmbedding) [derived]
-    emb_full = np.where(b.te, emb_local, V * d)
-    accumulated = (ne_local + ex_local - emb_local) * rb + np.where(has_emb, emb_full * rb, 0.0)
-    # with gradient accumulation (ga > 1) the grads of the earlier passes are there in every schedule (traces of
-    # pp2 GPipe with ga 4 in fp32: the stage's full gradients beside the activations) [measured]
-    steady = (b.pp > 1) & (((b.sched != SCHED_GPIPE) & (m_pass > n_inflight)) | (ga > 1))
-    grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, np.where(steady, accumulated, 0.0))
+    emb_full, accumulated, grads_prev = _gradients_alive(b, rv, ne_local + ex_local, p_shard, n_inflight, rb,
+                                                         V * d)
     # FSDP2 wraps the model whenever a data-parallel axis exists (HSDP with a shard group of 1 included) and then
     # keeps unsharded copies of the parameters it gathers, also when the shard group is 1 (seen in traces of
     # pp2 x dp_replicate2 in fp32: 8 MiB of unsharded parameters on stage 0) [measured]
@@ -805,25 +852,11 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     n_lay = np.maximum(rv.n_layers, 1.0)
     layer_w = (ne_local + ex_local - emb_local - out_local) / n_lay  # one block's weights
     layer_g = gathered["blocks"] / n_lay  # one block's gathered (padded) weights
-    out_g = gathered["out"]
-    # reshard_after_forward off: the whole stage stays unsharded
-    keep_all = np.where(sharded, gathered["blocks"] + gathered["emb"] + out_g, ne_local + ex_local) * pb
-    unsh_fwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, out_g * pb, keep_all), 0.0))
-    unsh_bwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, (out_g + 2.0 * layer_g) * pb,
-                                                                   keep_all), 0.0))
+    keep_all, unsh_fwd, unsh_bwd = _unsharded_params(b, gathered, sharded, ne_local + ex_local, layer_g, pb)
     acts = n_inflight * c["act"]
     m_all = ga * m_pass
     later = (b.pp > 1) & (m_all > 1)
-    # the loss: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the end of forward under loss
-    # parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the log-softmax output,
-    # the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read off the live
-    # storages at the peak of executor traces). Plus the final norm's input and gathered output. An fp32 plan has
-    # no separate fp32 copy of its logits: 8 B/logit under loss parallel [derived from the bf16 case].
-    # A fused cross-entropy keeps the logits and writes one gradient of their size (param_dtype each) [derived;
-    # full-scale trace of the executor's fused loss: test_trace_of_the_loss_matches_the_model]
-    per_logit = np.where(b.fused_loss, 2.0 * sh.act_b,
-                         np.where(b.tp > 1, sh.act_b + np.where(sh.act_b < 4, 4.0, 0.0) + 4.0, 12.0))  # [measured]
-    logits_bytes = np.where(rv.has_out, c["logits"] * per_logit + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
+    logits_bytes = _logits_and_loss_bytes(spec, b, sh, rv, c)
     # the embedding's backward (first stage) materializes a dense gradient of the full vocabulary, also under TP
     # (seen in traces with torch 2.13's RowwiseParallel embedding); without PP FSDP then reduce-scatters it (input
     # in reduce_dtype), with PP it accumulates it unsharded in reduce_dtype at full vocabulary size, beside the
