@@ -36,7 +36,7 @@ def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | No
     plans = V.measured_plans(spec, nproc)
     if max_plans:
         plans = plans[:max_plans]
-    from parsim.cli.main import profile_measured_here
+    from parsim.cli.common import profile_measured_here
 
     hw = profile_measured_here(profile or f"cpu-gloo-{nproc}", nproc)  # this machine's, before anything runs
     out = Path(out_dir)
@@ -58,7 +58,7 @@ def _measured_summary(out: Path, profile: str | None, hw, measure_blocks: bool =
     import dataclasses
 
     from parsim import validate as V
-    from parsim.cli.main import profile_measured_here
+    from parsim.cli.common import profile_measured_here
 
     lines = V.load_measurements(out / "measurements.jsonl")
     rows, rows_curves, walls, n_shapes = [], [], {}, 0

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
 import re
 import sys
 from typing import Optional
 
 import typer
+
+from parsim.cli.common import emit_json, profile_for_this_machine, profile_measured_here
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="parsim: how to parallelize a PyTorch training job, what it will cost, and how sure we are.")
@@ -143,47 +144,6 @@ def _one_line(msg: str) -> str:
     return " ".join(msg.split())
 
 
-def profile_for_this_machine(name: str):
-    """Load a profile; a measured CPU profile from another machine gets one warning line on stderr."""
-    from parsim.hardware import load_profile
-    from parsim.machine import warning
-
-    hw = load_profile(name)
-    w = warning(hw)
-    if w:
-        print(w, file=sys.stderr)
-    return hw
-
-
-def profile_measured_here(name: str, nproc: int | None = None):
-    """The profile to predict runs on this machine with: ``name`` when it describes this machine (or is not a
-    measured CPU profile: spec sheets and GPU profiles describe hardware elsewhere); otherwise this machine's own,
-    ``<name>-<machine tag>``, loaded when an earlier call measured it, else measured now with ``parsim profile``
-    defaults (about a minute on 2 cores) and kept beside the others. ``validate --model`` and ``search --execute``
-    use it: a prediction set beside a measurement must describe the machine that measured."""
-    from parsim.errors import ParsimError
-    from parsim.hardware import load_profile
-    from parsim.machine import machine_tag, warning
-
-    hw = load_profile(name)
-    if not warning(hw):
-        return hw
-    own = f"{hw.name}-{machine_tag()}"
-    try:
-        mine = load_profile(own)
-        if not warning(mine):
-            print(f"profile {hw.name} was measured on another machine: using this machine's {own}", file=sys.stderr)
-            return mine
-    except ParsimError:
-        pass
-    n = nproc or int(hw.provenance.get("device_count") or 2)
-    print(f"profile {hw.name} was measured on another machine ({warning(hw)}); measuring this one first: "
-          f"parsim profile --nproc-per-node {n} --out {own}", file=sys.stderr)
-    from parsim.profiler.run import profile as _profile
-
-    return _profile(own, n, log=lambda m: print(m, file=sys.stderr))
-
-
 def build_plan(flags: dict):
     """(ModelSpec, Plan, HardwareProfile) from the shared flags: every given flag checked (parsim.flags), then
     either the plan file (``--plan``; other plan flags beside it are refused) or the flags with their defaults."""
@@ -218,12 +178,6 @@ def build_plan(flags: dict):
     if plan.float8 and "float8" not in hw.peak_flops:
         raise ParsimError(f"--float8 needs a GPU with float8 tensor cores; profile {hw.name} has none")
     return spec, plan, hw
-
-
-def emit_json(obj) -> None:
-    from parsim.jsonio import _json_default
-
-    sys.stdout.write(json.dumps(obj, indent=1, default=_json_default, allow_nan=False) + "\n")
 
 
 # ---- commands ----------------------------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     if execute_out and executed:
         atomic_write_json(execute_out, executed)
     if as_json:
-        from parsim.cli.main import emit_json
+        from parsim.cli.common import emit_json
 
         d = result_to_dict(res, spec, hw, gpus, space, top)
         if explain:
