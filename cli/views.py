@@ -174,7 +174,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torch
     res = _search_with_progress(spec, hw, gpus, space, top, csv_path, err)
     if explain is not None and not 1 <= explain <= len(res.top):
         raise ParsimError(f"--explain {explain}: only {len(res.top)} plans ranked")
-    best = res.top[0][0] if res.top else None
+    best = res.top[0].plan if res.top else None
     measured = _measure(spec, hw, res, measure, measure_budget_flops) if measure and res.top else None
     if measured and measured["rows"][0]["measured_rank"]:  # the re-ranked best is the plan written out
         from parsim.plan import Plan
@@ -242,7 +242,8 @@ def _search_with_progress(spec, hw, gpus, space, top, csv_path, err):
 
 def _said_of(spec, hw, res, best, measured) -> str:
     """What parsim predicted for the plan it writes out (the re-ranked prediction after --measure)."""
-    _, step, mem, tps, mfu, _ = res.top[0]
+    top = res.top[0]
+    step, mem, tps, mfu = top.step_time_s, top.reserved_memory_bytes, top.tokens_per_s_per_gpu, top.mfu
     if measured:
         from parsim.costmodel import predict
 
@@ -395,10 +396,10 @@ def _explain_dict(spec, hw, res, n, top):
 
     shown = min(top, len(res.top))
     ranks = list(range(n + 1, min(n + 3, shown) + 1)) or list(range(max(1, n - 3), n))
-    base = predict(spec, res.top[n - 1][0], hw)
-    preds = [predict(spec, res.top[r - 1][0], hw) for r in ranks]
+    base = predict(spec, res.top[n - 1].plan, hw)
+    preds = [predict(spec, res.top[r - 1].plan, hw) for r in ranks]
     return {"plan": base.to_dict(), "versus": [
-        {"rank": r, "plan_id": p.plan_id, "describe": res.top[r - 1][0].describe(),
+        {"rank": r, "plan_id": p.plan_id, "describe": res.top[r - 1].plan.describe(),
          "step_time_delta_s": p.step_time_s - base.step_time_s,
          "time_delta_s": {k: p.time_breakdown_s.get(k, 0.0) - base.time_breakdown_s.get(k, 0.0)
                           for k in sorted(set(p.time_breakdown_s) | set(base.time_breakdown_s))},
@@ -411,7 +412,7 @@ def _print_explain(con, spec, hw, res, n, top):
 
     d = _explain_dict(spec, hw, res, n, top)
     base = d["plan"]
-    plan_n = res.top[n - 1][0]
+    plan_n = res.top[n - 1].plan
     t = Table(title=f"plan #{n} ({plan_n.describe()}, AC {plan_n.ac}) against the other shown plans: "
                     "time components, ms (others minus #{n})".replace("#{n}", f"#{n}"))
     t.add_column("component")

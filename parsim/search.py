@@ -19,7 +19,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import permutations
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -155,6 +155,25 @@ class SearchSpace:
             raise ParsimError("a search dimension was pinned to nothing")
 
 
+class RankedPlan(NamedTuple):
+    """One plan of ``SearchResult.top`` (a tuple: ``plan, step, *_ = row`` still unpacks)."""
+
+    plan: Any  # Plan
+    step_time_s: float
+    reserved_memory_bytes: float  # what must fit
+    tokens_per_s_per_gpu: float
+    mfu: float
+    dominant: str  # the largest time component
+
+
+class FrontPlan(NamedTuple):
+    """One plan of ``SearchResult.pareto``: step time against reserved memory."""
+
+    plan: Any  # Plan
+    step_time_s: float
+    reserved_memory_bytes: float
+
+
 @dataclass
 class SearchResult:
     considered: int = 0
@@ -167,8 +186,8 @@ class SearchResult:
     pruned_bound: int = 0  # fitting plans skipped: their step-time lower bound loses (not listed, not on the front)
     stopped_at: float | None = None  # fraction of the space searched when --max-seconds stopped the search
     # memory here is what must fit: the caching allocator's reserved memory (``reserved_memory_bytes``)
-    top: list = field(default_factory=list)  # [(Plan, step_time_s, reserved_memory_bytes, tokens/s/GPU, mfu, dominant)]
-    pareto: list = field(default_factory=list)  # [(Plan, step_time_s, reserved_memory_bytes)] time asc, memory desc
+    top: list = field(default_factory=list)  # [RankedPlan], fastest first
+    pareto: list = field(default_factory=list)  # [FrontPlan] time ascending, memory descending
     closest: tuple | None = None  # (Plan, reserved_memory_bytes) when nothing fits
     usable_memory_bytes: float = 0.0
     wall_s: float = 0.0
@@ -516,10 +535,10 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     run = _search_bounded if prune else _search_all
     closest = run(spec, hw, base, opts, sp, res, found, chunk, (t0, deadline), progress, csv_writer)
     if found.top:
-        res.top = [(plan_of(base, opts, int(g), sp), float(t), float(m), float(tps), float(mfu), str(dom))
+        res.top = [RankedPlan(plan_of(base, opts, int(g), sp), float(t), float(m), float(tps), float(mfu), str(dom))
                    for g, t, m, tps, mfu, dom in zip(found.top["gid"], *(found.top[k] for k in _Found.KEYS),
                                                      strict=True)]
-        res.pareto = [(plan_of(base, opts, int(g), sp), float(t), float(m))
+        res.pareto = [FrontPlan(plan_of(base, opts, int(g), sp), float(t), float(m))
                       for t, m, g in zip(*found.front, strict=True)]
     elif closest[1] >= 0:
         res.closest = (plan_of(base, opts, closest[1], sp), closest[0])

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -96,16 +97,27 @@ LOSS_BYTES_PER_LOGIT = 16.0
 SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
 
 
+class ComputeItem(NamedTuple):
+    """One item of a layer's forward compute per microbatch (arrays over the plan batch)."""
+
+    name: str
+    kind: str  # gemm | attention | memory | overhead | wgrad_hp
+    work: Any  # FLOPs (gemm, attention) or bytes (memory)
+    efficiency: Any  # fraction of peak (or of bandwidth) reached
+    seconds: Any
+    recomputed_by_sac: bool  # selective AC recomputes it
+
+
 def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, moe: bool,
-                        overhead_fwd_s: float = 0.0) -> list[tuple]:
-    """Forward seconds of one layer and microbatch, itemized: (name, kind, work, efficiency, seconds, saved by
-    selective AC). kind gemm (work in FLOPs, efficiency of one kernel of that size; float8 adds the casts),
-    attention (FLOPs), memory (bytes of the memory-bound kernels), overhead (the profile's measured per-layer
-    remainder). ``compute_scale`` (ranks sharing cores) is applied by the caller."""
+                        overhead_fwd_s: float = 0.0) -> list[ComputeItem]:
+    """Forward seconds of one layer and microbatch, itemized (``ComputeItem``). kind gemm (work in FLOPs,
+    efficiency of one kernel of that size; float8 adds the casts), attention (FLOPs), memory (bytes of the
+    memory-bound kernels), overhead (the profile's measured per-layer remainder). ``compute_scale`` (ranks sharing
+    cores) is applied by the caller."""
     peak = compute_peak(hw, b)
     fp8_peak = hw.peak_flops.get("float8")
     mem_bw = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
-    items = []
+    items: list[ComputeItem] = []
     mm_count = 0
     wgrad_hp = np.zeros_like(sh.T)  # rowwise_with_gw_hp: extra backward seconds of weight gradients in bf16
     for name, flops, kernel_flops, io_elems, kind in gemms(spec, sh, moe):
@@ -122,24 +134,24 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
             t = np.where(b.float8, t_fp8, t)
             eff = np.where(b.float8, hw.float8_gemm_efficiency(kernel_flops), eff)
         mm_count += kind == "mm"
-        items.append((name, "gemm", flops, eff, t, kind == "mm" and mm_count % 2 == 0))  # SAC recomputes even mm's
+        items.append(ComputeItem(name, "gemm", flops, eff, t, kind == "mm" and mm_count % 2 == 0))  # SAC: even mm's
     items.append(_attention_item(spec, b, sh, hw, peak))
     act = activation_bytes(spec, sh, moe)
     # memory-bound kernels: every non-GEMM tensor the layer saves is written once and read about twice
     mem_bytes = np.maximum(MEMORY_TRAFFIC_PER_SAVED_BYTE * (act["none"] - _gemm_output_bytes(spec, sh, moe)), 0.0)
-    items.append(("memory-bound kernels (norms, RoPE, activations, residuals)", "memory", mem_bytes,
-                  np.full_like(sh.T, hw.memory_efficiency),
-                  mem_bytes / mem_bw * np.where(b.compile, hw.compile_memory_bound_factor, 1.0), True))
+    items.append(ComputeItem("memory-bound kernels (norms, RoPE, activations, residuals)", "memory", mem_bytes,
+                             np.full_like(sh.T, hw.memory_efficiency),
+                             mem_bytes / mem_bw * np.where(b.compile, hw.compile_memory_bound_factor, 1.0), True))
     # fixed per-layer costs the FLOP/byte terms miss (block_overheads: measured block - model; 0 without one)
-    items.append(("per-layer overhead (measured block - model)", "overhead", np.zeros_like(sh.T),
-                  np.ones_like(sh.T), np.full_like(sh.T, overhead_fwd_s), False))
+    items.append(ComputeItem("per-layer overhead (measured block - model)", "overhead", np.zeros_like(sh.T),
+                             np.ones_like(sh.T), np.full_like(sh.T, overhead_fwd_s), False))
     # backward only: the weight-gradient GEMMs that rowwise_with_gw_hp runs in bf16 instead of float8
-    items.append(("weight gradients in bf16 (float8 rowwise_with_gw_hp; backward only)", "wgrad_hp",
-                  np.zeros_like(sh.T), np.ones_like(sh.T), wgrad_hp, False))
+    items.append(ComputeItem("weight gradients in bf16 (float8 rowwise_with_gw_hp; backward only)", "wgrad_hp",
+                             np.zeros_like(sh.T), np.ones_like(sh.T), wgrad_hp, False))
     return items
 
 
-def _attention_item(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, peak) -> tuple:
+def _attention_item(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, peak) -> ComputeItem:
     """The causal attention core of one layer. With ``attention_keys_efficiency`` (spec-sheet GPU profiles) the
     efficiency follows the keys one kernel attends to: FlashAttention's published throughput grows with sequence
     length at a fixed token count (FA2 forward+backward on H100, hd 128, causal: 163 TFLOP/s at 512 keys, 294 at
@@ -154,7 +166,7 @@ def _attention_item(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfi
         eff = hw.attention_keys_efficiency(sh.seq / b.cp)
         t = a_flops / (eff * peak)
     boost = np.where(b.te, np.minimum(hw.fused_attention_speedup, 1.0 / np.maximum(eff, 1e-12)), 1.0)
-    return ("attention (causal)", "attention", a_flops, eff * boost, t / boost, False)
+    return ComputeItem("attention (causal)", "attention", a_flops, eff * boost, t / boost, False)
 
 
 def compute_peak(hw: HardwareProfile, b: PlanBatch) -> np.ndarray:
@@ -206,9 +218,9 @@ def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
     if compute_scale is None:
         compute_scale = float(hw.corrections.get("compute_scale", 1.0))
     items = layer_compute_items(spec, b, sh, hw, moe, overheads[0])
-    by_kind = {k: sum((it[4] for it in items if it[1] == k), np.zeros_like(sh.T))
+    by_kind = {k: sum((it.seconds for it in items if it.kind == k), np.zeros_like(sh.T))
                for k in ("gemm", "attention", "memory", "overhead", "wgrad_hp")}
-    sac_t = sum((it[4] for it in items if it[5] and it[1] == "gemm"), np.zeros_like(sh.T))
+    sac_t = sum((it.seconds for it in items if it.recomputed_by_sac and it.kind == "gemm"), np.zeros_like(sh.T))
     ovb = overheads[1]
     fwd = (by_kind["gemm"] + by_kind["attention"] + by_kind["memory"] + by_kind["overhead"]) * compute_scale
     bwd = (GEMM_BWD_PER_FWD * by_kind["gemm"] + by_kind["wgrad_hp"] + ATTENTION_BWD_PER_FWD * by_kind["attention"]
