@@ -807,21 +807,6 @@ def _unsharded_params(b: PlanBatch, gathered: dict, sharded, local, layer_g, pb)
     return keep_all, unsh_fwd, unsh_bwd
 
 
-def _logits_and_loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: dict) -> np.ndarray:
-    """The loss's tensors at its peak on the last stage, plus the final norm's input and gathered output (bytes)."""
-    d = spec.d_model
-    # the loss: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the end of forward under loss
-    # parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the log-softmax output,
-    # the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read off the live
-    # storages at the peak of executor traces). Plus the final norm's input and gathered output. An fp32 plan has
-    # no separate fp32 copy of its logits: 8 B/logit under loss parallel [derived from the bf16 case].
-    # A fused cross-entropy keeps the logits and writes one gradient of their size (param_dtype each) [derived;
-    # full-scale trace of the executor's fused loss: test_trace_of_the_loss_matches_the_model]
-    per_logit = np.where(b.fused_loss, 2.0 * sh.act_b,
-                         np.where(b.tp > 1, sh.act_b + np.where(sh.act_b < 4, 4.0, 0.0) + 4.0, 12.0))  # [measured]
-    return np.where(rv.has_out, c["logits"] * per_logit + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
-
-
 def _gradients_alive(b: PlanBatch, rv: C.RankView, local, p_shard, n_inflight, rb, vocab_elems) -> tuple:
     """(the embedding's gradient elements, the stage's accumulated gradient bytes, the gradient bytes alive at the
     forward-side peaks); ``local``: the stage's parameter elements, ``vocab_elems``: V x d."""
@@ -868,7 +853,7 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     acts = n_inflight * c["act"]
     m_all = ga * m_pass
     later = (b.pp > 1) & (m_all > 1)
-    logits_bytes = _logits_and_loss_bytes(spec, b, sh, rv, c)
+    logits_bytes = _loss_bytes(spec, b, sh, rv, c)
     # the embedding's backward (first stage) materializes a dense gradient of the full vocabulary, also under TP
     # (seen in traces with torch 2.13's RowwiseParallel embedding); without PP FSDP then reduce-scatters it (input
     # in reduce_dtype), with PP it accumulates it unsharded in reduce_dtype at full vocabulary size, beside the
