@@ -57,7 +57,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import seed as hyp_seed  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from parsim.codec import executor_refusal  # noqa: E402
+from parsim.codec import executor_refusal, validate_plan  # noqa: E402
 from parsim.costmodel.layers import FIRST, LAST  # noqa: E402
 from parsim.costmodel.step import rank_details  # noqa: E402
 from parsim.errors import ParsimError  # noqa: E402
@@ -290,7 +290,7 @@ def draw_cases(n: int, seed: int = 0, allow_cp: bool = True, strategy=None) -> l
         collect()
         for c in got:
             try:
-                c.plan.validate_for(c.spec)
+                validate_plan(c.plan, c.spec)
             except ParsimError:
                 continue
             out.setdefault(c.case_id, c)
@@ -315,7 +315,7 @@ def execution_cases(k: int, seed: int = 0) -> list[Case]:
         if not 2 <= plan.world_size <= 4:
             continue
         try:
-            plan.validate_for(c.spec)
+            validate_plan(plan, c.spec)
         except ParsimError:
             continue
         if executor_refusal(plan, c.spec):
@@ -647,7 +647,7 @@ def shrink(case: Case, kind: str, hw, budget: int = 60, workers: int = 2, tol: f
         valid = []
         for c in cands:
             try:
-                c.plan.validate_for(c.spec)
+                validate_plan(c.plan, c.spec)
             except ParsimError:
                 continue
             if executor_refusal(c.traced_plan, c.spec):

@@ -147,6 +147,7 @@ def _one_line(msg: str) -> str:
 def build_plan(flags: dict):
     """(ModelSpec, Plan, HardwareProfile) from the shared flags: every given flag checked (parsim.flags), then
     either the plan file (``--plan``; other plan flags beside it are refused) or the flags with their defaults."""
+    from parsim.codec import validate_plan
     from parsim.errors import ParsimError
     from parsim.flags import check_flags, given_plan_flags, plan_from_given
     from parsim.plan import Plan
@@ -171,10 +172,10 @@ def build_plan(flags: dict):
             raise ParsimError(f"--plan {flags['plan_file']} was made for model {recorded}, not {flags['model']}: "
                               "drop --model or use a plan of that model")
         plan = Plan.from_dict(data)
-        plan.validate_for(spec, flags.get("gpus"))
+        validate_plan(plan, spec, flags.get("gpus"))
     else:
         plan = plan_from_given(flags)
-    plan.validate_for(spec)
+    validate_plan(plan, spec)
     if plan.float8 and "float8" not in hw.peak_flops:
         raise ParsimError(f"--float8 needs a GPU with float8 tensor cores; profile {hw.name} has none")
     return spec, plan, hw

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ParsimError
-from .plan import AC_MODES, AXES, FLOAT8_RECIPES, PP_SCHEDULES, RAF_MODES, parse_ac, ranks_per_node
+from .plan import AC_MODES, AXES, FLOAT8_RECIPES, PP_SCHEDULES, RAF_MODES, parse_ac, ranks_per_node, world_size_message
 from .units import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -397,6 +397,16 @@ def invalid_reasons(b: PlanBatch, spec: ModelSpec | None = None) -> np.ndarray:
         out[hit] = rule.key
         open_ &= ~hit
     return out
+
+
+def validate_plan(plan: Plan, spec: ModelSpec | None = None, n_gpus: int | None = None) -> None:
+    """The one check of a plan's structure, at the boundary (a plan built from flags or read from a file, a run, a
+    prediction): its world size against ``n_gpus`` and every rule of ``RULES`` (the model's when ``spec`` is
+    given): one ParsimError (``RuleError``) line for the first one broken. ``Plan`` itself checks only its fields'
+    types and ranges: a plain value, as search's rows and the rules' own tests build it."""
+    if n_gpus is not None and plan.world_size != n_gpus:
+        raise ParsimError(world_size_message(plan, n_gpus))
+    check_rules(plan, spec)
 
 
 def check_rules(plan: Plan, spec: ModelSpec | None = None) -> None:

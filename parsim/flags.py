@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .codec import DP2EP_RULES, RuleError
+from .codec import DP2EP_RULES, RuleError, validate_plan
 from .errors import ParsimError, check_number
 from .plan import (
     AXES,
@@ -142,15 +142,20 @@ def plan_from_given(given: dict) -> Plan:
         fsdp_reshard_after_forward=f["fsdp_reshard_after_forward"], mesh_order=mesh_order,
         wrapper_order=parse_wrapper_order(f["order"]),
     )
-    try:
+    def build(kw: dict) -> Plan:
         plan = plan_from_flags(gpus, **kw)
+        validate_plan(plan)  # the structural rules, once, here at the boundary
+        return plan
+
+    try:
+        plan = build(kw)
     except RuleError as e:
         # dp2ep cannot take EP from dp_shard x cp x tp: DDP-style EP (from dp_replicate) is picked when the user
         # left --ep-from out and the plan is valid with it; otherwise the dp2ep refusal stands
         if given.get("ep_from") is not None or e.rule not in DP2EP_RULES:
             raise
         try:
-            plan = plan_from_flags(gpus, **{**kw, "ep_from": "dp_replicate"})
+            plan = build({**kw, "ep_from": "dp_replicate"})
         except ParsimError:
             raise e from None
     check_left_out_axes(plan.degrees, left_out)

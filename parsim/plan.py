@@ -13,7 +13,6 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 from .errors import ParsimError
-from .spec import ModelSpec
 from .units import DTYPE_BYTES
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -126,9 +125,6 @@ class Plan:
                 raise ParsimError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
         if self.sequence_parallel and self.tp == 1:
             s(self, "sequence_parallel", False)
-        from .codec import check_rules  # the structural rules, shared with search's pruning
-
-        check_rules(self)
 
     def _check_types(self) -> None:
         """Types and sizes of every field (a plan file can hold anything): one line naming field and value."""
@@ -198,14 +194,6 @@ class Plan:
             parts.append(f"ep{self.ep}" + (f"/etp{self.etp}" if self.etp > 1 else "")
                          + ("(ddp)" if self.ep_from == "dp_replicate" else ""))
         return "x".join(parts) or "single"
-
-    # ---- validation against a model and a GPU count -------------------------------------------------------------
-    def validate_for(self, spec: ModelSpec, n_gpus: int | None = None) -> None:
-        if n_gpus is not None and self.world_size != n_gpus:
-            raise ParsimError(_world_msg(self, n_gpus))
-        from .codec import check_rules
-
-        check_rules(self, spec)
 
     # ---- identity and serialization -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -280,7 +268,7 @@ def plan_from_flags(
     kw = _megatron_batch_words(pp, dp_replicate * dp_shard, kw)
     plan = Plan(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, **kw)
     if plan.world_size != n_gpus:
-        raise ParsimError(_world_msg(plan, n_gpus))
+        raise ParsimError(world_size_message(plan, n_gpus))
     return plan
 
 
@@ -302,7 +290,7 @@ def _megatron_batch_words(pp: int, dp: int, kw: dict) -> dict:
     return {**kw, "local_batch_size": mbs, "micro_batch_size": mbs, "global_batch_size": gbs}
 
 
-def _world_msg(plan: Plan, n_gpus: int) -> str:
+def world_size_message(plan: Plan, n_gpus: int) -> str:
     prod = " x ".join(f"{a}={getattr(plan, a)}" for a in AXES)
     return f"degrees multiply to {prod} = {plan.world_size}, not the {n_gpus} GPUs asked for"
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .codec import validate_plan
 from .costmodel import predict
 from .errors import ParsimError, ParsimWarning
 from .hardware import HardwareProfile, load_profile
@@ -85,7 +86,9 @@ def measured_plans(spec: ModelSpec, nproc: int, *, seq_len: int = MEASURED_SEQ,
             variants.append(dict(pp_schedule="Interleaved1F1B", pp_stages_per_rank=2, micro_batch_size=1))
         for v in variants:
             try:
-                plans.append(Plan(**{**pp.to_dict(), **v}))
+                variant = Plan(**{**pp.to_dict(), **v})
+                validate_plan(variant, spec, nproc)
+                plans.append(variant)
             except ParsimError:
                 pass
     return list({p.plan_id: p for p in plans}.values())
@@ -241,7 +244,7 @@ def published_plan(r: dict) -> tuple[ModelSpec, Plan]:
                 fsdp_reshard_after_forward=_num(r.get("fsdp_reshard_after_forward"), "default"))
     if plan.world_size != int(r["gpus"]):
         raise ParsimError(f"degrees multiply to {plan.world_size}, the row says {r['gpus']} GPUs")
-    plan.validate_for(spec, int(r["gpus"]))
+    validate_plan(plan, spec, int(r["gpus"]))
     return spec, plan
 
 

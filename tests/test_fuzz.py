@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from parsim.cli.main import main
+from parsim.codec import validate_plan
 from parsim.costmodel import predict
 from parsim.errors import ParsimError
 from parsim.hardware import HardwareProfile, load_profile
@@ -323,7 +324,7 @@ PLAN_BASE = SMALL_PLAN.to_dict()
 def test_plan_files_fuzz(keys, values):
     def make():
         plan = Plan.from_dict(_mutated(PLAN_BASE, keys, values))
-        plan.validate_for(PRESETS["tiny"])
+        validate_plan(plan, PRESETS["tiny"])
         return PRESETS["tiny"], plan, load_profile("h100-sxm-spec")
 
     _check_prediction_or_refusal(make)

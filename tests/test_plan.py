@@ -1,6 +1,8 @@
 import pytest
 
+from parsim.codec import validate_plan
 from parsim.errors import ParsimError
+from parsim.flags import plan_from_given
 from parsim.plan import Plan, plan_from_flags, ranks_per_node
 from parsim.spec import PRESETS
 
@@ -28,7 +30,7 @@ def test_dp_shard_rest_and_world_size():
 ])
 def test_validate_for_model(kw, msg):
     with pytest.raises(ParsimError, match=msg):
-        Plan(**kw).validate_for(PRESETS["llama3-8b"])
+        validate_plan(Plan(**kw), PRESETS["llama3-8b"])
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -42,8 +44,19 @@ def test_validate_for_model(kw, msg):
     (dict(mesh_order=("tp", "pp")), "permutation"),
 ])
 def test_plan_invariants(kw, msg):
+    """Field values are checked when a Plan is built; its structure (batch splits, divisibility, schedules) by the
+    one rule table at the boundary (``codec.validate_plan``: flags, files, predict, run)."""
     with pytest.raises(ParsimError, match=msg):
-        Plan(**kw)
+        validate_plan(Plan(**kw))
+
+
+def test_a_plan_is_a_plain_value_until_validated():
+    p = Plan(pp=4, local_batch_size=2, micro_batch_size=1)  # breaks a structural rule: built all the same
+    assert p.pp == 4
+    with pytest.raises(ParsimError, match="needs at least pp=4 microbatches"):
+        validate_plan(p)
+    with pytest.raises(ParsimError, match="needs at least pp=4 microbatches"):  # flags: checked where built
+        plan_from_given({"gpus": 4, "pp": 4, "dp_shard": 1, "local_batch_size": 2, "micro_batch_size": 1})
 
 
 def test_ranks_per_node_follows_device_order():
@@ -59,7 +72,7 @@ def test_ranks_per_node_follows_device_order():
 
 def test_moe_ep_plan():
     p = Plan(dp_shard=8, ep=4, seq_len=4096)
-    p.validate_for(PRESETS["mixtral-8x7b"])
+    validate_plan(p, PRESETS["mixtral-8x7b"])
     assert p.efsdp == 2
     with pytest.raises(ParsimError, match="do not divide over ep"):
-        Plan(dp_shard=16, ep=16).validate_for(PRESETS["mixtral-8x7b"])
+        validate_plan(Plan(dp_shard=16, ep=16), PRESETS["mixtral-8x7b"])

@@ -204,7 +204,7 @@ def test_search_prunes_exactly_the_plans_plan_refuses_for_the_same_reason(model,
     ``Plan`` refuses it for (RuleError.rule), and a row search keeps is a Plan that validates."""
     from collections import Counter
 
-    from parsim.codec import RuleError, invalid_reasons, plan_kwargs
+    from parsim.codec import RuleError, invalid_reasons, plan_kwargs, validate_plan
     from parsim.plan import Plan
     from parsim.search import candidates
 
@@ -215,7 +215,7 @@ def test_search_prunes_exactly_the_plans_plan_refuses_for_the_same_reason(model,
     seen: Counter = Counter()
     for i in range(len(b)):
         try:
-            Plan(**plan_kwargs(b, i)).validate_for(spec, gpus)
+            validate_plan(Plan(**plan_kwargs(b, i)), spec, gpus)
             got = ""
         except RuleError as e:
             got = e.rule

@@ -7,7 +7,7 @@ printed number can be traced from the output alone. Used by ``parsim predict --e
 from __future__ import annotations
 
 from ..blockshape import plan_block_shapes, plan_head_shape
-from ..codec import canonical_axes, canonical_key, encode
+from ..codec import canonical_axes, canonical_key, encode, validate_plan
 from ..hardware import EfficiencyCurve, HardwareProfile
 from ..plan import Plan
 from ..spec import ModelSpec
@@ -43,7 +43,7 @@ def _head_source(shape, hw: HardwareProfile) -> dict:
 
 def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
     """A JSON-ready account of one plan's prediction (SI units, per rank and step unless a name says otherwise)."""
-    plan.validate_for(spec)
+    validate_plan(plan, spec)
     b = encode([plan], hw.gpus_per_node)
     r = evaluate(spec, b, hw, detail=True)
     rank = int(r["time_rank"][0])

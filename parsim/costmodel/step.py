@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..blockshape import block_shape, head_shape
-from ..codec import DTYPES, PlanBatch, canonical_axes, canonical_key, encode
+from ..codec import DTYPES, PlanBatch, canonical_axes, canonical_key, encode, validate_plan
 from ..hardware import HardwareProfile
 from ..ordering import ac_wraps_compile_recompute_factor
 from ..plan import AC_MODES, Plan, interval_group
@@ -977,7 +977,7 @@ def rank_details(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict[int, 
     """What the model says of each of its two ranks (FIRST: pipeline stage 0, LAST: the last stage; the same rank
     without PP): peak memory, its phase, the breakdown at the peak, the total of every phase, collective bytes
     per "<op>/<axis>". For comparing with a trace of one rank (``bench/differential.py``)."""
-    plan.validate_for(spec)
+    validate_plan(plan, spec)
     b = encode([plan], hw.gpus_per_node)
     r = evaluate(spec, b, hw, detail=True)
     out = {}
@@ -1031,7 +1031,7 @@ def _named(by_key: dict, names: dict) -> dict:
 
 def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
     """Predict one plan (the same vectorized code on a batch of one)."""
-    plan.validate_for(spec)
+    validate_plan(plan, spec)
     b = encode([plan], hw.gpus_per_node)
     r = evaluate(spec, b, hw, detail=True)
     tb = {k: float(v[0]) for k, v in r["time_breakdown_s"].items() if k in TIME_KEYS or float(v[0]) > 0}

@@ -27,6 +27,7 @@ import types
 import torch
 import torch.distributed as dist
 
+from ..codec import validate_plan
 from ..plan import Plan
 from ..results import Measurement
 from ..spec import ModelSpec
@@ -76,7 +77,7 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
     from .parallelize import Meshes, apply_plan
     from .worker import clip_and_step, loss_context, make_optimizer
 
-    plan.validate_for(spec)
+    validate_plan(plan, spec)
     t0 = time.perf_counter()
     traced = dataclasses.replace(plan, **NOT_TRACED)
     dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())

@@ -30,6 +30,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from ..codec import validate_plan
 from ..plan import Plan
 from ..procs import die_with_parent
 from ..spec import load_model
@@ -165,7 +166,7 @@ def _run(args, device, rank, world) -> dict:
     with open(args.plan) as f:
         plan = Plan.from_dict(json.load(f))
     spec = load_model(args.model)
-    plan.validate_for(spec, world)
+    validate_plan(plan, spec, world)
     if plan.cp > 1 and device.type != "cuda":
         raise RuntimeError("context parallel SDPA handlers are CUDA-only: cp > 1 needs a GPU")
     torch.manual_seed(0)
