@@ -190,11 +190,10 @@ def predict(flags: dict, as_json: bool = typer.Option(False, "--json", help="pri
                                          "and the tensors it saves per AC mode")):
     """Predict per-rank memory, step time and communication of one plan."""
     from parsim.costmodel import predict as _predict
-    from parsim.costmodel.explain import explain as _explain
+    from parsim.costmodel.explain import predict_and_explain
 
     spec, plan, hw = build_plan(flags)
-    pred = _predict(spec, plan, hw)
-    why = _explain(spec, plan, hw) if explain else None
+    pred, why = predict_and_explain(spec, plan, hw) if explain else (_predict(spec, plan, hw), None)
     if as_json:
         emit_json(dict(pred.to_dict(), **({"explain": why} if why else {})))
         return

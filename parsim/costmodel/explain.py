@@ -7,13 +7,21 @@ printed number can be traced from the output alone. Used by ``parsim predict --e
 from __future__ import annotations
 
 from ..blockshape import plan_block_shapes, plan_head_shape
-from ..codec import canonical_axes, canonical_key, encode, validate_plan
+from ..codec import canonical_axes, canonical_key
 from ..hardware import EfficiencyCurve, HardwareProfile
 from ..plan import Plan
+from ..results import Prediction
 from ..spec import ModelSpec
 from .comm import AXIS_CLASS, axis_class_scale
 from .layers import FIRST, LAST, Shapes, inflight, kept_by_ac_mode, saved_tensors
-from .step import ADAMW_BYTES_PER_PARAM, block_overheads, evaluate, layer_compute_items, stage_rank
+from .step import (
+    ADAMW_BYTES_PER_PARAM,
+    block_overheads,
+    evaluate_one,
+    layer_compute_items,
+    prediction_from,
+    stage_rank,
+)
 
 
 def _block_source(shape, hw: HardwareProfile) -> dict:
@@ -43,9 +51,16 @@ def _head_source(shape, hw: HardwareProfile) -> dict:
 
 def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
     """A JSON-ready account of one plan's prediction (SI units, per rank and step unless a name says otherwise)."""
-    validate_plan(plan, spec)
-    b = encode([plan], hw.gpus_per_node)
-    r = evaluate(spec, b, hw, detail=True)
+    return predict_and_explain(spec, plan, hw)[1]
+
+
+def predict_and_explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> tuple[Prediction, dict]:
+    """``predict`` and ``explain`` of one plan from one evaluation (``predict --explain``)."""
+    b, r = evaluate_one(spec, plan, hw)
+    return prediction_from(spec, plan, hw, r), _explain(spec, plan, hw, b, r)
+
+
+def _explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile, b, r: dict) -> dict:
     rank = int(r["time_rank"][0])
     # keys named as the executor names the collectives (``codec.canonical_axes``), as in ``predict``
     names = canonical_axes(plan, stage_rank(plan, rank))
@@ -78,7 +93,7 @@ def explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict:
         }
     return {"rank": f"pp stage {plan.pp - 1 if rank == LAST else 0}" if rank in (FIRST, LAST) else str(rank),
             "ledger": ledger, "layers": layers, "ends": _head_source(plan_head_shape(spec, plan), hw),
-            "factors": factors(plan, hw, r, ledger)}
+            "factors": factors(plan, hw, b, r, ledger)}
 
 
 # profile quantities a measured (``parsim profile``) profile carries at their defaults [see profiler/run.py]
@@ -214,7 +229,7 @@ def _schedule_factors(plan: Plan, hw: HardwareProfile, b) -> list[dict]:
     return rows
 
 
-def factors(plan: Plan, hw: HardwareProfile, r: dict, ledger: list[dict]) -> list[dict]:
-    """Every factor the model applied to this plan's prediction, with what it multiplies and where it comes from."""
-    b = encode([plan], hw.gpus_per_node)
+def factors(plan: Plan, hw: HardwareProfile, b, r: dict, ledger: list[dict]) -> list[dict]:
+    """Every factor the model applied to this plan's prediction (``b``, ``r``: its batch and evaluation), with what
+    it multiplies and where it comes from."""
     return _compute_factors(plan, hw) + _comm_factors(hw, r, ledger) + _schedule_factors(plan, hw, b)

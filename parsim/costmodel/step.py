@@ -1031,9 +1031,19 @@ def _named(by_key: dict, names: dict) -> dict:
 
 def predict(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Prediction:
     """Predict one plan (the same vectorized code on a batch of one)."""
+    return prediction_from(spec, plan, hw, evaluate_one(spec, plan, hw)[1])
+
+
+def evaluate_one(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> tuple[PlanBatch, dict]:
+    """One plan, validated, encoded and evaluated with its ledgers (``detail``): (its batch, ``evaluate``'s dict);
+    ``predict`` and ``explain`` read the same evaluation."""
     validate_plan(plan, spec)
     b = encode([plan], hw.gpus_per_node)
-    r = evaluate(spec, b, hw, detail=True)
+    return b, evaluate(spec, b, hw, detail=True)
+
+
+def prediction_from(spec: ModelSpec, plan: Plan, hw: HardwareProfile, r: dict) -> Prediction:
+    """The Prediction of one plan from its evaluation (``evaluate_one``)."""
     tb = {k: float(v[0]) for k, v in r["time_breakdown_s"].items() if k in TIME_KEYS or float(v[0]) > 0}
     mb = {k: float(v[0]) for k, v in r["memory_breakdown_bytes"].items()}
     # collectives named as the executor's counter names them (``codec.canonical_axes``): bytes are rank 0's, times
