@@ -27,4 +27,4 @@ def composed_block_times(shape: BlockShape, hw: HardwareProfile) -> tuple[float,
     b = encode([plan], curves_only.gpus_per_node)
     cost = _layer_costs(spec, b, Shapes(spec, b), curves_only, shape.moe, overheads=block_overheads(curves_only),
                         compute_scale=1.0)
-    return float(cost["fwd"][0]), float(cost["bwd"][0])
+    return float(cost.fwd[0]), float(cost.bwd[0])

@@ -97,6 +97,37 @@ LOSS_BYTES_PER_LOGIT = 16.0
 SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerCosts:
+    """One layer per microbatch (arrays over the plan batch): seconds forward, backward (without recompute),
+    recomputed under full AC and under selective AC; activation bytes kept per AC mode ("none", "sac", "full") and
+    split by sub-block (``act_split``: mode -> (attention, FFN)); the GEMMs' forward seconds."""
+
+    fwd: Any
+    bwd: Any
+    rec_full: Any
+    rec_sac: Any
+    act: dict
+    gemm_fwd: Any
+    act_split: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCompute:
+    """One rank per microbatch (arrays over the plan batch): seconds forward, backward and recomputed over its
+    layers and ends; activation bytes kept; the largest recompute transient; its logits (elements); its GEMM
+    seconds forward + backward; the per-kind ``LayerCosts`` it was summed from."""
+
+    fwd: Any
+    bwd: Any
+    rec: Any
+    act: Any
+    transient: Any
+    logits: Any
+    gemm: Any
+    costs: dict
+
+
 class ComputeItem(NamedTuple):
     """One item of a layer's forward compute per microbatch (arrays over the plan batch)."""
 
@@ -199,22 +230,21 @@ def block_overheads(hw: HardwareProfile) -> tuple[float, float]:
                 param_dtype=dtype)
     b = encode([plan], hw.gpus_per_node)
     cost = _layer_costs(spec, b, Shapes(spec, b), hw, spec.is_moe_layer(0), overheads=(0.0, 0.0), compute_scale=1.0)
-    fwd = max(0.0, block["time_fwd_s"] - float(cost["fwd"][0]))
-    bwd = max(0.0, (block["time_fwd_bwd_s"] - block["time_fwd_s"]) - float(cost["bwd"][0]))
+    fwd = max(0.0, block["time_fwd_s"] - float(cost.fwd[0]))
+    bwd = max(0.0, (block["time_fwd_bwd_s"] - block["time_fwd_s"]) - float(cost.bwd[0]))
     return fwd, bwd
 
 
 def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, moe: bool,
                  overheads: tuple[float, float] = (0.0, 0.0), compute_scale: float | None = None,
-                 times: bool = True) -> dict:
+                 times: bool = True) -> LayerCosts:
     """Per layer and microbatch: forward/backward/recompute seconds and activation bytes. Backward: GEMMs 2x
     forward (dgrad + wgrad), attention 2.5x (FlashAttention-2), memory-bound 2x, the measured backward overhead;
     selective AC recomputes the even mm's, the memory-bound kernels and half the forward overhead. Without
     ``times`` (memory only) the seconds are zeros."""
     if not times:
         z = np.zeros_like(sh.T)
-        return {"fwd": z, "bwd": z, "rec_full": z, "rec_sac": z, "act": activation_bytes(spec, sh, moe), "gemm_fwd": z,
-                "act_split": activation_bytes_split(spec, sh, moe)}
+        return LayerCosts(z, z, z, z, activation_bytes(spec, sh, moe), z, activation_bytes_split(spec, sh, moe))
     if compute_scale is None:
         compute_scale = float(hw.corrections.get("compute_scale", 1.0))
     items = layer_compute_items(spec, b, sh, hw, moe, overheads[0])
@@ -232,8 +262,8 @@ def _layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
         sac = np.where(have, sac * m_fwd * compute_scale / np.maximum(fwd, 1e-30), sac)  # same selective share
         fwd = np.where(have, m_fwd * compute_scale, fwd)
         bwd = np.where(have, m_bwd * compute_scale, bwd)
-    return {"fwd": fwd, "bwd": bwd, "rec_full": fwd, "rec_sac": sac, "act": activation_bytes(spec, sh, moe),
-            "gemm_fwd": by_kind["gemm"] * compute_scale, "act_split": activation_bytes_split(spec, sh, moe)}
+    return LayerCosts(fwd=fwd, bwd=bwd, rec_full=fwd, rec_sac=sac, act=activation_bytes(spec, sh, moe),
+                      gemm_fwd=by_kind["gemm"] * compute_scale, act_split=activation_bytes_split(spec, sh, moe))
 
 
 def measured_block_times(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, moe: bool
@@ -343,7 +373,7 @@ def _static_bytes(b: PlanBatch, rv: C.RankView) -> np.ndarray:
     return p_opt * 12.0 + p_shard * 4.0
 
 
-def _rank_memory(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict,
+def _rank_memory(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute,
                  above_bytes: float = math.inf) -> tuple:
     """(the memory moments of one rank, the parameters whose optimizer step it runs). Parameters held before
     FSDP sharding (non-expert, expert), per rank after it, and 1/dp_replicate of those under the distributed
@@ -366,7 +396,7 @@ def _rank_memory(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.Ran
     return phases, p_opt
 
 
-def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, p_shard,
+def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, p_shard,
                      p_opt, rows: np.ndarray) -> dict:
     """The phases of ``rows`` from the step's timeline (``memory.simulate``), grouped by the structure of the
     rank's blocks (their kinds, and which ``layer:N`` AC checkpoints)."""
@@ -434,7 +464,7 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
     pb, gb, rb, S, Se, ep1 = sizes
     ne_s, ex_s = (np.asarray(x)[idx] for x in rv.pshard[moe])
     ne_l, ex_l = (np.asarray(x)[idx] for x in rv.plocal[moe])
-    a = {m: (np.asarray(v[0])[idx], np.asarray(v[1])[idx]) for m, v in costs[moe]["act_split"].items()}
+    a = {m: (np.asarray(v[0])[idx], np.asarray(v[1])[idx]) for m, v in costs[moe].act_split.items()}
     full = (b.ac[idx] == AC_MODES["full"]) | ((b.ac[idx] == AC_MODES["layer"]) & ckpt)
     sac = b.ac[idx] == AC_MODES["selective-op"]
     act_attn, act_ffn = (np.where(full, a["full"][k], np.where(sac, a["sac"][k], a["none"][k])) for k in (0, 1))
@@ -456,7 +486,7 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
     return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb)
 
 
-def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, p_shard,
+def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, p_shard,
                         p_opt, idx: np.ndarray, runs: list, steps_of: dict) -> RankMemory:
     """The sizes ``memory.simulate`` replays, for the plans ``idx`` (bytes). ``steps_of``: per block kind, its
     backward steps and saved tensors over the whole batch (``layers.backward_steps``, ``layers.saved_tensors``)."""
@@ -474,7 +504,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     built: dict = {}  # (MoE?, checkpointed?) -> Block: runs of the same kind share one (and its replay caches)
     for moe, ckpt, count in runs:
         if (moe, ckpt) not in built:
-            built[moe, ckpt] = _memory_block(spec, b, rv, c["costs"], idx, moe, ckpt, steps_of, sizes)
+            built[moe, ckpt] = _memory_block(spec, b, rv, c.costs, idx, moe, ckpt, steps_of, sizes)
         blocks.append((built[moe, ckpt], count))
     emb_local = np.asarray(rv.emb_local)[idx]
     V, d = spec.vocab_size, float(spec.d_model)
@@ -489,7 +519,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     stage_out = (np.asarray(sh.T) * spec.d_model / np.asarray(sh.sp_div) * np.asarray(sh.res_b))[idx]
     act_b = np.asarray(sh.act_b)[idx]
     per_logit_saved = np.where(b.fused_loss[idx], act_b, 4.0)
-    loss_saved = (np.asarray(c["logits"])[idx] * per_logit_saved
+    loss_saved = (np.asarray(c.logits)[idx] * per_logit_saved
                   + np.asarray(sh.T)[idx] * spec.d_model * act_b * (1.0 + 1.0 / np.asarray(sh.sp_div)[idx]))
     m = b.n_micro[idx].astype(float)
     w = np.asarray(inflight(b, rank))[idx] * np.where(b.pp[idx] > 1, 1.0, 0.0) + np.where(b.pp[idx] > 1, 0.0, 1.0)
@@ -542,7 +572,7 @@ def _autocast_cache(spec: ModelSpec, b: PlanBatch, rv: C.RankView, idx: np.ndarr
     return np.where(on, (total + outw) * pb, 0.0)
 
 
-def _loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: dict):
+def _loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: RankCompute):
     """The loss's peak on the last stage, bytes: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the
     end of forward under loss parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the
     log-softmax output, the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read
@@ -553,7 +583,7 @@ def _loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: di
     d = spec.d_model
     per_logit = np.where(b.fused_loss, 2.0 * sh.act_b,
                          np.where(b.tp > 1, sh.act_b + np.where(sh.act_b < 4, 4.0, 0.0) + 4.0, 12.0))  # [measured]
-    return np.where(rv.has_out, c["logits"] * per_logit + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
+    return np.where(rv.has_out, c.logits * per_logit + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
 
 
 def layer_params(spec: ModelSpec, b: PlanBatch, kinds: list) -> tuple[dict, dict]:
@@ -604,23 +634,22 @@ def _rank_view(spec: ModelSpec, b: PlanBatch, rank: int, layers: dict, kinds: li
 
 
 def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView,
-                  costs: dict) -> dict:
+                  costs: dict) -> RankCompute:
     """Per microbatch on one rank: forward, backward, recompute seconds; activation bytes kept per microbatch;
     the largest recompute transient; the output layer and loss on the last stage (GEMM T x d x V/tp, fp32
     cross-entropy traffic of 16 B/logit), or, where the profile measured the model's ends at the plan's shape
     (``measured_head_times``), their measured times and the embedding's on the first stage."""
     n = len(b)
-    fwd = sum(rv.n_of[k] * costs[k]["fwd"] for k in rv.kinds)
-    bwd = sum(rv.n_of[k] * costs[k]["bwd"] for k in rv.kinds)
-    gemm = sum(rv.n_of[k] * costs[k]["gemm_fwd"] for k in rv.kinds) * (1.0 + GEMM_BWD_PER_FWD)
+    fwd = sum(rv.n_of[k] * costs[k].fwd for k in rv.kinds)
+    bwd = sum(rv.n_of[k] * costs[k].bwd for k in rv.kinds)
+    gemm = sum(rv.n_of[k] * costs[k].gemm_fwd for k in rv.kinds) * (1.0 + GEMM_BWD_PER_FWD)
     rec, act, transient = np.zeros(n), np.zeros(n), np.zeros(n)
     for k in rv.kinds:
         c = costs[k]
         n_full, n_sac, n_none = ac_counts(b, rv.n_of[k], rv.n_ckpt[k])
-        rec = rec + n_full * c["rec_full"] + n_sac * c["rec_sac"]
-        act = act + n_full * c["act"]["full"] + n_sac * c["act"]["sac"] + n_none * c["act"]["none"]
-        tr = np.where(n_full > 0, c["act"]["none"] - c["act"]["full"],
-                      np.where(n_sac > 0, c["act"]["none"] - c["act"]["sac"], 0.0))
+        rec = rec + n_full * c.rec_full + n_sac * c.rec_sac
+        act = act + n_full * c.act["full"] + n_sac * c.act["sac"] + n_none * c.act["none"]
+        tr = np.where(n_full > 0, c.act["none"] - c.act["full"], np.where(n_sac > 0, c.act["none"] - c.act["sac"], 0.0))
         transient = np.maximum(transient, tr)
     # AC wrapping a compiled block recomputes more (measured by `parsim orders`, see parsim/ordering.py)
     rec = rec * np.where(b.ac_wraps_compile & b.compile, ac_wraps_compile_recompute_factor(), 1.0)
@@ -640,8 +669,8 @@ def _rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile
         emb_fwd, emb_bwd = head["emb_fwd"] * cs, head["emb_bwd"] * cs
     fwd = fwd + np.where(rv.has_out, out_fwd, 0.0) + np.where(rv.has_emb, emb_fwd, 0.0)
     bwd = bwd + np.where(rv.has_out, out_bwd, 0.0) + np.where(rv.has_emb, emb_bwd, 0.0)
-    return {"fwd": fwd, "bwd": bwd, "rec": rec, "act": act, "transient": transient, "logits": logits, "gemm": gemm,
-            "costs": costs}
+    return RankCompute(fwd=fwd, bwd=bwd, rec=rec, act=act, transient=transient, logits=logits, gemm=gemm,
+                       costs=costs)
 
 
 def _bubble(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb):
@@ -674,7 +703,7 @@ def _optimizer_time_s(hw: HardwareProfile, p_opt, n_tensors) -> np.ndarray:
     return p_opt * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency)
 
 
-def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: dict, p_opt, n_tensors) -> np.ndarray:
+def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: RankCompute, p_opt, n_tensors) -> np.ndarray:
     """A lower bound of one rank's step time over every device order [derived]: ``_evaluate_rank``'s step is
     compute (forward, backward, recompute: the same in every device order) + bubble + optimizer + exposed
     collectives (>= 0) + interference (``comm_interference`` x hidden time >= 0 when the factor is >= 0). The
@@ -686,7 +715,7 @@ def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: dict, p_opt, n_tenso
         return np.full(len(b), -np.inf)
     ga = b.grad_accum.astype(float)
     M = ga * b.n_micro
-    compute_mb = c["fwd"] + c["bwd"] + c["rec"]
+    compute_mb = c.fwd + c.bwd + c.rec
     opt = _optimizer_time_s(hw, p_opt, n_tensors)
     return M * compute_mb + opt + _bubble(b, hw, M, ga, compute_mb, compute_mb)
 
@@ -700,14 +729,14 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     M = ga * b.n_micro  # microbatches per step per rank
     cm = C.rank_comm(spec, b, sh, hw, rv)
     per_mb_exposed = dict(cm["per_microbatch_exposed_s"])  # TP, CP, EP by axis (fwd + bwd + recompute)
-    tp_ratio = _async_tp_exposed_fraction(b, hw, per_mb_exposed["tp"], c["gemm"])
+    tp_ratio = _async_tp_exposed_fraction(b, hw, per_mb_exposed["tp"], c.gemm)
     per_mb_exposed["tp"] = per_mb_exposed["tp"] * tp_ratio
-    t_mb = c["fwd"] + c["bwd"] + c["rec"] + sum(per_mb_exposed.values())
-    fsdp_exposed = _fsdp_exposed(b, hw, cm, c["fwd"], c["bwd"] + c["rec"], rv.n_layers)
+    t_mb = c.fwd + c.bwd + c.rec + sum(per_mb_exposed.values())
+    fsdp_exposed = _fsdp_exposed(b, hw, cm, c.fwd, c.bwd + c.rec, rv.n_layers)
     _set_exposed(cm["ledger"], fsdp_exposed, cm["fsdp_ag_total_s"] + cm["fsdp_red_total_s"], tp_ratio)
     opt = _optimizer_time_s(hw, p_opt, rv.n_tensors)
-    tb = {"compute_forward": M * c["fwd"], "compute_backward": M * c["bwd"], "recompute": M * c["rec"],
-          "pp_bubble": _bubble(b, hw, M, ga, c["fwd"] + c["bwd"] + c["rec"], t_mb), "optimizer": opt}
+    tb = {"compute_forward": M * c.fwd, "compute_backward": M * c.bwd, "recompute": M * c.rec,
+          "pp_bubble": _bubble(b, hw, M, ga, c.fwd + c.bwd + c.rec, t_mb), "optimizer": opt}
     for axis, tt in cm["ledger"].exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
         tb["comm_" + axis] = tt
     tb["comm_interference"] = _interference(hw, cm["ledger"])
@@ -715,7 +744,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     return {"step": sum(tb.values()), "tb": tb, "ledger": cm["ledger"], **_rank_peak(b, sh, hw, rv, c, phases)}
 
 
-def _rank_peak(b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, c: dict, phases: dict) -> dict:
+def _rank_peak(b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, c: RankCompute, phases: dict) -> dict:
     """A rank's allocated peak (the largest phase: ``mem``, its breakdown ``mb``, ``phase`` its index, every
     phase's total ``phase_totals``) and what CUDA's caching allocator reserves at it (``reserved``, itemized
     ``rb``: costmodel/reserved.py; a gloo (CPU) profile has no caching allocator)."""
@@ -725,7 +754,7 @@ def _rank_peak(b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, c:
     which = np.argmax(np.stack([totals[k] for k in names]), axis=0)
     mb = {k: np.choose(which, [np.broadcast_to(phases[p].get(k, z), (n,)) for p in names]) for k in MEMORY_KEYS}
     mem = np.choose(which, [np.broadcast_to(totals[p], (n,)) for p in names])
-    rsv = reserved_breakdown(b, rv, np.asarray(c["logits"], dtype=float), np.asarray(sh.act_b, dtype=float),
+    rsv = reserved_breakdown(b, rv, np.asarray(c.logits, dtype=float), np.asarray(sh.act_b, dtype=float),
                              _rank_params(b, rv)[0], mem, mb, which, allocator=hw.comm_overlap)
     return {"mem": mem, "mb": mb, "phase": which, "phase_totals": totals, "reserved": sum(rsv.values()), "rb": rsv}
 
@@ -828,7 +857,7 @@ def _gradients_alive(b: PlanBatch, rv: C.RankView, local, p_shard, n_inflight, r
     return emb_full, accumulated, grads_prev
 
 
-def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: dict, ne_local,
+def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, ne_local,
                    ex_local, p_shard, p_opt, gathered: dict) -> dict:
     """The moments of the step, each itemized by MEMORY_KEYS (see the module docstring). The distributed
     optimizer (Megatron, ZeRO-1) keeps the fp32 master weights and AdamW states of ``p_opt`` parameters (its
@@ -850,7 +879,7 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     layer_w = (ne_local + ex_local - emb_local - out_local) / n_lay  # one block's weights
     layer_g = gathered["blocks"] / n_lay  # one block's gathered (padded) weights
     keep_all, unsh_fwd, unsh_bwd = _unsharded_params(b, gathered, sharded, ne_local + ex_local, layer_g, pb)
-    acts = n_inflight * c["act"]
+    acts = n_inflight * c.act
     m_all = ga * m_pass
     later = (b.pp > 1) & (m_all > 1)
     logits_bytes = _loss_bytes(spec, b, sh, rv, c)
@@ -864,7 +893,7 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
                                logits_and_loss=logits_bytes),
         "backward of the last layer": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_bwd,
                                            fsdp_grad_buffers=layer_w * pb + layer_g * rb, activations=acts,
-                                           recompute_transient=c["transient"]),
+                                           recompute_transient=c.transient),
         # PP: a later microbatch's backward starts beside the gradients the first one accumulated (fp32, the
         # embedding's at full vocabulary), the activations of the microbatches still in flight (the schedule's
         # window, or all that remain when every forward ran first) and its last layer's new gradients in
@@ -874,11 +903,11 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
                                                fsdp_unsharded_params=np.where(later, unsh_bwd, 0.0),
                                                fsdp_grad_buffers=np.where(later, layer_w * pb, 0.0),
                                                activations=np.where(later, np.minimum(n_inflight, m_all - 1.0), 0.0)
-                                               * c["act"]),
+                                               * c.act),
         "end of backward": dict(base, gradients=np.where(b.pp > 1, accumulated - np.where(has_emb, emb_full * rb, 0.0),
                                                          np.maximum(grads_prev, p_shard * 4.0)),
                                 fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),
-                                fsdp_grad_buffers=emb_grad, activations=np.maximum(n_inflight - 1.0, 0.0) * c["act"]),
+                                fsdp_grad_buffers=emb_grad, activations=np.maximum(n_inflight - 1.0, 0.0) * c.act),
         "optimizer step": dict(base, gradients=p_shard * 4.0, optimizer_temporaries=p_opt * 4.0,
                                fsdp_unsharded_params=np.where(dist, keep_all, 0.0)),
     }
