@@ -34,7 +34,8 @@ from datetime import datetime, timezone
 import numpy as np
 
 from .codec import encode
-from .costmodel.step import block_overheads, evaluate
+from .costmodel.compute import block_overheads
+from .costmodel.step import evaluate
 from .errors import ParsimError
 from .hardware import EfficiencyCurve, HardwareProfile
 from .plan import Plan, interval_group

@@ -10,8 +10,8 @@ import pytest
 from parsim.blockshape import block_shape, plan_block_shapes
 from parsim.codec import encode
 from parsim.costmodel import predict
+from parsim.costmodel.compute import measured_block_times
 from parsim.costmodel.explain import explain
-from parsim.costmodel.step import measured_block_times
 from parsim.errors import ParsimError
 from parsim.hardware import HardwareProfile, load_profile
 from parsim.plan import Plan

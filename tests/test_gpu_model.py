@@ -185,8 +185,8 @@ def test_transformer_engine_attention_runs_cudnn_speed_on_hopper_only():
     fused_attention_speedup, FA3 paper figures); the GEMMs are unchanged (TE's fused memory-bound kernels are
     another matter); A100 keeps FA2."""
     from parsim.codec import encode
+    from parsim.costmodel.compute import block_overheads, layer_compute_items
     from parsim.costmodel.layers import Shapes
-    from parsim.costmodel.step import block_overheads, layer_compute_items
 
     plan = Plan(dp_replicate=2, tp=4, seq_len=8192, local_batch_size=1, float8=True)
     for name, speedup in (("h100-sxm-spec", 1.6), ("a100-sxm-80gb-spec", 1.0)):

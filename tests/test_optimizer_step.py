@@ -10,6 +10,7 @@ import torch
 from parsim.codec import encode
 from parsim.costmodel import predict
 from parsim.costmodel import step as S
+from parsim.costmodel.compute import ADAMW_BYTES_PER_PARAM
 from parsim.costmodel.layers import rank_layers
 from parsim.executor.model import Transformer
 from parsim.hardware import load_profile
@@ -86,4 +87,4 @@ def test_the_cost_model_charges_the_measured_step_on_the_ranks_parameters_and_te
     # without the measured quantities (spec sheets, older profiles): AdamW's bytes at the elementwise bandwidth
     hw = _profile()
     assert base.time_breakdown_s["optimizer"] == pytest.approx(
-        n_params * S.ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency))
+        n_params * ADAMW_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency))

@@ -13,8 +13,8 @@ from ..blockshape import BlockShape
 from ..codec import encode
 from ..hardware import HardwareProfile
 from ..plan import Plan
+from .compute import block_overheads, layer_costs
 from .layers import Shapes
-from .step import _layer_costs, block_overheads
 
 
 def composed_block_times(shape: BlockShape, hw: HardwareProfile) -> tuple[float, float]:
@@ -25,6 +25,6 @@ def composed_block_times(shape: BlockShape, hw: HardwareProfile) -> tuple[float,
                 param_dtype=shape.dtype, compile=shape.compile, float8=shape.float8)
     curves_only = dataclasses.replace(hw, measured_blocks={})
     b = encode([plan], curves_only.gpus_per_node)
-    cost = _layer_costs(spec, b, Shapes(spec, b), curves_only, shape.moe, overheads=block_overheads(curves_only),
+    cost = layer_costs(spec, b, Shapes(spec, b), curves_only, shape.moe, overheads=block_overheads(curves_only),
                         compute_scale=1.0)
     return float(cost.fwd[0]), float(cost.bwd[0])

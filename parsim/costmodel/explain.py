@@ -13,15 +13,9 @@ from ..plan import Plan
 from ..results import Prediction
 from ..spec import ModelSpec
 from .comm import AXIS_CLASS, axis_class_scale
+from .compute import ADAMW_BYTES_PER_PARAM, block_overheads, layer_compute_items
 from .layers import FIRST, LAST, Shapes, inflight, kept_by_ac_mode, saved_tensors
-from .step import (
-    ADAMW_BYTES_PER_PARAM,
-    block_overheads,
-    evaluate_one,
-    layer_compute_items,
-    prediction_from,
-    stage_rank,
-)
+from .step import evaluate_one, prediction_from, stage_rank
 
 
 def _block_source(shape, hw: HardwareProfile) -> dict:
@@ -139,7 +133,7 @@ def _compute_factors(plan: Plan, hw: HardwareProfile) -> list[dict]:
         ov_src = "default: the profile has no block sample (0)"
     rows = [
         _row("compute_scale", cs, "every compute term (layers, the model's ends, the optimizer step, framework "
-             "overheads) is multiplied by it; the pipeline bubble gives the shared cores back (step._bubble)",
+             "overheads) is multiplied by it; the pipeline bubble gives the shared cores back (pipeline.bubble)",
              _source(hw, cs_key)),
         _row("layer overhead forward / backward (s per layer and microbatch)", [ov_f, ov_b],
              "added to each layer's curve time (the 'overhead' item of the layer table)", ov_src)]
@@ -209,7 +203,7 @@ def _schedule_factors(plan: Plan, hw: HardwareProfile, b) -> list[dict]:
                          "activations alive at the memory peak, in microbatches through all of the stage's layers",
                          f"derived from the {plan.pp_schedule} schedule (layers.inflight)"))
         rows.append(_row("pipeline bubble (microbatch times)", ga * (plan.pp - 1) / plan.pp_stages_per_rank,
-                         "pp_bubble = ga x (pp - 1) / v x one microbatch's time (step._bubble)",
+                         "pp_bubble = ga x (pp - 1) / v x one microbatch's time (pipeline.bubble)",
                          "derived (Narayanan et al. 2021)"))
     c = hw.corrections
     if "optimizer_s_per_param" in c:

@@ -1,0 +1,110 @@
+"""What of the collectives the step waits for: FSDP's prefetch and reduce overlap, async TP, comm/compute
+interference, and the measured framework overheads (FSDP units, DTensor TP blocks)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..codec import PlanBatch
+from ..hardware import HardwareProfile
+from ..spec import ModelSpec
+from . import comm as C
+
+
+def async_tp_exposed_fraction(b: PlanBatch, hw: HardwareProfile, tp_s, gemm_s) -> np.ndarray:
+    """Fraction of the TP collectives' time left exposed. Async TP (torchtitan's micro-pipelined TP, Megatron's
+    tp_comm_overlap) splits each SP all-gather / reduce-scatter into chunks that run while the matmul consuming or
+    producing them works on the previous chunk, so a microbatch's TP time hides behind its GEMM time: exposed =
+    max(0, TP - GEMM) [derived]. What hides still slows the GEMMs (``interference``). Without async TP, or where
+    collectives block the rank (gloo), everything is exposed."""
+    if not hw.comm_overlap:
+        return np.ones(len(b))
+    hidden = np.maximum(np.asarray(tp_s, dtype=float) - gemm_s, 0.0)
+    frac = np.where(tp_s > 0, hidden / np.where(tp_s > 0, tp_s, 1.0), 1.0)
+    return np.where(b.async_tp, frac, 1.0)
+
+
+def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledger, n_layers, M) -> dict:
+    """What FSDP2 and DTensor TP spend beside their collectives and the blocks' compute, from the profile's
+    measured quantities (``profiler.frameworks``: a wrapped block stack minus its unwrapped twin issuing the same
+    collectives, on 2 ranks; ``fit.fit_framework_overheads``) [measured]:
+
+    * ``framework_fsdp`` = sum over the FSDP gradient reductions of calls x (``fsdp_unit_fixed_s`` +
+      ``fsdp_unit_s_per_byte`` x the unit's unsharded gradient bytes): hooks, copy-in / copy-out, chunk-cat and
+      sharded accumulation, one unshard / reduce cycle per reduction. Reductions are the reduce-scatters (FSDP,
+      expert FSDP) and, where the shard group is 1 (replicate only), the all-reduces of the whole unit;
+    * ``framework_tp`` = layers x microbatches x (``tp_block_fixed_s`` + ``tp_block_s_per_byte`` x one gathered
+      activation, micro batch x sequence / cp x d_model x param bytes) where tp > 1: DTensor dispatch and
+      redistribution per block, forward + backward (AC's recompute not included).
+
+    CPU work, so ranks sharing cores stretch it like compute (``compute_scale``). Profiles without the quantities
+    (spec sheets, profiles measured before) add nothing and keep their breakdown keys."""
+    c, out = hw.corrections, {}
+    scale = float(c.get("compute_scale", 1.0))
+    if "fsdp_unit_fixed_s" in c:
+        t = np.zeros(len(b))
+        for r in ledger.records:
+            if r.overlap != "fsdp_reduce":
+                continue
+            # FSDP's reduce-scatter over its shard group (dp_shard, dp_shard+cp, efsdp; not the distributed
+            # optimizer's over dp_replicate), or HSDP's all-reduce over dp_replicate (DDP-EP's over edp is not FSDP)
+            whole_unit = r.op == "reduce_scatter" and r.axis != "dp_replicate"
+            replicate_only = r.op == "all_reduce" and r.axis == "dp_replicate"
+            if not (whole_unit or replicate_only):
+                continue
+            on = np.ones(len(b), bool) if whole_unit else (b.fsdp == 1)
+            per_call = float(c["fsdp_unit_fixed_s"]) + float(c["fsdp_unit_s_per_byte"]) * r.bytes_per_call
+            t = t + np.where(on & (r.calls > 0), r.calls * per_call, 0.0)
+        out["framework_fsdp"] = t * scale
+    if "tp_block_fixed_s" in c:
+        act = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) * float(spec.d_model) * b.param_bytes
+        per_block = float(c["tp_block_fixed_s"]) + float(c["tp_block_s_per_byte"]) * act
+        out["framework_tp"] = np.where(b.tp > 1, n_layers * M * per_block, 0.0) * scale
+    return out
+
+
+def interference(hw: HardwareProfile, ledger) -> np.ndarray:
+    """Compute slowed by the collectives that run beside it: ``comm_interference`` x the hidden collective time
+    (raw - exposed). NCCL kernels occupy SMs and HBM bandwidth while a GEMM runs: overlapped compute slows by 18.9%
+    of its time on average and 40% at most on A100/H100 (arXiv 2507.03114); per second of hidden collective the
+    loss is of the same order. Profiles carry it as ``corrections.comm_interference`` (spec-sheet: the public
+    average, then fitted by `parsim calibrate`); 0 where collectives block the rank (gloo on CPU)."""
+    k = float(hw.corrections.get("comm_interference", 0.0))
+    hidden = sum((r.time_s - r.exposed_s for r in ledger.records), np.zeros(ledger.n))
+    return k * np.maximum(hidden, 0.0)
+
+
+def fsdp_exposed(b: PlanBatch, hw: HardwareProfile, cm: dict, fwd, bwd, n_layers) -> np.ndarray:
+    """Exposed FSDP/HSDP seconds per step on one rank. FSDP2 prefetches one unit ahead: a unit's all-gather hides
+    behind the previous unit's forward (and, when resharded, the next unit's backward); reduce-scatters (and HSDP
+    all-reduces) hide behind the next unit's backward; the first gather and the last reduce of a round are exposed.
+    Per-unit times are the ledger's totals spread over the rank's layers + 1 (embedding / output) units; gloo on
+    CPU blocks the rank, so there everything is exposed."""
+    ag_total, red_total = cm["fsdp_ag_total_s"], cm["fsdp_red_total_s"]
+    if not hw.comm_overlap:
+        return ag_total + red_total
+    ga, m_pass = b.grad_accum.astype(float), b.n_micro.astype(float)
+    # gathers per unit and pass (comm._fsdp_units): forwards (every microbatch's when resharded under PP), and
+    # one backward re-gather when resharded after forward
+    fwd_rounds = np.where((b.pp > 1) & b.raf, m_pass, 1.0)
+    bwd_gather = np.where(b.raf, 1.0, 0.0)
+    lay = np.maximum(n_layers, 1.0)
+    ag_l = ag_total / np.maximum(ga * (fwd_rounds + bwd_gather), 1) / (lay + 1.0)
+    red_l = red_total / np.maximum(ga, 1) / (lay + 1.0)
+    f_l, b_l = fwd / lay, bwd / lay
+    exp_fwd = fwd_rounds * (ag_l + n_layers * np.maximum(0.0, ag_l - f_l))
+    exp_bwd = n_layers * np.maximum(0.0, bwd_gather * ag_l + red_l - b_l) + red_l
+    return ga * (exp_fwd + exp_bwd)
+
+
+def set_exposed(ledger, fsdp_exposed, fsdp_total, tp_ratio) -> None:
+    """Exposed seconds of every record: CP/EP/PP records are exposed as they are, TP's per-microbatch records by
+    ``tp_ratio`` (async TP); the FSDP family shares ``fsdp_exposed`` in proportion to its records' raw times."""
+    safe = np.where(fsdp_total > 0, fsdp_total, 1.0)
+    for r in ledger.records:
+        if r.overlap in C.FSDP_OVERLAPS:
+            r.exposed_s = fsdp_exposed * r.time_s / safe
+        elif r.axis == "tp" and r.phase != "step":
+            r.exposed_s = r.time_s * tp_ratio
+        else:
+            r.exposed_s = r.time_s

@@ -1,0 +1,364 @@
+"""Memory of one rank: the step's moments (end of forward, backward of the last layer, a later microbatch's
+backward, end of backward, optimizer step), each itemized, or the op-level timeline (``memory.simulate``) where
+the plan is on it; the peak and its moment. See ``step``'s docstring for the memory model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..codec import PlanBatch
+from ..hardware import HardwareProfile
+from ..plan import AC_MODES
+from ..spec import ModelSpec
+from . import comm as C
+from .compute import RankCompute
+from .layers import (
+    FIRST,
+    Shapes,
+    backward_steps,
+    inflight,
+    kept_by_ac_mode,
+    last_param_elems,
+    layer_tensors,
+    saved_tensors,
+    stage_bounds,
+)
+from .memory import MEMORY_KEYS, PHASES, Block, RankMemory, Unit, simulate
+from .pipeline import SCHED_GPIPE
+from .reserved import reserved_breakdown
+
+
+def static_bytes(b: PlanBatch, rv: C.RankView) -> np.ndarray:
+    """A lower bound of a rank's peak [derived]: at the optimizer step it holds its fp32 parameters and two Adam
+    states (12 B per parameter it steps) and every fp32 gradient of its shard (4 B per parameter it holds)."""
+    p_shard, p_opt = rank_params(b, rv)
+    return p_opt * 12.0 + p_shard * 4.0
+
+
+def rank_memory(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute,
+                 above_bytes: float = math.inf) -> tuple:
+    """(the memory moments of one rank, the parameters whose optimizer step it runs). Parameters held before
+    FSDP sharding (non-expert, expert), per rank after it, and 1/dp_replicate of those under the distributed
+    optimizer. Plans whose ``static_bytes`` exceed ``above_bytes`` keep the coarse moments (``evaluate``)."""
+    ne_local = rv.emb_local + rv.out_local + sum(rv.n_of[k] * rv.plocal[k][0] for k in rv.kinds)
+    ex_local = sum(rv.n_of[k] * rv.plocal[k][1] for k in rv.kinds)
+    p_shard, p_opt = rank_params(b, rv)
+    # what FSDP2's all-gathers hold unsharded: each unit's padded shards times the shard group
+    gathered = {"blocks": sum(rv.n_of[k] * (b.fsdp * rv.pshard[k][0] + b.efsdp * rv.pshard[k][1]) for k in rv.kinds),
+                "emb": b.fsdp * rv.emb_shard, "out": b.fsdp * (rv.norm_shard + rv.outw_shard)}
+    timed = (b.v == 1) & (static_bytes(b, rv) <= above_bytes)
+    if timed.all():  # the step's timeline (costmodel/memory.py)
+        return _timeline_phases(spec, b, sh, rank, rv, c, p_shard, p_opt, timed), p_opt
+    # interleaved plans (and those the search screen bounds) keep the coarse moments for now
+    phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard, p_opt, gathered)
+    if timed.any():
+        tl = _timeline_phases(spec, b, sh, rank, rv, c, p_shard, p_opt, timed)
+        z = np.zeros(len(b))
+        phases = {ph: {k: np.where(timed, tl[ph][k], phases[ph].get(k, z)) for k in MEMORY_KEYS} for ph in PHASES}
+    return phases, p_opt
+
+
+def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, p_shard,
+                     p_opt, rows: np.ndarray) -> dict:
+    """The phases of ``rows`` from the step's timeline (``memory.simulate``), grouped by the structure of the
+    rank's blocks (their kinds, and which ``layer:N`` AC checkpoints)."""
+    n = len(b)
+    out = {ph: {k: np.zeros(n) for k in MEMORY_KEYS} for ph in PHASES}
+    layer_mode = b.ac == AC_MODES["layer"]
+    every = np.where(layer_mode, np.maximum(b.ac_every, 1), 0)
+    before = np.array([o.index("ac") < o.index("pp") for o in b.wrapper_orders] or [False])[b.wrapper_idx]
+    keys = np.stack([b.pp, b.v, every, before & layer_mode], axis=1)
+    uniq, inv = np.unique(keys[rows], axis=0, return_inverse=True)
+    rows_idx = np.nonzero(rows)[0]
+    # memory does not depend on the device order, compile, async TP, or float8 outside TE layers (its recipe not
+    # at all): one simulation per plan that differs in anything else
+    same = np.stack([np.asarray(getattr(b, f.name), dtype=float) for f in dataclasses.fields(b)
+                     if f.name not in _NOT_MEMORY and isinstance(getattr(b, f.name), np.ndarray)]
+                    + [np.asarray(b.float8 & b.te, dtype=float)], axis=1)
+    steps = {moe: (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe)) for moe in rv.kinds}
+    for g, (pp, v, k, bp) in enumerate(uniq):
+        idx = rows_idx[np.ravel(inv) == g]
+        _, first, back = np.unique(same[idx], axis=0, return_index=True, return_inverse=True)
+        runs = _block_runs(spec, int(pp), int(v), rank, int(k), bool(bp))
+        q = _rank_memory_inputs(spec, b, sh, rank, rv, c, p_shard, p_opt, idx[first], runs, steps)
+        res = simulate(q)
+        for ph in PHASES:
+            for name in MEMORY_KEYS:
+                out[ph][name][idx] = res[ph][name][np.ravel(back)]
+    return out
+
+
+_NOT_MEMORY = ("mesh_idx", "compile", "async_tp", "float8", "f8_recipe")
+
+
+def _block_runs(spec: ModelSpec, pp: int, v: int, rank: int, every: int, before_pp: bool
+                ) -> list[tuple[bool, bool, int]]:
+    """The rank's blocks in forward order as runs (MoE?, checkpointed by ``layer:every``?, count); ``every`` 0: no
+    ``layer:N`` AC (torchtitan's count: from 1 over this process's blocks, or over the model's when AC comes before
+    the PP split, ``layers._rank_ckpt``)."""
+    n_stages = pp * v
+    bounds = stage_bounds(spec.n_layers, n_stages)
+    r = 0 if rank == FIRST else pp - 1
+    blocks = [i for st in range(r, n_stages, pp) for i in range(bounds[st], bounds[st + 1])]
+    runs: list[list] = []
+    for j, i in enumerate(blocks):
+        item = (spec.is_moe_layer(i), every > 0 and ((i if before_pp else j) + 1) % every == 0)
+        if runs and tuple(runs[-1][:2]) == item:
+            runs[-1][2] += 1
+        else:
+            runs.append([*item, 1])
+    return [tuple(r) for r in runs]
+
+
+def _memory_unit(shard, local, s, last, pb, gb, rb) -> Unit:
+    """An FSDP unit's sizes for ``memory.simulate``: gathered params, unsharded grads, the reduce-scatter's
+    input, its output, the fp32 sharded grad, and the last gradient ``foreach_reduce`` keeps (``linger``: only over a
+    shard group of 2+, the loop runs only there)."""
+    linger = np.where(s > 1, last, 0.0)
+    return Unit(s * shard * pb, local * gb, s * shard * rb, shard * rb, shard * 4.0, local * rb,
+                linger * gb, linger * rb)
+
+
+def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, idx: np.ndarray, moe: bool,
+                  ckpt: bool, steps_of: dict, sizes: tuple) -> Block:
+    """One block kind (dense or MoE; checkpointed by ``layer:N`` or not) of the plans ``idx``: its FSDP units,
+    the activations each AC mode keeps, the transient of its recompute, its backward steps and saved tensors."""
+    pb, gb, rb, S, Se, ep1 = sizes
+    ne_s, ex_s = (np.asarray(x)[idx] for x in rv.pshard[moe])
+    ne_l, ex_l = (np.asarray(x)[idx] for x in rv.plocal[moe])
+    a = {m: (np.asarray(v[0])[idx], np.asarray(v[1])[idx]) for m, v in costs[moe].act_split.items()}
+    full = (b.ac[idx] == AC_MODES["full"]) | ((b.ac[idx] == AC_MODES["layer"]) & ckpt)
+    sac = b.ac[idx] == AC_MODES["selective-op"]
+    act_attn, act_ffn = (np.where(full, a["full"][k], np.where(sac, a["sac"][k], a["none"][k])) for k in (0, 1))
+    transient = a["none"][0] + a["none"][1] - act_attn - act_ffn
+    last_blk, last_ex = (x[idx] for x in last_param_elems(spec, b, moe))
+    blk_unit = _memory_unit(ne_s + np.where(ep1, ex_s, 0.0), ne_l + np.where(ep1, ex_l, 0.0), S, last_blk, pb, gb,
+                            rb)
+    experts = (_memory_unit(np.where(ep1, 0.0, ex_s), np.where(ep1, 0.0, ex_l), Se, last_ex, pb, gb, rb)
+               if moe else None)
+
+    def sel(x):
+        return np.broadcast_to(np.asarray(x, dtype=float), (len(b),))[idx]
+
+    all_steps, items = steps_of[moe]
+    steps = [{"alloc": sel(st["alloc"]), "free": sel(st["free"]), "saved": st["saved"], "cast": st["cast"],
+              "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
+    keep = kept_by_ac_mode(items)
+    saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
+    return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb)
+
+
+def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, p_shard,
+                        p_opt, idx: np.ndarray, runs: list, steps_of: dict) -> RankMemory:
+    """The sizes ``memory.simulate`` replays, for the plans ``idx`` (bytes). ``steps_of``: per block kind, its
+    backward steps and saved tensors over the whole batch (``layers.backward_steps``, ``layers.saved_tensors``)."""
+    pb, rb = b.param_bytes[idx].astype(float), b.reduce_bytes[idx].astype(float)
+    fsdp_on = (b.dp_replicate * b.dp_shard * b.cp > 1)[idx]
+    gb = np.where(fsdp_on, pb, 4.0)  # unsharded gradients: param dtype under FSDP, the fp32 parameters' without
+    S, Se = b.fsdp[idx].astype(float), b.efsdp[idx].astype(float)
+    sizes = (pb, gb, rb, S, Se, (b.ep == 1)[idx])
+
+    def unit(shard, local, s, last) -> Unit:
+        return _memory_unit(shard, local, s, last, pb, gb, rb)
+
+    has_emb, has_out = rv.has_emb[idx], rv.has_out[idx]
+    blocks = []
+    built: dict = {}  # (MoE?, checkpointed?) -> Block: runs of the same kind share one (and its replay caches)
+    for moe, ckpt, count in runs:
+        if (moe, ckpt) not in built:
+            built[moe, ckpt] = _memory_block(spec, b, rv, c.costs, idx, moe, ckpt, steps_of, sizes)
+        blocks.append((built[moe, ckpt], count))
+    emb_local = np.asarray(rv.emb_local)[idx]
+    V, d = spec.vocab_size, float(spec.d_model)
+    # the embedding backward's dense gradient over the whole vocabulary (torch's embedding backward, also under
+    # RowwiseParallel), its vocab shard under TE layers (Megatron's VocabParallelEmbedding)
+    emb_dense = np.where(has_emb, np.where(b.te[idx], emb_local, V * d) * gb, 0.0)
+    rope = float(spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim)
+    buffers = b.seq_len[idx].astype(float) * rope * 4.0 * np.where(b.pp[idx] > 1, b.v[idx], 1)  # RoPE cos / sin
+    # what a microbatch in flight keeps beside its blocks' activations: its stage output (the residual stream,
+    # sent on and kept by the schedule until its backward), or on the last stage the loss's saved tensors (the
+    # fp32 log-softmax output, 4 B per logit; the fused loss: the logits) and the final norm's input and output
+    stage_out = (np.asarray(sh.T) * spec.d_model / np.asarray(sh.sp_div) * np.asarray(sh.res_b))[idx]
+    act_b = np.asarray(sh.act_b)[idx]
+    per_logit_saved = np.where(b.fused_loss[idx], act_b, 4.0)
+    loss_saved = (np.asarray(c.logits)[idx] * per_logit_saved
+                  + np.asarray(sh.T)[idx] * spec.d_model * act_b * (1.0 + 1.0 / np.asarray(sh.sp_div)[idx]))
+    m = b.n_micro[idx].astype(float)
+    w = np.asarray(inflight(b, rank))[idx] * np.where(b.pp[idx] > 1, 1.0, 0.0) + np.where(b.pp[idx] > 1, 0.0, 1.0)
+    m = np.where(b.pp[idx] > 1, m, 1.0)
+    # without FSDP a vocab-sharded (TP) embedding's gradient is a view of the dense whole-vocabulary gradient its
+    # backward made: that storage stays (with FSDP, FSDP2 copies the rank's rows out)
+    all_grads4 = np.asarray(p_shard)[idx] * 4.0 + np.where(~fsdp_on & has_emb & (b.tp[idx] > 1) & ~b.te[idx],
+                                                           (V * d - emb_local) * 4.0, 0.0)
+    return RankMemory(
+        n=len(idx), parameters=np.asarray(p_opt)[idx] * 4.0, optimizer_states=np.asarray(p_opt)[idx] * 8.0,
+        buffers=buffers, all_grads4=all_grads4, fsdp=fsdp_on, raf=b.raf[idx],
+        raf_out=b.raf_always[idx], acc=(b.grad_accum > 1)[idx], has_emb=has_emb, has_out=has_out,
+        emb=unit(np.asarray(rv.emb_shard)[idx], emb_local, S, emb_local), emb_dense_grad=emb_dense,
+        emb_sharded=(b.tp > 1)[idx] & ~b.te[idx],
+        out=unit(np.asarray(rv.norm_shard + rv.outw_shard)[idx], np.asarray(rv.out_local)[idx], S,
+                 np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))),
+        loss=np.asarray(_loss_bytes(spec, b, sh, rv, c))[idx] * np.ones(len(idx)),
+        blocks=blocks, opt_temporaries=np.asarray(p_opt)[idx] * 4.0, flat_held=S > 1,
+        hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
+        pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
+        mb_extra=np.where(has_out, loss_saved, np.where((b.pp > 1)[idx], stage_out, 0.0)),
+        autocast_cache=_autocast_cache(spec, b, rv, idx, fsdp_on),
+        param_bytes=pb, out_weight4=np.asarray(rv.out_local - rv.norm_local)[idx] * 4.0 * np.ones(len(idx)),
+        last_cast4=_last_cast_elems(spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
+
+
+def _last_cast_elems(spec: ModelSpec, b: PlanBatch, moe: bool) -> np.ndarray:
+    """Elements of the last linear weight a block uses in forward (the last weight autocast casts on a stage
+    without the output projection): the MLP's w2; a MoE layer's shared experts' w2, else its router."""
+    by_name = {name: rows * per_row for name, rows, per_row, _ in layer_tensors(spec, b, moe)}
+    if not moe:
+        return by_name["w2"] * np.ones(len(b))
+    assert spec.moe is not None
+    return (by_name["shared.w2"] if spec.moe.n_shared_experts else by_name["router"]) * np.ones(len(b))
+
+
+def _autocast_cache(spec: ModelSpec, b: PlanBatch, rv: C.RankView, idx: np.ndarray, fsdp_on) -> np.ndarray:
+    """Without FSDP a bf16 / fp16 plan runs under torch.autocast (as torchtitan does), which caches the cast copy
+    of every linear weight (and bias) it multiplies — attention and MLP linears, the router, the shared experts, the
+    output projection; not norms, the embedding or the stacked experts (views, not leaves) — from its first use to
+    the end of the region [derived from torch's autocast weight cache; trace]."""
+    pb = b.param_bytes[idx].astype(float)
+    on = ~fsdp_on & (pb < 4.0)
+    total = np.zeros(len(idx))
+    for k in rv.kinds:
+        lin = sum((rows * per_row for name, rows, per_row, expert in layer_tensors(spec, b, k)
+                   if not expert and "norm" not in name), np.zeros(len(b)))
+        total = total + (rv.n_of[k] * lin)[idx]
+    outw = np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))
+    return np.where(on, (total + outw) * pb, 0.0)
+
+
+def _loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: RankCompute):
+    """The loss's peak on the last stage, bytes: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the
+    end of forward under loss parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the
+    log-softmax output, the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read
+    off the live storages at the peak of executor traces). Plus the final norm's input and gathered output. An fp32
+    plan has no separate fp32 copy of its logits: 8 B/logit under loss parallel [derived from the bf16 case]. A
+    fused cross-entropy keeps the logits and writes one gradient of their size (param_dtype each) [derived;
+    full-scale trace of the executor's fused loss: test_trace_of_the_loss_matches_the_model]."""
+    d = spec.d_model
+    per_logit = np.where(b.fused_loss, 2.0 * sh.act_b,
+                         np.where(b.tp > 1, sh.act_b + np.where(sh.act_b < 4, 4.0, 0.0) + 4.0, 12.0))  # [measured]
+    return np.where(rv.has_out, c.logits * per_logit + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
+
+
+def rank_peak(b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, c: RankCompute, phases: dict) -> dict:
+    """A rank's allocated peak (the largest phase: ``mem``, its breakdown ``mb``, ``phase`` its index, every
+    phase's total ``phase_totals``) and what CUDA's caching allocator reserves at it (``reserved``, itemized
+    ``rb``: costmodel/reserved.py; a gloo (CPU) profile has no caching allocator)."""
+    n, z = len(b), np.zeros(len(b))
+    totals = {k: sum(v.values()) for k, v in phases.items()}
+    names = list(phases)
+    which = np.argmax(np.stack([totals[k] for k in names]), axis=0)
+    mb = {k: np.choose(which, [np.broadcast_to(phases[p].get(k, z), (n,)) for p in names]) for k in MEMORY_KEYS}
+    mem = np.choose(which, [np.broadcast_to(totals[p], (n,)) for p in names])
+    rsv = reserved_breakdown(b, rv, np.asarray(c.logits, dtype=float), np.asarray(sh.act_b, dtype=float),
+                             rank_params(b, rv)[0], mem, mb, which, allocator=hw.comm_overlap)
+    return {"mem": mem, "mb": mb, "phase": which, "phase_totals": totals, "reserved": sum(rsv.values()), "rb": rsv}
+
+
+def _unsharded_params(b: PlanBatch, gathered: dict, sharded, local, layer_g, pb) -> tuple:
+    """FSDP's unsharded parameters at the forward-side and backward-side moments (bytes): with
+    reshard_after_forward off (or the distributed optimizer's whole model) the whole stage stays unsharded
+    (``keep_all``); resharding, the [norm, output] unit at the end of forward, plus two blocks (the one in its
+    backward and the prefetched next) in the backward."""
+    out_g = gathered["out"]
+    keep_all = np.where(sharded, gathered["blocks"] + gathered["emb"] + out_g, local) * pb
+    dist = b.zero1
+    unsh_fwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, out_g * pb, keep_all), 0.0))
+    unsh_bwd = np.where(dist, keep_all, np.where(sharded, np.where(b.raf, (out_g + 2.0 * layer_g) * pb,
+                                                                   keep_all), 0.0))
+    return keep_all, unsh_fwd, unsh_bwd
+
+
+def _gradients_alive(b: PlanBatch, rv: C.RankView, local, p_shard, n_inflight, rb, vocab_elems) -> tuple:
+    """(the embedding's gradient elements, the stage's accumulated gradient bytes, the gradient bytes alive at the
+    forward-side peaks); ``local``: the stage's parameter elements, ``vocab_elems``: V x d."""
+    emb_local, has_emb = rv.emb_local, rv.has_emb
+    ga, m_pass = b.grad_accum.astype(float), b.n_micro.astype(float)
+    # gradients alive at the forward-side peaks: with gradient accumulation (no PP) the sharded grads of the
+    # earlier passes; with PP, once the schedule reaches its steady state (more microbatches than in flight,
+    # 1F1B / interleaved, or any schedule with ga > 1) the unsharded grads accumulated in reduce_dtype — the
+    # embedding's at full vocabulary size — sit beside a full set of in-flight activations; before that (GPipe
+    # in its one pass) nothing has accumulated
+    # the embedding's gradient: dense over the full vocabulary (torch's embedding backward, also under
+    # RowwiseParallel), or its vocab shard under TE layers (Megatron's VocabParallelEmbedding) [derived]
+    emb_full = np.where(b.te, emb_local, vocab_elems)
+    accumulated = (local - emb_local) * rb + np.where(has_emb, emb_full * rb, 0.0)
+    # with gradient accumulation (ga > 1) the grads of the earlier passes are there in every schedule (traces of
+    # pp2 GPipe with ga 4 in fp32: the stage's full gradients beside the activations) [measured]
+    steady = (b.pp > 1) & (((b.sched != SCHED_GPIPE) & (m_pass > n_inflight)) | (ga > 1))
+    grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, np.where(steady, accumulated, 0.0))
+    return emb_full, accumulated, grads_prev
+
+
+def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, ne_local,
+                   ex_local, p_shard, p_opt, gathered: dict) -> dict:
+    """The moments of the step, each itemized by MEMORY_KEYS (see the module docstring). The distributed
+    optimizer (Megatron, ZeRO-1) keeps the fp32 master weights and AdamW states of ``p_opt`` parameters (its
+    1/dp_replicate share), the whole model in param_dtype and the whole gradient (main grads) in reduce_dtype."""
+    V, d = spec.vocab_size, spec.d_model
+    pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
+    ga, m_pass = b.grad_accum.astype(float), b.n_micro.astype(float)
+    emb_local, out_local, has_emb = rv.emb_local, rv.out_local, rv.has_emb
+    n_inflight = inflight(b, rank)
+    dist = b.zero1
+    base = {"parameters": p_opt * 4.0, "optimizer_states": p_opt * 8.0}
+    emb_full, accumulated, grads_prev = _gradients_alive(b, rv, ne_local + ex_local, p_shard, n_inflight, rb,
+                                                         V * d)
+    # FSDP2 wraps the model whenever a data-parallel axis exists (HSDP with a shard group of 1 included) and then
+    # keeps unsharded copies of the parameters it gathers, also when the shard group is 1 (seen in traces of
+    # pp2 x dp_replicate2 in fp32: 8 MiB of unsharded parameters on stage 0) [measured]
+    sharded = (b.fsdp > 1) | (b.efsdp > 1) | (b.dp_replicate > 1)
+    n_lay = np.maximum(rv.n_layers, 1.0)
+    layer_w = (ne_local + ex_local - emb_local - out_local) / n_lay  # one block's weights
+    layer_g = gathered["blocks"] / n_lay  # one block's gathered (padded) weights
+    keep_all, unsh_fwd, unsh_bwd = _unsharded_params(b, gathered, sharded, ne_local + ex_local, layer_g, pb)
+    acts = n_inflight * c.act
+    m_all = ga * m_pass
+    later = (b.pp > 1) & (m_all > 1)
+    logits_bytes = _loss_bytes(spec, b, sh, rv, c)
+    # the embedding's backward (first stage) materializes a dense gradient of the full vocabulary, also under TP
+    # (seen in traces with torch 2.13's RowwiseParallel embedding); without PP FSDP then reduce-scatters it (input
+    # in reduce_dtype), with PP it accumulates it unsharded in reduce_dtype at full vocabulary size, beside the
+    # other blocks' accumulated grads, while the other in-flight microbatches keep their activations
+    emb_grad = np.where(has_emb, emb_full * pb + np.where(b.pp > 1, emb_full * rb, gathered["emb"] * rb), 0.0)
+    return {
+        "end of forward": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_fwd, activations=acts,
+                               logits_and_loss=logits_bytes),
+        "backward of the last layer": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_bwd,
+                                           fsdp_grad_buffers=layer_w * pb + layer_g * rb, activations=acts,
+                                           recompute_transient=c.transient),
+        # PP: a later microbatch's backward starts beside the gradients the first one accumulated (fp32, the
+        # embedding's at full vocabulary), the activations of the microbatches still in flight (the schedule's
+        # window, or all that remain when every forward ran first) and its last layer's new gradients in
+        # param_dtype, added into the accumulated ones in place (mixtral-8x7b PP4 x TP2 x EP2 trace: the MoE
+        # block's expert gradients, 1.3 GiB, set the peak there) [derived, trace]
+        "backward of a later microbatch": dict(base, gradients=np.where(later, accumulated, 0.0),
+                                               fsdp_unsharded_params=np.where(later, unsh_bwd, 0.0),
+                                               fsdp_grad_buffers=np.where(later, layer_w * pb, 0.0),
+                                               activations=np.where(later, np.minimum(n_inflight, m_all - 1.0), 0.0)
+                                               * c.act),
+        "end of backward": dict(base, gradients=np.where(b.pp > 1, accumulated - np.where(has_emb, emb_full * rb, 0.0),
+                                                         np.maximum(grads_prev, p_shard * 4.0)),
+                                fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),
+                                fsdp_grad_buffers=emb_grad, activations=np.maximum(n_inflight - 1.0, 0.0) * c.act),
+        "optimizer step": dict(base, gradients=p_shard * 4.0, optimizer_temporaries=p_opt * 4.0,
+                               fsdp_unsharded_params=np.where(dist, keep_all, 0.0)),
+    }
+
+
+def rank_params(b: PlanBatch, rv: C.RankView) -> tuple:
+    """(parameters a rank holds after FSDP sharding, those whose optimizer step it runs: 1/dp_replicate of them
+    under the distributed optimizer)."""
+    p_shard = rv.edge_shard + sum(rv.n_of[k] * (rv.pshard[k][0] + rv.pshard[k][1]) for k in rv.kinds)
+    return p_shard, p_shard / np.where(b.zero1, b.dp_replicate, 1)
