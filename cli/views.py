@@ -391,14 +391,16 @@ def _top_table(res, top: int, hw, wide: bool, width: int = 100):
 
 
 def _explain_dict(spec, hw, res, n, top):
-    """Plan ``n`` against up to three other plans the table shows: the next ones, or the ones before the last."""
+    """Plan ``n`` against up to three other plans the table shows (the next ones, or the ones before the last),
+    and every factor its prediction applied (``costmodel.explain``'s factors, as ``predict --explain`` shows)."""
     from parsim.costmodel import predict
+    from parsim.costmodel.explain import predict_and_explain
 
     shown = min(top, len(res.top))
     ranks = list(range(n + 1, min(n + 3, shown) + 1)) or list(range(max(1, n - 3), n))
-    base = predict(spec, res.top[n - 1].plan, hw)
+    base, why = predict_and_explain(spec, res.top[n - 1].plan, hw)
     preds = [predict(spec, res.top[r - 1].plan, hw) for r in ranks]
-    return {"plan": base.to_dict(), "versus": [
+    return {"plan": base.to_dict(), "factors": why["factors"], "versus": [
         {"rank": r, "plan_id": p.plan_id, "describe": res.top[r - 1].plan.describe(),
          "step_time_delta_s": p.step_time_s - base.step_time_s,
          "time_delta_s": {k: p.time_breakdown_s.get(k, 0.0) - base.time_breakdown_s.get(k, 0.0)
@@ -434,6 +436,9 @@ def _print_explain(con, spec, hw, res, n, top):
         most = max(v["time_delta_s"], key=lambda k: abs(v["time_delta_s"][k]))
         diffs.append(f"#{v['rank']} differs most on {most} ({v['time_delta_s'][most] / MS:+.1f} ms)")
     con.print("; ".join(diffs))
+    from parsim.report import print_factors
+
+    print_factors(con, d["factors"])
 
 
 def _measure(spec, hw, res, k: int, budget_flops: float | None) -> dict:

@@ -153,10 +153,10 @@ def print_explain(d: dict) -> None:
                   f"({ends.get('device')}, torch {ends.get('torch')}, {ends.get('measured_at')})")
     elif ends:
         con.print(f"model's ends from the {ends['source']}: {ends['why']}")
-    _print_factors(con, d.get("factors", []))
+    print_factors(con, d.get("factors", []))
 
 
-def _print_factors(con, rows: list) -> None:
+def print_factors(con, rows: list) -> None:
     """The factors table of ``--explain``: every correction, curve and count the prediction applied."""
     from rich.markup import escape
     from rich.table import Table

@@ -84,6 +84,8 @@ def test_cli_search_json_and_emitted_files(tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert len(d["top"]) == 3 and d["evaluated"] > 0 and d["pareto"] and d["explain"]["versus"]
+    factors = {f["name"]: f for f in d["explain"]["factors"]}  # what plan #1's prediction applied, as predict's
+    assert "compute_scale" in factors and any(k.startswith("collective time scale") for k in factors)
     emitted = json.loads(plan_f.read_text())
     plan = emitted["plan"]
     assert emitted["model"] == "llama3-8b" and emitted["plan_id"] == d["top"][0]["plan_id"]
