@@ -1,6 +1,6 @@
 """Fuzz the command line with the property tests' strategies, scaled up, and report what happened.
 
-    python bench/fuzz_cli.py --scale 8   # 42,560 cases (predict 2,800, search 560, run/trace 3,200, files 36,000)
+    python bench/fuzz_cli.py --scale 8   # 40,720 cases (predict 2,000, search 320, run/trace 2,400, files 36,000)
 
 Every case must end as a result with finite numbers that honours every flag given, or as one 'error:' line with
 exit code 2 (the assertions of tests/test_fuzz.py); this script adds the counts, exit codes and the slowest case
