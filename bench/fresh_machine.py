@@ -42,7 +42,7 @@ def variants(hw: HardwareProfile) -> dict[str, HardwareProfile]:
 
 
 def rescore(folder: Path, prefix: str) -> list[dict]:
-    from parsim.cli.common import profile_measured_here
+    from parsim.loop_jobs import profile_measured_here
 
     lines = V.load_measurements(folder / "measurements.jsonl")
     out = []

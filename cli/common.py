@@ -1,5 +1,5 @@
-"""What the CLI's modules share (``main``, ``views``, ``loop`` import it; it imports none of them): the profile to
-predict with on this machine, and JSON on stdout."""
+"""What the CLI's modules share (``main``, ``views``, ``loop`` import it; it imports none of them): progress bars
+for the library's ``progress(task, done, total[, label])`` callbacks, and JSON on stdout."""
 
 from __future__ import annotations
 
@@ -7,45 +7,38 @@ import json
 import sys
 
 
-def profile_for_this_machine(name: str):
-    """Load a profile; a measured CPU profile from another machine gets one warning line on stderr."""
-    from parsim.hardware import load_profile
-    from parsim.machine import warning
+class Bars:
+    """rich progress bars on stderr (a terminal only), one per task the library names: ``with Bars(console) as
+    bars: job(progress=bars)``."""
 
-    hw = load_profile(name)
-    w = warning(hw)
-    if w:
-        print(w, file=sys.stderr)
-    return hw
+    def __init__(self, console=None, transient: bool = False):
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
+        err = console or Console(stderr=True)
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err,
+                                 transient=transient, disable=not err.is_terminal)
+        self.tasks: dict = {}
 
-def profile_measured_here(name: str, nproc: int | None = None):
-    """The profile to predict runs on this machine with: ``name`` when it describes this machine (or is not a
-    measured CPU profile: spec sheets and GPU profiles describe hardware elsewhere); otherwise this machine's own,
-    ``<name>-<machine tag>``, loaded when an earlier call measured it, else measured now with ``parsim profile``
-    defaults (about a minute on 2 cores) and kept beside the others. ``validate --model`` and ``search --execute``
-    use it: a prediction set beside a measurement must describe the machine that measured."""
-    from parsim.errors import ParsimError
-    from parsim.hardware import load_profile
-    from parsim.machine import machine_tag, warning
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
 
-    hw = load_profile(name)
-    if not warning(hw):
-        return hw
-    own = f"{hw.name}-{machine_tag()}"
-    try:
-        mine = load_profile(own)
-        if not warning(mine):
-            print(f"profile {hw.name} was measured on another machine: using this machine's {own}", file=sys.stderr)
-            return mine
-    except ParsimError:
-        pass
-    n = nproc or int(hw.provenance.get("device_count") or 2)
-    print(f"profile {hw.name} was measured on another machine ({warning(hw)}); measuring this one first: "
-          f"parsim profile --nproc-per-node {n} --out {own}", file=sys.stderr)
-    from parsim.profiler.run import profile as _profile
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
 
-    return _profile(own, n, log=lambda m: print(m, file=sys.stderr))
+    def __call__(self, task: str, done: float, total: float, label: str | None = None) -> None:
+        if task not in self.tasks:
+            self.tasks[task] = self.progress.add_task(task, total=total)
+        self.progress.update(self.tasks[task], completed=done, total=total, description=(label or task)[:60])
 
 
 def emit_json(obj) -> None:

@@ -15,7 +15,8 @@ from typing import Optional
 
 import typer
 
-from parsim.cli.common import emit_json, profile_for_this_machine, profile_measured_here
+from parsim.cli.common import emit_json
+from parsim.loop_jobs import profile_for_this_machine, profile_measured_here
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="parsim: how to parallelize a PyTorch training job, what it will cost, and how sure we are.")
@@ -28,52 +29,31 @@ def _root():
 
 # ---- shared plan flags (CLI contract of shared/DESIGN.md; names follow torchtitan) ---------------------------------
 # Every flag defaults to None ("not given"): predict/run/trace fill in parsim.flags.DEFAULTS, search pins what is given.
+def _schema_flags() -> list:
+    """One flag per plan field that has one (``parsim.plan_schema``): its name, type, help and [default]."""
+    from rich.markup import escape  # typer renders help as rich markup: "[no]" would be read as a style tag
+
+    from parsim.plan_schema import PLAN_FIELDS
+
+    out = []
+    for f in PLAN_FIELDS:
+        if f.flag is None:
+            continue
+        help_ = escape(" ".join(x for x in (f.help, f.shown_default) if x))
+        if f.kind in ("bool", "optional_bool"):
+            opt, ann = typer.Option(None, f"{f.cli_flag}/--no-{f.cli_flag[2:]}", help=help_), Optional[bool]
+        else:
+            opt, ann = typer.Option(None, f.cli_flag, help=help_), Optional[int] if f.kind == "int" else Optional[str]
+        out.append(("order" if f.name == "wrapper_order" else f.name, ann, opt))
+    return out
+
+
 PLAN_FLAGS = [
-    ("model", Optional[str], typer.Option(None, "--model", help="preset name or a config.json path [llama3-8b]")),
+    ("model", Optional[str], typer.Option(None, "--model", help="preset name or a config.json path \\[llama3-8b]")),
     ("gpus", Optional[int], typer.Option(None, "--gpus", help="number of GPUs (default: product of the degrees)")),
-    ("dp_replicate", Optional[int], typer.Option(None, "--dp-replicate", help="[1]")),
-    ("dp_shard", Optional[int], typer.Option(None, "--dp-shard", help="-1 = the GPUs the other degrees leave [-1]")),
-    ("tp", Optional[int], typer.Option(None, "--tp", help="[1]")),
-    ("pp", Optional[int], typer.Option(None, "--pp", help="[1]")),
-    ("cp", Optional[int], typer.Option(None, "--cp", help="[1]")),
-    ("ep", Optional[int], typer.Option(None, "--ep", help="[1]")),
-    ("etp", Optional[int], typer.Option(None, "--etp", help="[1]")),
-    ("ep_from", Optional[str], typer.Option(None, "--ep-from", help="where EP ranks come from: dp_shard (torchtitan "
-                                            "dp2ep) | dp_replicate (Megatron-style DDP + EP) [dp_shard]")),
-    ("local_batch_size", Optional[int], typer.Option(None, "--local-batch-size", help="[1]")),
-    ("micro_batch_size", Optional[int], typer.Option(None, "--micro-batch-size", help="[local batch]")),
-    ("global_batch_size", Optional[int], typer.Option(None, "--global-batch-size", help="[local batch x dp]")),
-    ("seq_len", Optional[int], typer.Option(None, "--seq-len", help="[4096]")),
-    ("pp_schedule", Optional[str], typer.Option(None, "--pp-schedule", help="GPipe | 1F1B | Interleaved1F1B [1F1B]")),
-    ("pp_stages_per_rank", Optional[int], typer.Option(None, "--pp-stages-per-rank",
-                                                       help="[1, or 2 for Interleaved1F1B]")),
-    ("ac", Optional[str], typer.Option(None, "--ac", help="none | full | selective-op | layer:N [none]")),
-    ("compile", Optional[bool], typer.Option(None, "--compile/--no-compile", help="[no]")),
-    ("float8", Optional[bool], typer.Option(None, "--float8/--no-float8", help="[no]")),
-    ("float8_recipe", Optional[str], typer.Option(None, "--float8-recipe",
-                                                  help="tensorwise | rowwise | rowwise_with_gw_hp [tensorwise]")),
-    ("async_tp", Optional[bool], typer.Option(None, "--async-tp/--no-async-tp",
-                                              help="TP collectives overlapped with the matmuls (cost model only) "
-                                                   "[no]")),
-    ("distributed_optimizer", Optional[bool], typer.Option(
-        None, "--distributed-optimizer/--no-distributed-optimizer",
-        help="Megatron distributed optimizer: optimizer state sharded over dp_replicate (cost model only) [no]")),
-    ("te_layers", Optional[bool], typer.Option(
-        None, "--te-layers/--no-te-layers",
-        help="Megatron-Core Transformer Engine layers: SP inputs kept local and re-gathered in the backward, float8 "
-             "inputs saved, fused SwiGLU/RoPE, vocab-parallel embedding (cost model only) [no]")),
-    ("fused_loss", Optional[bool], typer.Option(
-        None, "--fused-loss/--no-fused-loss",
-        help="fused cross-entropy: no fp32 copy of the logits, one logits-sized gradient [no]")),
-    ("sequence_parallel", Optional[bool], typer.Option(None, "--sequence-parallel/--no-sequence-parallel",
-                                                        help="[on when tp > 1]")),
-    ("fsdp_reshard_after_forward", Optional[str], typer.Option(None, "--fsdp-reshard-after-forward",
-                                                               help="default | always | never [default]")),
-    ("mesh_order", Optional[str], typer.Option(None, "--mesh-order", help="device order, outermost first; may list "
-                                               "only the axes > 1 [pp,dp_replicate,dp_shard,cp,tp]")),
-    ("order", Optional[str], typer.Option(None, "--order", help="wrapper order [pp,tp,ac,compile,fsdp]")),
+    *_schema_flags(),
     ("plan_file", Optional[str], typer.Option(None, "--plan", help="plan JSON (instead of the plan flags)")),
-    ("profile", Optional[str], typer.Option(None, "--profile", help="profile name or path [h100-sxm-spec-cal: the "
+    ("profile", Optional[str], typer.Option(None, "--profile", help="profile name or path \\[h100-sxm-spec-cal: the "
                                             "H100 spec sheet calibrated on published runs]")),
 ]
 
@@ -261,12 +241,11 @@ def search(
     if measure:
         _check_profile_is_this_device(hw)
     from parsim.cli.views import run_search_cli
+    from parsim.search_job import SearchOutputs
 
-    run_search_cli(spec, hw, gpus, space, top=top, explain=explain, emit_plan=emit_plan,
-                   emit_torchtitan=emit_torchtitan, csv_path=csv, as_json=as_json, execute=execute,
-                   model_arg=flags["model"], execute_out=execute_out, wide=wide,
-                   torchtitan_format=torchtitan_format, emit_megatron=emit_megatron, measure=measure,
-                   measure_budget_flops=measure_budget_flops)
+    out = SearchOutputs(emit_plan, emit_torchtitan, torchtitan_format, emit_megatron, csv, execute_out)
+    run_search_cli(spec, hw, gpus, space, top=top, explain=explain, as_json=as_json, execute=execute, outputs=out,
+                   model_arg=flags["model"], wide=wide, measure=measure, measure_budget_flops=measure_budget_flops)
 
 
 def _check_search_options(top, execute, measure, measure_budget_flops, explain, torchtitan_format, paths) -> None:
@@ -487,9 +466,11 @@ def _profile_frameworks(out: str, out_dir, device, as_json: bool) -> None:
 
 def _profile_shapes(measure_shapes_of: str, out: str, out_dir, model: str, as_json: bool) -> None:
     """``profile --measure-shapes-of``: blocks at given plans' local shapes into an existing profile."""
-    from parsim.cli.loop import measure_plan_shapes
+    from parsim.cli.common import Bars
+    from parsim.loop_jobs import measure_plan_shapes
 
-    res = measure_plan_shapes(measure_shapes_of, out, out_dir, model if model != "tiny" else None)
+    with Bars() as bars:
+        res = measure_plan_shapes(measure_shapes_of, out, out_dir, model if model != "tiny" else None, bars)
     if as_json:
         emit_json(res)
     else:
@@ -687,9 +668,11 @@ def validate(
     """Put predictions beside measurements: run a small space here (resumable), or predict published runs."""
     from pathlib import Path
 
-    from parsim.cli.loop import print_summary, validate_measured, validate_published
+    from parsim.cli.common import Bars
+    from parsim.cli.loop import print_summary
     from parsim.errors import ParsimError
     from parsim.jsonio import check_output_path
+    from parsim.loop_jobs import validate_measured, validate_published
     from parsim.procs import check_timeout
 
     if Path(out).exists() and not Path(out).is_dir():
@@ -701,8 +684,10 @@ def validate(
         summary = validate_published(published, out, profile, calibrated=not uncalibrated)
     else:
         check_timeout(timeout)
-        summary = validate_measured(model, nproc_per_node, out, profile=profile, rounds=rounds, steps=steps,
-                                    max_plans=max_plans, timeout_s=timeout, measure_blocks=measure_blocks)
+        with Bars() as bars:
+            summary = validate_measured(model, nproc_per_node, out, profile=profile, rounds=rounds, steps=steps,
+                                        max_plans=max_plans, timeout_s=timeout, measure_blocks=measure_blocks,
+                                        progress=bars)
     if as_json:
         emit_json(summary)
     else:
@@ -724,8 +709,9 @@ def calibrate(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Fit named profile parameters to validation results; report out-of-fold accuracy; size the intervals."""
-    from parsim.cli.loop import calibrate_dirs, print_calibration
+    from parsim.cli.loop import print_calibration
     from parsim.errors import ParsimError
+    from parsim.loop_jobs import calibrate_dirs
 
     if not 2 <= folds <= 100:
         raise ParsimError(f"--folds must be in 2..100, got {folds}")
@@ -747,9 +733,9 @@ def report(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Predicted vs measured per plan or published row: table, statistics, and an HTML page with plots."""
-    from parsim.cli.loop import load_rows
     from parsim.errors import ParsimError
     from parsim.jsonio import check_output_path
+    from parsim.loop_jobs import load_rows
     from parsim.report_html import build_table, write_html
 
     if plotly_js not in ("inline", "cdn"):

@@ -3,289 +3,59 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
-import numpy as np
-
+from parsim.plan_text import SHORT_DOMINANT, order_str, sched_str, short_ac, short_batch, short_degrees, short_options
 from parsim.units import MS, GiB
 
 
-def _order_str(plan) -> str:
-    axes = [a for a in plan.mesh_order if getattr(plan, a) > 1]
-    return ">".join(axes) or "-"
-
-
-SHORT_AXES = {"pp": "pp", "dp_replicate": "dpr", "dp_shard": "fsdp", "cp": "cp", "tp": "tp"}
-SHORT_AC = {"none": "-", "full": "full", "selective-op": "sel"}
-SHORT_DOMINANT = {"compute_backward": "bwd", "compute_forward": "fwd", "recompute": "recomp", "pp_bubble": "bubble",
-                  "optimizer": "optim", "comm_interference": "interf"}
-WRAPPER_LETTERS = {"pp": "P", "tp": "T", "ac": "A", "compile": "C", "fsdp": "F"}
-
-
-def short_degrees(plan) -> str:
-    """Degrees in device order (outermost first; axes of degree 1 left out, as they place no rank), short names:
-    ``pp4 dpr2 fsdp8 tp4 ep8`` (``ep8d``: EP borrowed from dp_replicate)."""
-    parts = [f"{SHORT_AXES[a]}{getattr(plan, a)}" for a in plan.mesh_order if getattr(plan, a) > 1]
-    if plan.ep > 1:
-        parts.append(f"ep{plan.ep}" + (f"/{plan.etp}" if plan.etp > 1 else "")
-                     + ("d" if plan.ep_from == "dp_replicate" else ""))
-    return " ".join(parts) or "1 GPU"
-
-
-def short_options(plan) -> str:
-    """compile (C), float8 (F8, rowwise r / gw_hp g), reshard never/always (R-/R+), async TP (aTP), distributed
-    optimizer (ZeRO1), TE layers (TE), fused loss (FL), a wrapper order other than PP>TP>AC>compile>FSDP (its
-    letters)."""
-    from parsim.plan import DEFAULT_ORDER
-
-    out = []
-    if plan.compile:
-        out.append("C")
-    if plan.float8:
-        out.append("F8" + {"tensorwise": "", "rowwise": "r", "rowwise_with_gw_hp": "g"}[plan.float8_recipe])
-    if plan.fsdp_reshard_after_forward != "default":
-        out.append("R-" if plan.fsdp_reshard_after_forward == "never" else "R+")
-    if plan.async_tp:
-        out.append("aTP")
-    if plan.distributed_optimizer:
-        out.append("ZeRO1")
-    if plan.te_layers:
-        out.append("TE")
-    if plan.fused_loss:
-        out.append("FL")
-    if tuple(plan.wrapper_order) != DEFAULT_ORDER:
-        out.append("".join(WRAPPER_LETTERS[w] for w in plan.wrapper_order))
-    return " ".join(out) or "-"
-
-
-def short_batch(plan) -> str:
-    """local/micro batch, and the gradient-accumulation steps when more than one (``4/1 ga2``)."""
-    ga = plan.grad_accum_steps
-    return f"{plan.local_batch_size}/{plan.micro_batch_size}" + (f" ga{ga}" if ga > 1 else "")
-
-
-def short_ac(ac: str) -> str:
-    return SHORT_AC.get(ac, ac.replace("layer:", "L"))
-
-
-def _sched_str(plan) -> str:
-    if plan.pp == 1:
-        return "-"
-    name = "I1F1B" if plan.pp_schedule == "Interleaved1F1B" else plan.pp_schedule
-    return name + (f"/v{plan.pp_stages_per_rank}" if plan.pp_stages_per_rank > 1 else "")
-
-
-CPU_MEASURE_BUDGET_FLOPS = 2e10  # assumed: about 1 s forward on one CPU core, ~10 s per shape with repetitions
-
-
-class CsvSink:
-    """Streams every evaluated plan to CSV, written to a temporary file and renamed at the end (atomic)."""
-
-    COLS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "ep_from", "mesh_order", "local_batch_size",
-            "micro_batch_size", "global_batch_size", "pp_schedule", "pp_stages_per_rank", "ac", "compile", "float8",
-            "fsdp_reshard_after_forward", "wrapper_order", "step_time_s", "peak_memory_bytes",
-            "reserved_memory_bytes", "fits",
-            "tokens_per_s_per_gpu", "mfu")
-    FIELD = {"pp_stages_per_rank": "v"}
-
-    def __init__(self, path: str):
-        from parsim.jsonio import AtomicFile
-
-        self.out = AtomicFile(path)
-        self.f = self.out.f
-        self.f.write(",".join(self.COLS) + "\n")
-
-    def columns(self, b, r, fits) -> list:
-        """The COLS of one evaluated chunk: names as users write them (mesh and wrapper orders as a,b,c text)."""
-        from parsim.codec import names
-
-        named = names(b)
-        cols = []
-        for c in self.COLS:
-            if c in named:
-                cols.append(named[c])
-            elif c in r:
-                cols.append(r[c])
-            elif c == "fits":
-                cols.append(fits)
-            else:
-                cols.append(getattr(b, self.FIELD.get(c, c)))
-        return cols
-
-    def __call__(self, b, r, fits):
-        cols = [np.char.add(np.char.add('"', v), '"') if v.dtype.kind == "U" and "," in "".join(v[:1]) else
-                (v.astype(int) if v.dtype == bool else v) for v in map(np.asarray, self.columns(b, r, fits))]
-        np.savetxt(self.f, np.column_stack([x.astype(str) for x in cols]), fmt="%s", delimiter=",")
-
-    def close(self, ok: bool):
-        if ok:
-            self.out.commit()
-        else:
-            self.out.discard()
-
-
-class ParquetSink(CsvSink):
-    """The same columns as CsvSink, streamed to Parquet (one row group per evaluated chunk) through pyarrow,
-    written beside the target and renamed over it at the end."""
-
-    def __init__(self, path: str):
-        from parsim.errors import ParsimError
-
-        try:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ParsimError("a .parquet output needs pyarrow: pip install pyarrow (or 'parsim[parquet]')") from None
-        from parsim.jsonio import AtomicFile
-
-        self.pa = pa
-        self.out = AtomicFile(path)
-        self.out.f.close()
-        self.writer: Any = None
-        self.pq = pq
-
-    def __call__(self, b, r, fits):
-        table = self.pa.table({c: np.asarray(v) for c, v in zip(self.COLS, self.columns(b, r, fits), strict=True)})
-        if self.writer is None:
-            self.writer = self.pq.ParquetWriter(self.out.tmp, table.schema)
-        self.writer.write_table(table)
-
-    def close(self, ok: bool):
-        if self.writer is not None:
-            self.writer.close()
-        if ok and self.writer is not None:
-            self.out.commit()
-        else:
-            self.out.discard()
-
-
-def run_search_cli(spec, hw, gpus, space, *, top, explain, emit_plan, emit_torchtitan, csv_path, as_json,
-                   execute=0, model_arg=None, execute_out=None, wide=False, torchtitan_format="python",
-                   emit_megatron=None, measure=0, measure_budget_flops=None):
-    """`parsim search`: search (progress bar; every plan to --csv), measure and re-rank (--measure), write the
-    best plan out (--emit-*), run the top (--execute), then print (tables or one JSON document)."""
+def run_search_cli(spec, hw, gpus, space, *, top, explain, outputs, as_json, execute=0, model_arg=None, wide=False,
+                   measure=0, measure_budget_flops=None):
+    """`parsim search`: the search job (``parsim.search_job``) with progress bars and its lines on stderr, then
+    its result printed (tables or one JSON document)."""
     from rich.console import Console
 
-    from parsim.errors import ParsimError
-    from parsim.jsonio import atomic_write_json
+    from parsim.cli.common import Bars
     from parsim.search import result_to_dict
+    from parsim.search_job import run_search_job
 
     err, con = Console(stderr=True), Console()
-    res = _search_with_progress(spec, hw, gpus, space, top, csv_path, err)
-    if explain is not None and not 1 <= explain <= len(res.top):
-        raise ParsimError(f"--explain {explain}: only {len(res.top)} plans ranked")
-    best = res.top[0].plan if res.top else None
-    measured = _measure(spec, hw, res, measure, measure_budget_flops) if measure and res.top else None
-    if measured and measured["rows"][0]["measured_rank"]:  # the re-ranked best is the plan written out
-        from parsim.plan import Plan
-
-        best = Plan.from_dict(measured["rows"][0]["plan"])
-    if best:
-        _write_best(spec, hw, res, best, measured, err, emit_plan=emit_plan, emit_torchtitan=emit_torchtitan,
-                    emit_megatron=emit_megatron, torchtitan_format=torchtitan_format, model_arg=model_arg)
-    executed = _execute(spec, hw, res, execute, model_arg or spec.name, err) if execute else []
-    if execute_out and executed:
-        atomic_write_json(execute_out, executed)
+    with Bars(err, transient=True) as bars:
+        job = run_search_job(spec, hw, gpus, space, top=top, outputs=outputs, measure=measure,
+                             measure_budget_flops=measure_budget_flops, execute=execute, explain=explain,
+                             model_arg=model_arg, progress=bars,
+                             log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
+    res = job.res
     if as_json:
         from parsim.cli.common import emit_json
 
         d = result_to_dict(res, spec, hw, gpus, space, top)
-        if explain:
-            d["explain"] = _explain_dict(spec, hw, res, explain, top)
-        if executed:
-            d["executed"] = executed
-        if measured:
-            d["measured"] = {k: v for k, v in measured.items() if k != "profile"}
+        if job.explained:
+            d["explain"] = job.explained
+        if job.executed:
+            d["executed"] = job.executed
+        if job.measured:
+            d["measured"] = {k: v for k, v in job.measured.items() if k != "profile"}
         emit_json(d)
         return
     if not _print_search(con, spec, hw, gpus, space, res, top, wide):
         return
-    if measured:
-        _print_reranked(con, measured)
-    if explain:
-        _print_explain(con, spec, hw, res, explain, top)
-    if executed:
-        _print_executed(con, executed)
-    if emit_plan and best:
-        con.print(f"wrote plan #1 ({best.plan_id}) to {emit_plan}")
-    if emit_megatron:
-        con.print(f"wrote the Megatron-LM arguments of plan #1 to {emit_megatron}")
-    if emit_torchtitan:
-        con.print(f"wrote the torchtitan {'0.3.0 Python' if torchtitan_format == 'python' else 'v0.2 TOML'} config "
-                  f"of plan #1 to {emit_torchtitan}")
+    if job.measured:
+        _print_reranked(con, job.measured)
+    if job.explained:
+        _print_explain(con, res, explain, job.explained)
+    if job.executed:
+        _print_executed(con, job.executed)
+    _print_written(con, job, outputs)
 
 
-def _search_with_progress(spec, hw, gpus, space, top, csv_path, err):
-    """The search with a progress bar on stderr (a terminal only); every evaluated plan to ``csv_path`` (closed
-    atomically: an interrupted search leaves no half file)."""
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
-
-    from parsim.search import search
-
-    sink = (ParquetSink if str(csv_path).endswith(".parquet") else CsvSink)(csv_path) if csv_path else None
-    ok = False
-    try:
-        with Progress(TextColumn("searching"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
-                      console=err, transient=True, disable=not err.is_terminal) as prog:
-            task = prog.add_task("search", total=None)
-
-            def progress(done, total):
-                prog.update(task, completed=done, total=total)
-
-            res = search(spec, hw, gpus, space, top_k=top, progress=progress, csv_writer=sink)
-        ok = True
-    finally:
-        if sink:
-            sink.close(ok)
-    return res
-
-
-def _said_of(spec, hw, res, best, measured) -> str:
-    """What parsim predicted for the plan it writes out (the re-ranked prediction after --measure)."""
-    top = res.top[0]
-    step, mem, tps, mfu = top.step_time_s, top.reserved_memory_bytes, top.tokens_per_s_per_gpu, top.mfu
-    if measured:
-        from parsim.costmodel import predict
-
-        p = predict(spec, best, measured["profile"])
-        step, mem, tps, mfu = p.step_time_s, p.reserved_memory_bytes, p.tokens_per_s_per_gpu, p.mfu
-    q = _interval_factor(hw, best)
-    return (f"step {step:.3f} s (90% interval {step / q:.3f}-{step * q:.3f} s), {tps:,.0f} tokens/s/GPU, "
-            f"MFU {100 * mfu:.1f}%, {mem / GiB:.1f} GiB reserved per GPU on {hw.name}")
-
-
-def _write_best(spec, hw, res, best, measured, err, *, emit_plan, emit_torchtitan, emit_megatron,
-                torchtitan_format, model_arg) -> None:
-    """--emit-plan / --emit-torchtitan / --emit-megatron: the best plan written out (atomically), with what parsim
-    predicted for it; what a framework cannot express is said on stderr (and at the top of the file)."""
-    from parsim.emit import megatron_gaps, to_megatron_args, to_torchtitan_python, to_torchtitan_toml, torchtitan_gaps
-    from parsim.jsonio import atomic_write_json, atomic_write_text
-
-    if emit_plan:
-        # the plan with the model it was searched for (`predict --plan F` then needs no --model)
-        atomic_write_json(emit_plan, {"model": model_arg or spec.name, "plan_id": best.plan_id,
-                                      "plan": best.to_dict()})
-    said = _said_of(spec, hw, res, best, measured)
-    if emit_torchtitan:
-        emit = to_torchtitan_python if torchtitan_format == "python" else to_torchtitan_toml
-        said_tt = said
-        if torchtitan_format == "python" and best.float8 and best.float8_recipe == "tensorwise":
-            import dataclasses
-
-            from parsim.costmodel import predict
-
-            rw = predict(spec, dataclasses.replace(best, float8_recipe="rowwise"), hw)  # what 0.3.0 will run
-            said_tt += (f"; as emitted (float8 rowwise): step {rw.step_time_s:.3f} s, "
-                        f"{rw.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {100 * rw.mfu:.1f}%")
-        atomic_write_text(emit_torchtitan, emit(best, spec, said_tt))
-        version = "0.3.0" if torchtitan_format == "python" else "0.2"
-        for gap in torchtitan_gaps(best, spec, version):  # also at the top of the file
-            err.print(f"parsim: torchtitan {version} cannot express: {gap}", markup=False, highlight=False,
-                      soft_wrap=True)
-    if emit_megatron:
-        atomic_write_text(emit_megatron, to_megatron_args(best, spec, said))
-        for gap in megatron_gaps(best, spec):
-            err.print(f"parsim: Megatron-LM cannot express: {gap}", markup=False, highlight=False, soft_wrap=True)
+def _print_written(con, job, outputs) -> None:
+    if outputs.emit_plan and job.best:
+        con.print(f"wrote plan #1 ({job.best.plan_id}) to {outputs.emit_plan}")
+    if outputs.emit_megatron:
+        con.print(f"wrote the Megatron-LM arguments of plan #1 to {outputs.emit_megatron}")
+    if outputs.emit_torchtitan:
+        kind = "0.3.0 Python" if outputs.torchtitan_format == "python" else "v0.2 TOML"
+        con.print(f"wrote the torchtitan {kind} config of plan #1 to {outputs.emit_torchtitan}")
 
 
 def _print_search(con, spec, hw, gpus, space, res, top, wide) -> bool:
@@ -323,7 +93,7 @@ def _print_search(con, spec, hw, gpus, space, res, top, wide) -> bool:
                       ("batch", "left"), ("AC", "left"), ("options", "left")):
         pt.add_column(col, justify=just, no_wrap=True)
     for plan, step, mem in res.pareto:
-        pt.add_row(f"{step / MS:.1f}", f"{mem / GiB:.1f}", short_degrees(plan), _sched_str(plan),
+        pt.add_row(f"{step / MS:.1f}", f"{mem / GiB:.1f}", short_degrees(plan), sched_str(plan),
                    short_batch(plan), short_ac(plan.ac), short_options(plan))
     con.print(pt)
     return True
@@ -377,42 +147,22 @@ def _top_table(res, top: int, hw, wide: bool, width: int = 100):
     for i, (plan, step, mem, tps, mfu, dom) in enumerate(res.top[:top], 1):
         if wide:
             q = _interval_factor(hw, plan)
-            t.add_row(str(i), plan.describe(), _order_str(plan), _sched_str(plan),
+            t.add_row(str(i), plan.describe(), order_str(plan), sched_str(plan),
                       f"{plan.local_batch_size}/{plan.micro_batch_size}", str(plan.grad_accum_steps), plan.ac,
                       "y" if plan.compile else "n", "y" if plan.float8 else "n", plan.fsdp_reshard_after_forward,
                       ">".join(plan.wrapper_order), f"{step / MS:.1f}", f"{step / q / MS:.0f}-{step * q / MS:.0f}",
                       f"{tps:,.0f}", f"{mfu * 100:.1f}%", f"{mem / GiB:.1f}", dom)
         else:
-            row = [str(i), short_degrees(plan), _sched_str(plan), short_batch(plan), short_ac(plan.ac),
+            row = [str(i), short_degrees(plan), sched_str(plan), short_batch(plan), short_ac(plan.ac),
                    short_options(plan), f"{step / MS:.1f}", f"{tps:,.0f}", f"{mfu * 100:.1f}%",
                    f"{mem / GiB:.1f}", SHORT_DOMINANT.get(dom, dom.replace("comm_", ""))]
             t.add_row(*row[:len(cols)])
     return t
 
 
-def _explain_dict(spec, hw, res, n, top):
-    """Plan ``n`` against up to three other plans the table shows (the next ones, or the ones before the last),
-    and every factor its prediction applied (``costmodel.explain``'s factors, as ``predict --explain`` shows)."""
-    from parsim.costmodel import predict
-    from parsim.costmodel.explain import predict_and_explain
-
-    shown = min(top, len(res.top))
-    ranks = list(range(n + 1, min(n + 3, shown) + 1)) or list(range(max(1, n - 3), n))
-    base, why = predict_and_explain(spec, res.top[n - 1].plan, hw)
-    preds = [predict(spec, res.top[r - 1].plan, hw) for r in ranks]
-    return {"plan": base.to_dict(), "factors": why["factors"], "versus": [
-        {"rank": r, "plan_id": p.plan_id, "describe": res.top[r - 1].plan.describe(),
-         "step_time_delta_s": p.step_time_s - base.step_time_s,
-         "time_delta_s": {k: p.time_breakdown_s.get(k, 0.0) - base.time_breakdown_s.get(k, 0.0)
-                          for k in sorted(set(p.time_breakdown_s) | set(base.time_breakdown_s))},
-         "memory_delta_bytes": {k: p.memory_breakdown_bytes[k] - base.memory_breakdown_bytes[k]
-                                for k in base.memory_breakdown_bytes}} for r, p in zip(ranks, preds, strict=True)]}
-
-
-def _print_explain(con, spec, hw, res, n, top):
+def _print_explain(con, res, n, d):
     from rich.table import Table
 
-    d = _explain_dict(spec, hw, res, n, top)
     base = d["plan"]
     plan_n = res.top[n - 1].plan
     t = Table(title=f"plan #{n} ({plan_n.describe()}, AC {plan_n.ac}) against the other shown plans: "
@@ -441,29 +191,6 @@ def _print_explain(con, spec, hw, res, n, top):
     print_factors(con, d["factors"])
 
 
-def _measure(spec, hw, res, k: int, budget_flops: float | None) -> dict:
-    """``--measure K``: the blocks of the top-K and Pareto plans timed on this device (kept in this machine's
-    profile folder under the profile's name, so a second run measures nothing again), the plans re-ranked
-    (``parsim.remeasure``)."""
-    import dataclasses
-
-    import torch
-
-    from parsim.cli.loop import measure_blocks_into
-    from parsim.hardware import HardwareProfile, profile_write_dir
-    from parsim.jsonio import read_json
-    from parsim.remeasure import measure_and_rerank
-
-    cuda = torch.cuda.is_available()
-    budget = budget_flops if budget_flops is not None else (math.inf if cuda else CPU_MEASURE_BUDGET_FLOPS)
-    path = profile_write_dir() / f"{hw.name}.json"
-    if path.exists():  # blocks measured here by an earlier run (a cache: kept beside the given profile's own)
-        cached = HardwareProfile.from_dict(read_json(path, "corrupt profile"), origin=str(path))
-        hw = dataclasses.replace(hw, measured_blocks={**cached.measured_blocks, **hw.measured_blocks})
-    out = measure_and_rerank(spec, hw, res, k, budget, lambda hw_, shapes: measure_blocks_into(hw_, shapes, path))
-    return {**out, "budget_flops": budget, "profile_path": str(path), "device": "cuda" if cuda else "cpu"}
-
-
 def _print_reranked(con, measured: dict) -> None:
     from rich import box
     from rich.table import Table
@@ -485,35 +212,8 @@ def _print_reranked(con, measured: dict) -> None:
         was = f"{r['curves_rank']}" + (f" ({'+' if moved > 0 else ''}{moved})" if moved else "")
         t.add_row(str(r["measured_rank"] or "-"), was, f"{r['curves_step_s']:.4g}", f"{r['measured_step_s']:.4g}",
                   f"{100 * (r['measured_step_s'] / r['curves_step_s'] - 1):+.0f}%", short_degrees(plan),
-                  _sched_str(plan), short_batch(plan), short_ac(plan.ac), short_options(plan), r["blocks"])
+                  sched_str(plan), short_batch(plan), short_ac(plan.ac), short_options(plan), r["blocks"])
     con.print(t)
-
-
-def _execute(spec, hw, res, k, model_arg, err) -> list[dict]:
-    """Run the top-k plans with the executor on this machine: CUDA when it has enough GPUs, else gloo on CPU."""
-    from parsim.costmodel import predict
-    from parsim.errors import ParsimError
-
-    try:
-        import torch
-    except ImportError:
-        raise ParsimError("--execute needs torch installed (pip install torch)") from None
-    from parsim.executor.launch import run_plan
-
-    out = []
-    for i, (plan, *_rest) in enumerate(res.top[:k], 1):
-        n = plan.world_size
-        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= n
-        if not cuda and n > 8:
-            err.print(f"plan #{i} needs {n} ranks; this machine runs at most 8 CPU ranks: skipped")
-            continue
-        err.print(f"executing plan #{i} ({plan.describe()}) on {n} {'GPUs' if cuda else 'CPU ranks (gloo)'} ...")
-        m = run_plan(model_arg, plan, n, steps=5, warmup=2, timeout_s=900, device=None if cuda else "cpu")
-        text = " ".join(x for x in (short_degrees(plan), f"AC {plan.ac}" if plan.ac != "none" else "",
-                                     short_options(plan)) if x)
-        out.append({"rank": i, "plan": text, "prediction": predict(spec, plan, hw).to_dict(),
-                    "measurement": m.to_dict()})
-    return out
 
 
 def _print_executed(con, executed):

@@ -15,21 +15,21 @@ search prunes are exactly the plans ``Plan`` refuses, for the same reason).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import ParsimError
-from .plan import AC_MODES, AXES, FLOAT8_RECIPES, PP_SCHEDULES, RAF_MODES, parse_ac, ranks_per_node, world_size_message
+from .plan import AC_MODES, AXES, PP_SCHEDULES, ranks_per_node, world_size_message
+from .plan_schema import DTYPES, EP_FROM, PLAN_FIELDS, PlanField, parse_ac
 from .units import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from .plan import Plan
     from .spec import ModelSpec
 
-DTYPES = ("float32", "bfloat16", "float16")
 SCHED_NAMES = {v: k for k, v in PP_SCHEDULES.items()}
 AC_NAMES = {v: k for k, v in AC_MODES.items()}
 GROUPS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "fsdp", "ep", "efsdp", "edp")
@@ -39,37 +39,40 @@ GROUPS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "fsdp", "ep", "efsdp", "
 AXIS_PRIORITY = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp_shard+cp", "efsdp", "edp", "ep")
 
 
-@dataclass
+def _columns() -> tuple[tuple[str, bool], ...]:
+    """(column, is bool) of every schema field: ints and bools as they are, a choice as the index of its value in
+    the field's choices, sequence parallel resolved, AC as its mode code and period (``ac``, ``ac_every``), the
+    device and wrapper orders as indices into the orders the batch carries (``mesh_idx``, ``wrapper_idx``)."""
+    out: list[tuple[str, bool]] = []
+    for f in PLAN_FIELDS:
+        out += [("ac", False), ("ac_every", False)] if f.kind == "ac" else [
+            (f.column, f.kind in ("bool", "optional_bool"))]
+    return tuple(out)
+
+
+COLUMNS = _columns()
+_BOOL_COLS = frozenset(c for c, is_bool in COLUMNS if is_bool)
+COLUMN_NAMES = tuple(c for c, _ in COLUMNS)
+
+
+def _batch_columns(cls):
+    """``cls`` as a dataclass with one array per ``COLUMNS`` entry, then the orders and ranks per node."""
+    shared = {k: cls.__annotations__[k] for k in _SHARED}
+    cls.__annotations__ = {**{c: np.ndarray for c in COLUMN_NAMES}, **shared}
+    return dataclass(cls)
+
+
+_SHARED = ("mesh_orders", "wrapper_orders", "rpn")
+
+
+@_batch_columns
 class PlanBatch:
-    pp: np.ndarray
-    dp_replicate: np.ndarray
-    dp_shard: np.ndarray
-    cp: np.ndarray
-    tp: np.ndarray
-    ep: np.ndarray
-    etp: np.ndarray
-    ep_ddp: np.ndarray  # bool: EP borrowed from dp_replicate (Megatron DDP+EP) instead of dp_shard*cp*tp
-    seq_len: np.ndarray
-    local_batch_size: np.ndarray
-    micro_batch_size: np.ndarray
-    global_batch_size: np.ndarray
-    sched: np.ndarray  # PP_SCHEDULES code
-    v: np.ndarray  # stages per rank
-    sp: np.ndarray  # bool, resolved sequence parallel
-    raf_mode: np.ndarray  # index into RAF_MODES
-    ac: np.ndarray  # AC_MODES code
-    ac_every: np.ndarray
-    compile: np.ndarray  # bool
-    float8: np.ndarray  # bool
-    f8_recipe: np.ndarray  # index into FLOAT8_RECIPES
-    async_tp: np.ndarray  # bool
-    dist_opt: np.ndarray  # bool: distributed optimizer (ZeRO-1 over dp_replicate)
-    te: np.ndarray  # bool: Megatron-Core Transformer Engine layers
-    fused_loss: np.ndarray  # bool: fused cross-entropy
-    param_dtype: np.ndarray  # index into DTYPES
-    reduce_dtype: np.ndarray  # index into DTYPES
-    mesh_idx: np.ndarray  # index into mesh_orders
-    wrapper_idx: np.ndarray  # index into wrapper_orders
+    """Many plans as one numpy array per ``COLUMNS`` entry (named after the schema's fields)."""
+
+    if TYPE_CHECKING:  # the columns come from the schema (``_batch_columns``)
+        def __init__(self, **columns: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+
     mesh_orders: tuple = (AXES,)
     wrapper_orders: tuple = ()
     rpn: dict | None = None  # group name -> ranks of that group per node (None: no node size given)
@@ -78,7 +81,7 @@ class PlanBatch:
         return len(self.pp)
 
     def take(self, idx) -> PlanBatch:
-        kw = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name not in _SHARED}
+        kw = {c: getattr(self, c)[idx] for c in COLUMN_NAMES}
         rpn = None if self.rpn is None else {k: v[idx] for k, v in self.rpn.items()}
         return PlanBatch(mesh_orders=self.mesh_orders, wrapper_orders=self.wrapper_orders, rpn=rpn, **kw)
 
@@ -86,12 +89,18 @@ class PlanBatch:
     @cached_property
     def raf(self):
         """reshard_after_forward in effect: default = on without PP, off with PP (torchtitan)."""
-        return np.where(self.raf_mode == 0, self.pp == 1, self.raf_mode == 1)
+        mode = self.fsdp_reshard_after_forward
+        return np.where(mode == 0, self.pp == 1, mode == 1)
 
     @cached_property
     def raf_always(self):
         """'always' reshards the output layer too (torchtitan's default keeps the last unit gathered)."""
-        return self.raf_mode == 1
+        return self.fsdp_reshard_after_forward == 1
+
+    @cached_property
+    def ep_ddp(self):
+        """EP borrowed from dp_replicate (Megatron DDP + EP) instead of dp_shard x cp x tp (torchtitan dp2ep)."""
+        return self.ep_from == EP_FROM.index("dp_replicate")
 
     @cached_property
     def ac_wraps_compile(self):
@@ -110,7 +119,7 @@ class PlanBatch:
     @cached_property
     def zero1(self):
         """The distributed optimizer in effect: asked for and with dp_replicate ranks to shard the state over."""
-        return self.dist_opt & (self.dp_replicate > 1)
+        return self.distributed_optimizer & (self.dp_replicate > 1)
 
     @cached_property
     def dp(self):
@@ -145,27 +154,38 @@ class PlanBatch:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
 
-_SHARED = ("mesh_orders", "wrapper_orders", "rpn")
 _DTYPE_BYTES = np.array([DTYPE_BYTES[d] for d in DTYPES], dtype=np.int64)
-_INT_COLS = tuple(f.name for f in fields(PlanBatch) if f.name not in _SHARED)
-_BOOL_COLS = ("ep_ddp", "sp", "compile", "float8", "async_tp", "dist_opt", "te", "fused_loss")
-# columns a caller may leave out (their Plan default)
-_OPTIONAL_COLS = {"f8_recipe": 0, "async_tp": False, "dist_opt": False, "te": False, "fused_loss": False}
+
+
+def encode_field(f: PlanField, value) -> dict:
+    """One field's batch columns (orders excepted: their index depends on the batch)."""
+    if f.kind == "choice":
+        return {f.column: f.choices.index(value)}
+    if f.kind == "ac":
+        mode, every = parse_ac(value)
+        return {"ac": AC_MODES[mode], "ac_every": every}
+    return {f.column: value}
+
+
+# columns a caller may leave out: the encoded default of their field (not the batch sizes whose default 0 is
+# resolved per plan, nor the orders: their index is the batch's)
+_DEFAULT_COLS = {c: v for f in PLAN_FIELDS if f.kind != "order" and not (f.kind == "int" and f.default == 0)
+                 for c, v in encode_field(f, f.default).items()} | {"mesh_idx": 0, "wrapper_idx": 0}
 
 
 def batch_of(cols: dict, mesh_orders: tuple, wrapper_orders: tuple, gpus_per_node: int | None) -> PlanBatch:
-    """A batch from its columns (arrays or scalars broadcast to the batch length); ``sp`` may be None for the
-    default (on when tp > 1). Ranks per node of every group are computed per device order when the node size is
-    given."""
+    """A batch from its columns (arrays or scalars broadcast to the batch length; a column left out takes its
+        field's default, the batch sizes excepted); ``sequence_parallel`` None is the default (on when tp > 1). Ranks
+    per node of every group are computed per device order when the node size is given."""
     sizes = [np.size(v) for v in cols.values() if v is not None and np.ndim(v) > 0]
     n = max(sizes) if sizes else 1
     kw: dict[str, Any] = {}
-    for name in _INT_COLS:
-        v = cols[name] if name in cols or name not in _OPTIONAL_COLS else _OPTIONAL_COLS[name]
-        if name == "sp" and v is None:
-            v = np.asarray(cols["tp"]) > 1
+    for name in COLUMN_NAMES:
+        v = cols[name] if name in cols or name not in _DEFAULT_COLS else _DEFAULT_COLS[name]
+        if name == "sequence_parallel" and v is None:
+            v = np.asarray(cols.get("tp", 1)) > 1
         kw[name] = np.broadcast_to(np.asarray(v, dtype=bool if name in _BOOL_COLS else np.int64), (n,))
-    kw["sp"] = kw["sp"] & (kw["tp"] > 1)
+    kw["sequence_parallel"] = kw["sequence_parallel"] & (kw["tp"] > 1)
     b = PlanBatch(mesh_orders=tuple(mesh_orders), wrapper_orders=tuple(wrapper_orders), **kw)
     if gpus_per_node is not None:
         b.rpn = _rpn(b, gpus_per_node)
@@ -183,17 +203,12 @@ def _rpn(b: PlanBatch, gpus_per_node: int) -> dict:
 
 def _fields(p: Plan) -> dict:
     """The batch columns of one plan (orders as index 0 of single-entry tuples)."""
-    mode, every = parse_ac(p.ac)
-    return dict(
-        pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep, etp=p.etp,
-        ep_ddp=p.ep_from == "dp_replicate", seq_len=p.seq_len, local_batch_size=p.local_batch_size,
-        micro_batch_size=p.micro_batch_size, global_batch_size=p.global_batch_size,
-        sched=PP_SCHEDULES[p.pp_schedule], v=p.pp_stages_per_rank, sp=bool(p.sequence_parallel) and p.tp > 1,
-        raf_mode=RAF_MODES.index(p.fsdp_reshard_after_forward), ac=AC_MODES[mode], ac_every=every,
-        compile=p.compile, float8=p.float8, f8_recipe=FLOAT8_RECIPES.index(p.float8_recipe), async_tp=p.async_tp,
-        dist_opt=p.distributed_optimizer, te=p.te_layers, fused_loss=p.fused_loss,
-        param_dtype=DTYPES.index(p.param_dtype),
-        reduce_dtype=DTYPES.index(p.reduce_dtype), mesh_idx=0, wrapper_idx=0)
+    out: dict = {"mesh_idx": 0, "wrapper_idx": 0}
+    for f in PLAN_FIELDS:
+        if f.kind != "order":
+            out.update(encode_field(f, getattr(p, f.name)))
+    out["sequence_parallel"] = bool(p.sequence_parallel) and p.tp > 1
+    return out
 
 
 def encode(plans: list[Plan], gpus_per_node: int | None) -> PlanBatch:
@@ -201,7 +216,7 @@ def encode(plans: list[Plan], gpus_per_node: int | None) -> PlanBatch:
     meshes = list(dict.fromkeys(p.mesh_order for p in plans))
     wrappers = list(dict.fromkeys(p.wrapper_order for p in plans))
     rows = [_fields(p) for p in plans]
-    cols = {k: [r[k] for r in rows] for k in _INT_COLS}
+    cols = {k: [r[k] for r in rows] for k in COLUMN_NAMES}
     cols["mesh_idx"] = [meshes.index(p.mesh_order) for p in plans]
     cols["wrapper_idx"] = [wrappers.index(p.wrapper_order) for p in plans]
     return batch_of(cols, tuple(meshes), tuple(wrappers), gpus_per_node)
@@ -216,35 +231,27 @@ def _row(p: Plan) -> PlanBatch:
 
 def plan_kwargs(b: PlanBatch, i: int) -> dict:
     """The Plan fields of row ``i`` (unvalidated: ``Plan(**plan_kwargs(b, i))`` checks them)."""
-    g = {f.name: getattr(b, f.name)[i].item() for f in fields(b) if f.name not in _SHARED}
-    ac = AC_NAMES[g["ac"]]
-    return dict(
-        pp=g["pp"], dp_replicate=g["dp_replicate"], dp_shard=g["dp_shard"], cp=g["cp"], tp=g["tp"], ep=g["ep"],
-        etp=g["etp"], ep_from="dp_replicate" if g["ep_ddp"] else "dp_shard", mesh_order=b.mesh_orders[g["mesh_idx"]],
-        seq_len=g["seq_len"], local_batch_size=g["local_batch_size"], global_batch_size=g["global_batch_size"],
-        micro_batch_size=g["micro_batch_size"], pp_schedule=SCHED_NAMES[g["sched"]], pp_stages_per_rank=g["v"],
-        sequence_parallel=g["sp"], fsdp_reshard_after_forward=RAF_MODES[g["raf_mode"]],
-        ac=f"layer:{g['ac_every']}" if ac == "layer" else ac, compile=g["compile"], float8=g["float8"],
-        float8_recipe=FLOAT8_RECIPES[g["f8_recipe"]], async_tp=g["async_tp"], distributed_optimizer=g["dist_opt"],
-        te_layers=g["te"], fused_loss=g["fused_loss"],
-        param_dtype=DTYPES[g["param_dtype"]], reduce_dtype=DTYPES[g["reduce_dtype"]],
-        wrapper_order=b.wrapper_orders[g["wrapper_idx"]],
-    )
+    out = {}
+    for f in PLAN_FIELDS:
+        v = getattr(b, f.column)[i].item()
+        if f.kind == "choice":
+            v = f.choices[v]
+        elif f.kind == "ac":
+            v = AC_NAMES[v] if AC_NAMES[v] != "layer" else f"layer:{b.ac_every[i].item()}"
+        elif f.kind == "order":
+            v = (b.mesh_orders if f.name == "mesh_order" else b.wrapper_orders)[v]
+        out[f.name] = v
+    return out
 
 
 def names(b: PlanBatch) -> dict[str, np.ndarray]:
     """The named Plan fields of every row as string arrays (what a CSV or a table shows), vectorized."""
     ac = np.array([AC_NAMES.get(k, "") for k in range(max(AC_NAMES) + 1)], dtype=object)[b.ac]
     ac = np.where(ac == "layer", "layer:" + b.ac_every.astype(str).astype(object), ac)
-    return {
-        "ep_from": np.where(b.ep_ddp, "dp_replicate", "dp_shard"),
-        "mesh_order": np.array([",".join(o) for o in b.mesh_orders])[b.mesh_idx],
-        "pp_schedule": np.array([SCHED_NAMES[k] for k in range(len(SCHED_NAMES))])[b.sched],
-        "fsdp_reshard_after_forward": np.array(RAF_MODES)[b.raf_mode],
-        "ac": ac.astype(str),
-        "param_dtype": np.array(DTYPES)[b.param_dtype], "reduce_dtype": np.array(DTYPES)[b.reduce_dtype],
-        "wrapper_order": np.array([",".join(o) for o in b.wrapper_orders] or [""])[b.wrapper_idx],
-    }
+    out = {f.name: np.array(f.choices)[getattr(b, f.column)] for f in PLAN_FIELDS if f.kind == "choice"}
+    return {**out, "ac": ac.astype(str),
+            "mesh_order": np.array([",".join(o) for o in b.mesh_orders])[b.mesh_idx],
+            "wrapper_order": np.array([",".join(o) for o in b.wrapper_orders] or [""])[b.wrapper_idx]}
 
 
 def decode(b: PlanBatch, i: int) -> Plan:
@@ -325,22 +332,22 @@ RULES: tuple[Rule, ...] = (
          lambda p, s: f"micro batch {p.micro_batch_size} != local batch {p.local_batch_size} without PP; use global "
                       "batch for gradient accumulation"),
     Rule("Interleaved1F1B with one stage per rank", False,
-         lambda b, s: (b.sched == PP_SCHEDULES["Interleaved1F1B"]) & (b.pp > 1) & (b.v < 2),
+         lambda b, s: (b.pp_schedule == PP_SCHEDULES["Interleaved1F1B"]) & (b.pp > 1) & (b.pp_stages_per_rank < 2),
          lambda p, s: "Interleaved1F1B needs pp_stages_per_rank >= 2"),
     Rule("several stages per rank without an interleaved schedule", False,
-         lambda b, s: (b.sched != PP_SCHEDULES["Interleaved1F1B"]) & (b.v != 1),
+         lambda b, s: (b.pp_schedule != PP_SCHEDULES["Interleaved1F1B"]) & (b.pp_stages_per_rank != 1),
          lambda p, s: f"{p.pp_schedule} runs one stage per rank, got pp_stages_per_rank={p.pp_stages_per_rank}"),
     Rule("several stages per rank without PP", False,
-         lambda b, s: (b.pp == 1) & (b.v != 1),
+         lambda b, s: (b.pp == 1) & (b.pp_stages_per_rank != 1),
          lambda p, s: f"pp_stages_per_rank={p.pp_stages_per_rank} needs pp > 1"),
     Rule("fewer microbatches than stages", False,
-         lambda b, s: (b.pp > 1) & (b.sched != PP_SCHEDULES["GPipe"]) & (b.n_micro < b.pp),
+         lambda b, s: (b.pp > 1) & (b.pp_schedule != PP_SCHEDULES["GPipe"]) & (b.n_micro < b.pp),
          lambda p, s: f"{p.pp_schedule} needs at least pp={p.pp} microbatches, got local batch / micro batch = "
                       f"{p.local_batch_size} / {p.micro_batch_size} = {p.n_microbatches}"),
     # torch's ScheduleInterleaved1F1B runs max(1, m // pp) rounds of equal size and raises otherwise
     # (Megatron's interleaved schedule also wants m a multiple of pp)
     Rule("Interleaved1F1B microbatches not in equal rounds", False,
-         lambda b, s: (b.pp > 1) & (b.sched == PP_SCHEDULES["Interleaved1F1B"])
+         lambda b, s: (b.pp > 1) & (b.pp_schedule == PP_SCHEDULES["Interleaved1F1B"])
          & (b.n_micro % np.maximum(1, b.n_micro // np.maximum(b.pp, 1)) != 0),
          lambda p, s: f"Interleaved1F1B runs {max(1, p.n_microbatches // p.pp)} rounds of microbatches: "
                       f"{p.n_microbatches} microbatches are not a multiple of that (torch raises)"),
@@ -348,7 +355,7 @@ RULES: tuple[Rule, ...] = (
          lambda b, s: (b.cp > 1) & (b.seq_len % (2 * b.cp) != 0),
          lambda p, s: f"seq_len {p.seq_len} is not divisible by 2 x cp = {2 * p.cp} (CP load balancing)"),
     Rule("seq_len / cp not divisible by tp (sequence parallel)", False,
-         lambda b, s: b.sp & ((b.seq_len // b.cp) % b.tp != 0),
+         lambda b, s: b.sequence_parallel & ((b.seq_len // b.cp) % b.tp != 0),
          lambda p, s: f"sequence parallel needs seq_len / cp = {p.seq_len // p.cp} divisible by tp = {p.tp}"),
     Rule("etp neither 1 nor tp", False,
          lambda b, s: _uses_ep(b) & (b.etp != 1) & (b.etp != b.tp),
@@ -367,7 +374,7 @@ RULES: tuple[Rule, ...] = (
     Rule("tp does not divide heads / kv heads / d_ff", True,
          lambda b, s: (s.n_heads % b.tp != 0) | (_kv(s) % b.tp != 0) | (s.d_ff % b.tp != 0), _tp_msg),
     Rule("more pipeline stages than layers", True,
-         lambda b, s: b.pp * b.v > s.n_layers,
+         lambda b, s: b.pp * b.pp_stages_per_rank > s.n_layers,
          lambda p, s: f"{s.name}: {s.n_layers} layers cannot fill pp x stages per rank = {p.pp} x "
                       f"{p.pp_stages_per_rank} = {p.pp * p.pp_stages_per_rank} stages"),
     Rule("expert parallelism on a dense model", True,
@@ -421,10 +428,16 @@ def check_rules(plan: Plan, spec: ModelSpec | None = None) -> None:
 # the reason. The executor refuses them with these messages before touching a process group
 # (``parsim.executor.parallelize.check_executable``), search marks them (``executable`` column, ``--executable``
 # keeps only the others) and the differential tester counts them as refusals, not failures.
+def _cost_model_only(f: PlanField) -> Rule:
+    """The executor rule of a schema option it does not run (``executor_refusal``): refused when not at its
+    default."""
+    default = encode_field(f, f.default)[f.column]
+    return Rule(f"{f.name}: cost model only", False, lambda b, s: getattr(b, f.column) != default,
+                lambda p, s: f.executor_refusal)
+
+
 EXECUTOR_RULES: tuple[Rule, ...] = (
-    Rule("te_layers: no Transformer Engine", False, lambda b, s: b.te,
-         lambda p, s: "te_layers (Megatron-Core's Transformer Engine layers) is a cost-model option: Transformer "
-                      "Engine runs on CUDA only, the executor has no such layers"),
+    *(_cost_model_only(f) for f in PLAN_FIELDS if f.executor_refusal),
     Rule("fused loss under TP", False, lambda b, s: b.fused_loss & (b.tp > 1),
          lambda p, s: "the executor's fused cross-entropy runs on whole-vocabulary logits (tp 1); with TP the cost "
                       "model alone covers it (a vocab-parallel fused loss)"),

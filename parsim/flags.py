@@ -1,9 +1,10 @@
 """The plan flags of the command line, checked once for every command (predict, search, run, trace).
 
-A flag the user did not give arrives as ``None``; ``DEFAULTS`` fills it in for the commands that need one plan, and
-``search`` turns every given flag into a pin of its space (``search_pins``). Every value is checked here before
-anything is enumerated, launched or written: out-of-range integers, unknown names, absurd sizes (``limits``) give
-one ParsimError line. Torch-free.
+The plan flags are the plan schema's fields (``plan_schema.PLAN_FIELDS``: their names, ranges, choices and defaults
+come from there). A flag the user did not give arrives as ``None``; ``DEFAULTS`` fills it in for the commands that
+need one plan, and ``search_space`` turns every given flag into a pin of its space. Every value is checked here
+before anything is enumerated, launched or written: out-of-range integers, unknown names, absurd sizes give one
+ParsimError line. Torch-free.
 """
 
 from __future__ import annotations
@@ -12,40 +13,18 @@ from typing import Any
 
 from .codec import DP2EP_RULES, RuleError, validate_plan
 from .errors import ParsimError, check_number
-from .plan import (
-    AXES,
-    DEFAULT_ORDER,
-    EP_FROM,
-    FLOAT8_RECIPES,
-    LATE_DEFAULTS,
-    MAX_BATCH,
-    MAX_GPUS,
-    MAX_SEQ_LEN,
-    MAX_STAGES_PER_RANK,
-    PP_SCHEDULES,
-    RAF_MODES,
-    WRAPPERS,
-    Plan,
-    parse_ac,
-    plan_from_flags,
-)
+from .plan import AXES, MAX_GPUS, Plan, plan_from_flags
+from .plan_schema import PINNED, PLAN_FIELDS, WRAPPERS, parse_ac
 
-DEFAULTS = {
-    "model": "llama3-8b", "gpus": None, "dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1, "cp": 1, "ep": 1,
-    "etp": 1, "ep_from": "dp_shard", "local_batch_size": 1, "micro_batch_size": None, "global_batch_size": None,
-    "seq_len": 4096,
-    "pp_schedule": "1F1B", "pp_stages_per_rank": None, "ac": "none", "compile": False, "float8": False,
-    "float8_recipe": "tensorwise", "async_tp": False, "distributed_optimizer": False,
-    "te_layers": False, "fused_loss": False,
-    "sequence_parallel": None, "fsdp_reshard_after_forward": "default", "mesh_order": ",".join(AXES),
-    "order": ",".join(DEFAULT_ORDER), "plan_file": None, "profile": "h100-sxm-spec-cal",
-}
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp")
-# flag name -> (low, high) for the integer flags
-INT_RANGES = {"gpus": (1, MAX_GPUS), **{d: (1, MAX_GPUS) for d in DEGREES}, "local_batch_size": (1, MAX_BATCH),
-              "micro_batch_size": (1, MAX_BATCH), "global_batch_size": (1, MAX_BATCH), "seq_len": (1, MAX_SEQ_LEN),
-              "pp_stages_per_rank": (1, MAX_STAGES_PER_RANK)}
-CLI_NAMES = {k: "--" + k.replace("_", "-") for k in DEFAULTS} | {"plan_file": "--plan", "order": "--order"}
+# the flags that say what to load (not what the plan is), then every plan field that has a flag (plan_schema)
+LOAD_DEFAULTS = {"model": "llama3-8b", "gpus": None, "plan_file": None, "profile": "h100-sxm-spec-cal"}
+FLAG_FIELDS = {("order" if f.name == "wrapper_order" else f.name): f for f in PLAN_FIELDS if f.flag is not None}
+DEFAULTS = {**LOAD_DEFAULTS, **{k: f.cli_default for k, f in FLAG_FIELDS.items()}}
+DEGREES = tuple(k for k, f in FLAG_FIELDS.items() if f.kind == "int" and f.high == MAX_GPUS)
+# flag name -> (low, high) for the integer flags (a flag's 0 is "derived": left out, not given as 0)
+INT_RANGES = {"gpus": (1, MAX_GPUS), **{k: (max(f.low, 1), f.high) for k, f in FLAG_FIELDS.items() if f.kind == "int"}}
+CLI_NAMES = {k: "--" + k.replace("_", "-") for k in LOAD_DEFAULTS} | {"plan_file": "--plan"} | {
+    k: f.cli_flag or "" for k, f in FLAG_FIELDS.items()}
 # flags that only say what to load, not what the plan is
 NOT_PLAN = ("model", "profile", "plan_file", "gpus", "model_given")
 
@@ -84,17 +63,13 @@ def check_flags(given: dict) -> None:
             if k == "dp_shard" and v == -1:
                 continue
             check_int(CLI_NAMES[k], v, low, high)
-    if given.get("pp_schedule") is not None and given["pp_schedule"] not in PP_SCHEDULES:
-        raise ParsimError(f"--pp-schedule {given['pp_schedule']!r}: expected one of {', '.join(PP_SCHEDULES)}")
-    if given.get("fsdp_reshard_after_forward") is not None and given["fsdp_reshard_after_forward"] not in RAF_MODES:
-        raise ParsimError(f"--fsdp-reshard-after-forward {given['fsdp_reshard_after_forward']!r}: expected one of "
-                          f"{', '.join(RAF_MODES)}")
-    if given.get("ep_from") is not None and given["ep_from"] not in EP_FROM:
-        raise ParsimError(f"--ep-from {given['ep_from']!r}: expected one of {', '.join(EP_FROM)}")
-    if given.get("ac") is not None:
-        parse_ac(given["ac"])
-    if given.get("float8_recipe") is not None and given["float8_recipe"] not in FLOAT8_RECIPES:
-        raise ParsimError(f"--float8-recipe {given['float8_recipe']!r}: expected one of {', '.join(FLOAT8_RECIPES)}")
+    for k, f in FLAG_FIELDS.items():
+        if given.get(k) is None or f.kind not in ("choice", "ac"):
+            continue
+        if f.kind == "ac":
+            parse_ac(given[k])
+        elif given[k] not in f.choices:
+            raise ParsimError(f"{CLI_NAMES[k]} {given[k]!r}: expected one of {', '.join(f.choices)}")
     if given.get("mesh_order") is not None:
         parse_mesh_order(given["mesh_order"])
     if given.get("order") is not None:
@@ -129,19 +104,12 @@ def plan_from_given(given: dict) -> Plan:
     f: dict[str, Any] = {k: (given.get(k) if given.get(k) is not None else d) for k, d in DEFAULTS.items()}
     gpus = gpus_of(given)
     sched = f["pp_schedule"]
-    spr = f["pp_stages_per_rank"] or (2 if sched == "Interleaved1F1B" and f["pp"] > 1 else 1)
     mesh_order, left_out = parse_mesh_order(f["mesh_order"])
-    kw = dict(
-        dp_replicate=f["dp_replicate"], dp_shard=f["dp_shard"], tp=f["tp"], pp=f["pp"], cp=f["cp"],
-        ep=f["ep"], etp=f["etp"], ep_from=f["ep_from"], local_batch_size=f["local_batch_size"],
-        micro_batch_size=f["micro_batch_size"] or 0, global_batch_size=f["global_batch_size"] or 0,
-        seq_len=f["seq_len"], pp_schedule=sched, pp_stages_per_rank=spr, ac=f["ac"], compile=f["compile"],
-        float8=f["float8"], float8_recipe=f["float8_recipe"], async_tp=f["async_tp"],
-        distributed_optimizer=f["distributed_optimizer"], te_layers=f["te_layers"], fused_loss=f["fused_loss"],
-        sequence_parallel=f["sequence_parallel"],
-        fsdp_reshard_after_forward=f["fsdp_reshard_after_forward"], mesh_order=mesh_order,
-        wrapper_order=parse_wrapper_order(f["order"]),
-    )
+    kw = {k: f[k] for k in FLAG_FIELDS if k not in ("mesh_order", "order")}
+    kw |= dict(micro_batch_size=f["micro_batch_size"] or 0, global_batch_size=f["global_batch_size"] or 0,
+               pp_stages_per_rank=f["pp_stages_per_rank"] or (2 if sched == "Interleaved1F1B" and f["pp"] > 1 else 1),
+               mesh_order=mesh_order, wrapper_order=parse_wrapper_order(f["order"]))
+
     def build(kw: dict) -> Plan:
         plan = plan_from_flags(gpus, **kw)
         validate_plan(plan)  # the structural rules, once, here at the boundary
@@ -209,11 +177,7 @@ def search_space(given: dict, *, no_pp: bool = False, no_cp: bool = False, max_t
             kw[a] = (given[a],)
     if given.get("ep_from") is not None:
         kw["ep_from"] = (given["ep_from"],)
-    for a in LATE_DEFAULTS:  # the options added late are pinned, not enumerated
-        if given.get(a) is not None:
-            kw[a] = given[a]
-    if given.get("sequence_parallel") is not None:
-        kw["sequence_parallel"] = given["sequence_parallel"]
+    kw["pins"] = tuple((f.name, given[f.name]) for f in PINNED if given.get(f.name) is not None)
     if given.get("fsdp_reshard_after_forward") is not None:
         kw["reshard"] = (given["fsdp_reshard_after_forward"],)
     if given.get("mesh_order") is not None:

@@ -10,149 +10,59 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from .errors import ParsimError
-from .units import DTYPE_BYTES
+from .plan_schema import (  # noqa: F401  (re-exported: the vocabulary plans are written in)
+    AC_MODE_NAMES,
+    AXES,
+    DEFAULT_ORDER,
+    DTYPES,
+    EP_FROM,
+    FLOAT8_RECIPES,
+    LATE_DEFAULTS,
+    MAX_BATCH,
+    MAX_GPUS,
+    MAX_SEQ_LEN,
+    MAX_STAGES_PER_RANK,
+    PLAN_FIELDS,
+    PP_SCHEDULE_NAMES,
+    RAF_MODES,
+    WRAPPERS,
+    check_fields,
+    parse_ac,
+)
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-WRAPPERS = ("pp", "tp", "ac", "compile", "fsdp")
-DEFAULT_ORDER = WRAPPERS
-# name -> (code used by the vectorized cost model, single-stage schedule?)
-PP_SCHEDULES = {"GPipe": 0, "1F1B": 1, "Interleaved1F1B": 2}
-AC_MODES = {"none": 0, "full": 1, "selective-op": 2, "layer": 3}
-RAF_MODES = ("default", "always", "never")
-EP_FROM = ("dp_shard", "dp_replicate")
-# torchao float8 training recipes (torchtitan's Float8LinearConverter recipe_name; tensorwise is the original one)
-FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-# fields added after plan ids were first recorded: left out of the id while at their default, so that the ids of
-# earlier plans (and the measurements keyed by them) stay valid
-LATE_DEFAULTS = {"float8_recipe": "tensorwise", "async_tp": False, "distributed_optimizer": False,
-                  "te_layers": False, "fused_loss": False}
-# absurd sizes, refused before anything is enumerated (and int64 / float arithmetic stays far from overflow)
-MAX_GPUS = 2**20  # 1,048,576: beyond every cluster built so far
-MAX_SEQ_LEN = 2**24  # 16,777,216 tokens
-MAX_BATCH = 2**24  # sequences per optimizer step
-MAX_STAGES_PER_RANK = 64
-
-
-def parse_ac(ac: str) -> tuple[str, int]:
-    """'none' | 'full' | 'selective-op' | 'layer:N' (every N-th layer fully checkpointed) -> (mode, N)."""
-    if ac in ("none", "full", "selective-op"):
-        return ac, 1
-    if ac.startswith("layer:"):
-        try:
-            n = int(ac.split(":", 1)[1])
-        except ValueError:
-            n = 0
-        if n >= 1:
-            return "layer", n
-    raise ParsimError(f"bad AC mode {ac!r}: expected none, full, selective-op or layer:N with N >= 1")
+# name -> code used by the vectorized cost model (the index in the schema's choices)
+PP_SCHEDULES = {name: i for i, name in enumerate(PP_SCHEDULE_NAMES)}
+AC_MODES = {name: i for i, name in enumerate(AC_MODE_NAMES)}
 
 
-@dataclass(frozen=True)
-class Plan:
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    etp: int = 1
-    ep_from: str = "dp_shard"  # dp_shard: torchtitan dp2ep (dp_shard*cp*tp == efsdp*ep*etp); dp_replicate: DDP + EP
-    mesh_order: tuple[str, ...] = AXES  # device order, outermost first
-    seq_len: int = 2048
-    local_batch_size: int = 1
-    global_batch_size: int = 0  # 0 -> local_batch_size * dp (no gradient accumulation)
-    micro_batch_size: int = 0  # 0 -> local_batch_size (one microbatch)
-    pp_schedule: str = "1F1B"
-    pp_stages_per_rank: int = 1
-    sequence_parallel: bool | None = None  # None -> tp > 1
-    fsdp_reshard_after_forward: str = "default"  # default: True without PP, False with PP (torchtitan)
-    ac: str = "none"
-    compile: bool = False
-    float8: bool = False
-    param_dtype: str = "bfloat16"
-    reduce_dtype: str = "float32"
-    wrapper_order: tuple[str, ...] = DEFAULT_ORDER
-    # float8 scaling recipe (used when float8 is on)
-    float8_recipe: str = "tensorwise"
-    # TP collectives decomposed and overlapped with the matmuls they feed (torchtitan enable_async_tensor_parallel,
-    # Megatron tp_comm_overlap)
-    async_tp: bool = False
-    # Megatron's distributed optimizer (ZeRO-1): fp32 master weights and AdamW states sharded over dp_replicate,
-    # gradients reduce-scattered and updated parameters all-gathered instead of one all-reduce
-    distributed_optimizer: bool = False
-    # Megatron-Core's Transformer Engine layers (its default layer spec): LayerNorm+Linear fused modules that keep
-    # their sequence-parallel input local and all-gather it again in the backward, float8 linears that keep float8
-    # inputs, a fused SwiGLU / GeLU that keeps only the fc1 output, fused RoPE, a vocab-parallel embedding
-    # (cost model only: Transformer Engine runs on CUDA)
-    te_layers: bool = False
-    # a fused cross-entropy (flash-attn's xentropy, Megatron's cross_entropy_loss_fusion, llm-foundry's default
-    # loss): fp32 math inside the kernel, no fp32 copy of the logits, the gradient one logits-sized tensor
-    fused_loss: bool = False
+class _PlanValue:
+    """What a Plan is beyond its fields (``plan_schema.PLAN_FIELDS``): the field checks and resolved defaults,
+    derived quantities, identity and serialization."""
+
+    if TYPE_CHECKING:  # the fields come from the schema (``_schema_fields``)
+        def __init__(self, **fields: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
 
     def __post_init__(self):
         s = object.__setattr__
-        self._check_types()
+        check_fields(self.__dict__)
         s(self, "mesh_order", tuple(self.mesh_order))
         s(self, "wrapper_order", tuple(self.wrapper_order))
-        if sorted(self.mesh_order) != sorted(AXES):
-            raise ParsimError(f"mesh order {','.join(self.mesh_order)} must be a permutation of {','.join(AXES)}")
-        if sorted(self.wrapper_order) != sorted(WRAPPERS):
-            raise ParsimError(
-                f"wrapper order {','.join(self.wrapper_order)} must be a permutation of {','.join(WRAPPERS)}"
-            )
-        if self.ep_from not in EP_FROM:
-            raise ParsimError(f"ep_from must be one of {EP_FROM}, got {self.ep_from!r}")
+        world = self.world_size
+        if world > MAX_GPUS:
+            raise ParsimError(f"the degrees multiply to {world} GPUs, more than the {MAX_GPUS} parsim plans for")
         if self.global_batch_size == 0:
             s(self, "global_batch_size", self.local_batch_size * self.dp)
         if self.micro_batch_size == 0:
             s(self, "micro_batch_size", self.local_batch_size)
         if self.global_batch_size > MAX_BATCH:
             raise ParsimError(f"global batch {self.global_batch_size} is more than {MAX_BATCH} sequences")
-        if self.sequence_parallel is None:
-            s(self, "sequence_parallel", self.tp > 1)
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ParsimError(f"unknown PP schedule {self.pp_schedule!r} (known: {', '.join(PP_SCHEDULES)})")
-        if self.fsdp_reshard_after_forward not in RAF_MODES:
-            raise ParsimError(f"fsdp_reshard_after_forward must be one of {RAF_MODES}")
-        parse_ac(self.ac)
-        if self.float8_recipe not in FLOAT8_RECIPES:
-            raise ParsimError(f"float8_recipe must be one of {', '.join(FLOAT8_RECIPES)}, got {self.float8_recipe!r}")
-        for name in ("param_dtype", "reduce_dtype"):
-            if getattr(self, name) not in DTYPE_BYTES or getattr(self, name) == "float8":
-                raise ParsimError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
-        if self.sequence_parallel and self.tp == 1:
-            s(self, "sequence_parallel", False)
-
-    def _check_types(self) -> None:
-        """Types and sizes of every field (a plan file can hold anything): one line naming field and value."""
-        limits = {**{a: MAX_GPUS for a in AXES + ("ep", "etp")}, "seq_len": MAX_SEQ_LEN,
-                  "local_batch_size": MAX_BATCH, "global_batch_size": MAX_BATCH, "micro_batch_size": MAX_BATCH,
-                  "pp_stages_per_rank": MAX_STAGES_PER_RANK}
-        for a, high in limits.items():
-            v = getattr(self, a)
-            low = 0 if a in ("global_batch_size", "micro_batch_size") else 1
-            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
-                what = "a positive integer" if low else "an integer >= 0"
-                raise ParsimError(f"{a} must be {what} <= {high}, got {v!r}")
-        world = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-        if world > MAX_GPUS:
-            raise ParsimError(f"the degrees multiply to {world} GPUs, more than the {MAX_GPUS} parsim plans for")
-        for a in ("compile", "float8", *(k for k, v in LATE_DEFAULTS.items() if isinstance(v, bool))):
-            if not isinstance(getattr(self, a), bool):
-                raise ParsimError(f"{a} must be true or false, got {getattr(self, a)!r}")
-        if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
-            raise ParsimError(f"sequence_parallel must be true, false or null, got {self.sequence_parallel!r}")
-        for a in ("ep_from", "pp_schedule", "fsdp_reshard_after_forward", "ac", "param_dtype", "reduce_dtype",
-                  "float8_recipe"):
-            if not isinstance(getattr(self, a), str):
-                raise ParsimError(f"{a} must be a string, got {getattr(self, a)!r}")
-        for a in ("mesh_order", "wrapper_order"):
-            v = getattr(self, a)
-            if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
-                raise ParsimError(f"{a} must be a list of names, got {v!r}")
+        if self.sequence_parallel is None or self.tp == 1:
+            s(self, "sequence_parallel", self.tp > 1 and self.sequence_parallel is not False)
 
     # ---- derived ------------------------------------------------------------------------------------------------
     @property
@@ -197,7 +107,7 @@ class Plan:
 
     # ---- identity and serialization -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = asdict(self)  # type: ignore[call-overload]
         d["mesh_order"] = list(self.mesh_order)
         d["wrapper_order"] = list(self.wrapper_order)
         return d
@@ -215,14 +125,28 @@ class Plan:
             raise ParsimError("a plan must be a JSON object")
         d = dict(d)
         d.pop("plan_id", None)
-        known = {f.name for f in fields(Plan)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - {f.name for f in PLAN_FIELDS})
         if unknown:
             raise ParsimError(f"unknown plan keys: {unknown}")
         try:
             return Plan(**d)
         except TypeError as e:
             raise ParsimError(f"bad plan: {e}") from None
+
+
+def _schema_fields(cls):
+    """``cls`` as a frozen dataclass whose fields are the schema's rows, in their order, with their defaults."""
+    cls.__annotations__ = {f.name: Any for f in PLAN_FIELDS}
+    for f in PLAN_FIELDS:
+        setattr(cls, f.name, f.default)
+    return dataclass(frozen=True)(cls)
+
+
+@_schema_fields
+class Plan(_PlanValue):
+    """How one training job is parallelized: a plain value with one field per ``plan_schema.PLAN_FIELDS`` row (its
+    types and ranges checked, its defaults resolved); the structural rules are checked at the boundary
+    (``codec.validate_plan``)."""
 
 
 INTERVAL_GROUPS = ("ep", "cp", "pp-deep", "pp", "float8", "dense")

@@ -12,15 +12,20 @@ def _console():
     return Console()
 
 
+def option_labels(plan) -> list[str]:
+    """The words of the plan's options that are on (``plan_schema``: the rows with a ``label``)."""
+    from .plan_schema import PLAN_FIELDS
+
+    return [f.label for f in PLAN_FIELDS if f.label and getattr(plan, f.name) != f.default]
+
+
 def print_prediction(pred: Prediction, spec, plan) -> None:
     from rich.table import Table
 
     con = _console()
     con.print(f"[bold]{spec.name}[/bold] ({spec.n_params / 1e9:.2f}B params) on {pred.n_gpus} GPUs "
               f"({pred.profile})  plan {plan.describe()}  id {pred.plan_id}")
-    extras = [f"float8 {plan.float8_recipe}" if plan.float8 else "", "async TP" if plan.async_tp else "",
-              "distributed optimizer" if plan.distributed_optimizer else "",
-              "TE layers" if plan.te_layers else "", "fused loss" if plan.fused_loss else ""]
+    extras = [f"float8 {plan.float8_recipe}" if plan.float8 else "", *option_labels(plan)]
     con.print(f"seq {plan.seq_len}, local batch {plan.local_batch_size}, micro batch {plan.micro_batch_size}, "
               f"global batch {plan.global_batch_size} (gradient accumulation {plan.grad_accum_steps}), "
               f"AC {plan.ac}, compile {plan.compile}, order {'>'.join(plan.wrapper_order)}"

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .codec import DTYPES, PlanBatch, batch_of, decode, group_rpn, invalid_reasons
+from .codec import PlanBatch, batch_of, decode, encode_field, group_rpn, invalid_reasons
 from .costmodel.step import evaluate
 from .errors import ParsimError, check_number
 from .hardware import HardwareProfile
@@ -33,7 +33,6 @@ from .plan import (
     AXES,
     DEFAULT_ORDER,
     EP_FROM,
-    FLOAT8_RECIPES,
     MAX_BATCH,
     MAX_GPUS,
     MAX_SEQ_LEN,
@@ -42,6 +41,7 @@ from .plan import (
     Plan,
     interval_group,
 )
+from .plan_schema import FIELDS, PINNED
 from .spec import ModelSpec
 
 AC_CHOICES = ("none", "selective-op", "full", "layer:2")
@@ -92,17 +92,13 @@ class SearchSpace:
     float8: tuple | None = None  # None: (False, True) when the GPU has float8, else (False,)
     reshard: tuple = ("default", "flip")  # of RESHARD_CHOICES
     ep_from: tuple = EP_FROM  # where EP ranks are borrowed from: dp2ep (dp_shard) and/or DDP-style (dp_replicate)
-    sequence_parallel: bool | None = None  # None: on when tp > 1
     device_orders: bool = True  # False: only the default order (pp, dp_replicate, dp_shard, cp, tp)
     mesh_order: tuple | None = None  # one device order, pinned
     wrapper_orders: tuple | None = None  # wrapper orders, pinned (default: the legal ones searched_orders gives)
     headroom: float = 0.0  # fraction of usable memory kept free
-    # pinned options the executor cannot run here (not enumerated: set for every plan when the user asks)
-    float8_recipe: str = "tensorwise"
-    async_tp: bool = False
-    distributed_optimizer: bool = False
-    te_layers: bool = False
-    fused_loss: bool = False
+    # (name, value) of the options search never enumerates (``plan_schema.PINNED``: sequence parallel, the float8
+    # recipe, the cost-model-only options): set for every plan when the user gives them, else their default
+    pins: tuple = ()
     max_plans: int | None = None  # 0: no limit; None: MAX_PLANS for an exhaustive search, none when pruned
     # skip what provably cannot be in the top list or on the Pareto front: options dominated by a kept one (AC
     # wrapping compile: the same memory, the recompute twice) and plans whose memory class does not fit
@@ -151,6 +147,11 @@ class SearchSpace:
                                   f"run: {v.reason}")
         if any(e not in EP_FROM for e in self.ep_from):
             raise ParsimError(f"ep_from must be among {', '.join(EP_FROM)}, got {self.ep_from}")
+        pinnable = {f.name: f for f in PINNED}
+        for name, value in self.pins:
+            if name not in pinnable:
+                raise ParsimError(f"{name} is not an option search pins (pinned: {', '.join(pinnable)})")
+            pinnable[name].check(value)
         if not (self.ac and self.compile and self.pp_schedules and self.reshard and self.ep_from):
             raise ParsimError("a search dimension was pinned to nothing")
 
@@ -199,7 +200,8 @@ def _allowed(values, pin, cap):
 
 
 def _degree_combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> list[tuple]:
-    """(pp, dp_replicate, dp_shard, cp, tp, ep, etp, ep_ddp) of the space (pins and caps); the rules prune later."""
+    """(pp, dp_replicate, dp_shard, cp, tp, ep, etp, ep_from) of the space (pins and caps; ep_from 1: DDP-style EP)
+    the rules prune later."""
     out = []
     for pp in _allowed(divisors(n_gpus), sp.pp, sp.max_pp):
         for tp in _allowed(divisors(n_gpus // pp), sp.tp, sp.max_tp):
@@ -214,7 +216,7 @@ def _degree_combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> list[tuple]
 
 
 def _ep_options(spec, dpr, dps, cp, tp, sp: SearchSpace) -> list[tuple]:
-    """(ep, etp, ep_ddp): none for a dense model; dp2ep borrows ep x etp from dp_shard x cp x tp (etp 1 or tp),
+    """(ep, etp, ep_from): none for a dense model; dp2ep borrows ep x etp from dp_shard x cp x tp (etp 1 or tp),
     DDP-style EP borrows ep from dp_replicate."""
     opts = [(1, 1, 0)]
     if spec.moe is not None and "dp_shard" in sp.ep_from:
@@ -263,12 +265,28 @@ def candidates(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> tuple[np.ndarra
     r[:, 0] = np.repeat(np.arange(len(combos), dtype=np.int64), counts)
     r[:, 1:] = np.concatenate([splits[k] for k in keys]) if keys else np.empty((0, 4), dtype=np.int64)
     c = combos[r[:, 0]]
-    cols = {**{a: c[:, k] for k, a in enumerate(AXES + ("ep", "etp", "ep_ddp"))},
-            "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size, "local_batch_size": r[:, 1],
-            "micro_batch_size": r[:, 2], "sched": r[:, 3], "v": r[:, 4], "sp": sp.sequence_parallel, "raf_mode": 0,
-            "ac": 0, "ac_every": 1, "compile": False, "float8": False, "param_dtype": DTYPES.index("bfloat16"),
-            "reduce_dtype": DTYPES.index("float32"), "mesh_idx": 0, "wrapper_idx": 0}
+    degs = {a: c[:, k] for k, a in enumerate(COMBO_COLUMNS)}
+    cols = {**degs, "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size, "local_batch_size": r[:, 1],
+            "micro_batch_size": r[:, 2], "pp_schedule": r[:, 3], "pp_stages_per_rank": r[:, 4],
+            **pinned_columns(sp, degs)}
     return combos, r, batch_of(cols, (AXES,), (DEFAULT_ORDER,), None)
+
+
+# the columns of ``_degree_combos``' tuples (ep_from: the index in plan_schema.EP_FROM)
+COMBO_COLUMNS = AXES + ("ep", "etp", "ep_from")
+
+
+def pinned_columns(sp: SearchSpace, deg: dict) -> dict:
+    """The batch columns of the options ``sp`` pins (the others take their defaults in ``batch_of``); a pin with an
+    ``only_with`` axis applies where that axis is > 1 (async TP needs TP, the distributed optimizer dp_replicate)."""
+    out = {}
+    for name, value in sp.pins:
+        f = FIELDS[name]
+        ((col, v),) = encode_field(f, value).items()
+        if f.only_with:
+            v = np.where(deg[f.only_with] > 1, v, encode_field(f, f.default)[col])
+        out[col] = v
+    return out
 
 
 def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict) -> dict:
@@ -288,7 +306,7 @@ def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict) -> di
     else:
         perms = list(permutations(AXES)) if sp.device_orders else [AXES]
     used = np.unique(rows[:, 0])
-    deg = {a: combos[used, k] for k, a in enumerate(AXES)}
+    deg = {a: combos[used, k] for k, a in enumerate(AXES)}  # the combos' columns: COMBO_COLUMNS
     sig = np.stack([_signature(deg, combos[used, 5], combos[used, 6], combos[used, 7], o, gpn) for o in perms], axis=1)
     first = _first_distinct(sig)  # (used combos x perms): the first order of each distinct signature
     counts = first.sum(axis=1)
@@ -322,12 +340,9 @@ def _first_distinct(sig: np.ndarray) -> np.ndarray:
     return first
 
 
-def _signature(deg: dict, ep, etp, ep_ddp, order: tuple, gpn: int) -> np.ndarray:
+def _signature(deg: dict, ep, etp, ep_from, order: tuple, gpn: int) -> np.ndarray:
     """Ranks per node of every communication group of these degrees in this device order."""
-    cols = {**deg, "ep": ep, "etp": etp, "ep_ddp": ep_ddp, "seq_len": 1, "global_batch_size": 1,
-            "local_batch_size": 1, "micro_batch_size": 1, "sched": 0, "v": 1, "sp": False, "raf_mode": 0, "ac": 0,
-            "ac_every": 1, "compile": False, "float8": False, "param_dtype": 0, "reduce_dtype": 0, "mesh_idx": 0,
-            "wrapper_idx": 0}
+    cols = {**deg, "ep": ep, "etp": etp, "ep_from": ep_from, "global_batch_size": 1, "micro_batch_size": 1}
     r = group_rpn(batch_of(cols, (order,), (DEFAULT_ORDER,), None), order, gpn)
     return np.stack([r[k] for k in sorted(r)], axis=1)
 
@@ -374,14 +389,12 @@ def _batch_at(base: dict, opts: np.ndarray, idx: np.ndarray, sp: SearchSpace, gp
     perm = base["cperm"][base["perm_start"][ri] + bi - base["row_start"][ri]]
     c = base["combos"][base["combo"][ri]]
     o = opts[oi]
-    cols = {**{a: c[:, k] for k, a in enumerate(AXES + ("ep", "etp", "ep_ddp"))},
-            "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size, "local_batch_size": base["lbs"][ri],
-            "micro_batch_size": base["mbs"][ri], "sched": base["sched"][ri], "v": base["v"][ri],
-            "sp": sp.sequence_parallel, "raf_mode": _raf_mode(o[:, 4], c[:, 0]), "ac": o[:, 0], "ac_every": o[:, 1],
-            "compile": o[:, 2], "float8": o[:, 3], "param_dtype": DTYPES.index("bfloat16"),
-            "reduce_dtype": DTYPES.index("float32"), "mesh_idx": perm, "wrapper_idx": o[:, 6],
-            "f8_recipe": FLOAT8_RECIPES.index(sp.float8_recipe), "async_tp": sp.async_tp & (c[:, 4] > 1),
-            "dist_opt": sp.distributed_optimizer & (c[:, 1] > 1), "te": sp.te_layers, "fused_loss": sp.fused_loss}
+    deg = {a: c[:, k] for k, a in enumerate(COMBO_COLUMNS)}
+    cols = {**deg, "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size,
+            "local_batch_size": base["lbs"][ri], "micro_batch_size": base["mbs"][ri],
+            "pp_schedule": base["sched"][ri], "pp_stages_per_rank": base["v"][ri],
+            "fsdp_reshard_after_forward": _raf_mode(o[:, 4], c[:, 0]), "ac": o[:, 0], "ac_every": o[:, 1],
+            "compile": o[:, 2], "float8": o[:, 3], "mesh_idx": perm, "wrapper_idx": o[:, 6], **pinned_columns(sp, deg)}
     return batch_of(cols, tuple(base["perms"]), tuple(base["orders"]), gpn)
 
 

@@ -139,8 +139,8 @@ def test_a_profile_from_another_machine_is_measured_here_before_running(tmp_path
     another machine they profile this one first (``parsim profile`` defaults, under ``<name>-<machine tag>``)."""
     import parsim.machine
     import parsim.profiler.run as profiler_run
-    from parsim.cli.common import profile_measured_here
     from parsim.hardware import load_profile
+    from parsim.loop_jobs import profile_measured_here
     from parsim.machine import this_machine
 
     d = json.loads(open("profiles/cpu-gloo-2.json").read())

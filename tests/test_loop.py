@@ -249,7 +249,7 @@ def test_validate_with_measured_blocks_scores_both_and_keeps_the_blocks(tmp_path
     1e-6 s forward, twice that backward)."""
     import parsim.executor.launch as launch
     import parsim.profiler.blocks as blocks
-    from parsim.cli.loop import _measured_summary
+    from parsim.loop_jobs import measured_summary
 
     monkeypatch.setenv("PARSIM_PROFILES_DIR", str(tmp_path / "profiles"))
     def fake_run(model, plan, nproc, **kw):  # a step time per plan
@@ -275,12 +275,12 @@ def test_validate_with_measured_blocks_scores_both_and_keeps_the_blocks(tmp_path
     plans = [p for p in V.measured_plans(PRESETS["tiny"], 2) if p.cp == 1][:4]
     V.run_measured("tiny", 2, tmp_path / "v", rounds=1, plans=plans)
     hw = load_profile("cpu-gloo-2")
-    s = _measured_summary(tmp_path / "v", "cpu-gloo-2", hw, measure_blocks=True)
+    s = measured_summary(tmp_path / "v", "cpu-gloo-2", hw, measure_blocks=True)
     assert s["measured_blocks"]["measured_now"] == len(set(measured)) == s["measured_blocks"]["shapes"]
     assert s["without_measured_blocks"]["n_ok"] == s["n_ok"] == 4
     assert s["step_time_mape"] != s["without_measured_blocks"]["step_time_mape"]
     kept = load_profile(str(tmp_path / "profiles" / "cpu-gloo-2.json"))
     assert set(kept.measured_blocks) == set(measured)
     measured.clear()
-    _measured_summary(tmp_path / "v", "cpu-gloo-2", kept, measure_blocks=True)
+    measured_summary(tmp_path / "v", "cpu-gloo-2", kept, measure_blocks=True)
     assert measured == []  # kept in the profile: nothing measured twice

@@ -52,7 +52,7 @@ def test_a_ranks_tensor_count_is_the_executors(spec: ModelSpec, pp: int):
     b = encode([plan], 8)
     kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
     plocal, pshard = S.layer_params(spec, b, kinds)
-    layers = rank_layers(spec, b.pp, b.v)
+    layers = rank_layers(spec, b.pp, b.pp_stages_per_rank)
     first, last = (S._rank_view(spec, b, r, layers, kinds, plocal, pshard).n_tensors[0] for r in (S.FIRST, S.LAST))
     model = Transformer(spec, 64)
     n = len(list(model.parameters()))

@@ -180,7 +180,7 @@ def rank_comm(spec, b, sh, hw, rv: RankView) -> dict:
     n_sac = sum(ac[k][1] for k in rv.kinds)
     _tp_records(led, spec, b, sh, rv, M, n_full, n_sac)
     _cp_ep_records(led, spec, b, sh, rv, M, n_full, n_sac, ac)
-    v = b.v.astype(float)
+    v = b.pp_stages_per_rank.astype(float)
     sends = np.where(b.pp > 1, (2.0 * v - 1.0), 0.0)  # first: v fwd + (v-1) bwd; last: (v-1) fwd + v bwd
     led.add("PP send of a stage output / its gradient (fp32 under autocast)", "send", "pp",
             sh.T * spec.d_model / sh.sp_div * sh.res_b, M * sends, np.where(b.pp > 1, 2, 1),
@@ -202,7 +202,7 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> Non
     T, t, d = sh.T, sh.t, float(spec.d_model)
     L = rv.n_layers
     edge = np.where(rv.has_emb, 1.0, 0.0) + np.where(rv.has_out, 1.0, 0.0)
-    g, r, tp_on, sp = b.tp, b.rpn["tp"], b.tp > 1, b.sp
+    g, r, tp_on, sp = b.tp, b.rpn["tp"], b.tp > 1, b.sequence_parallel
     ag_res = 2.0 * L + 2.0 * (n_full + n_sac) + edge  # norm outputs (fwd + recompute), embedding/output edges
     ag_mm = 2.0 * L  # backward: gradients of the row-parallel outputs
     rs_res = 2.0 * L + edge  # backward: gradients of the gathered norm outputs; edges
@@ -250,7 +250,7 @@ def _tp_partial_grad_records(led: Ledger, spec, b, rv: RankView) -> None:
     norm_tensors = 2.0 if spec.norm == "layernorm" else 1.0
     led.add("TP all-reduce of sequence-parallel norm-weight gradients", "all_reduce", "tp", d * dtype_b,
             per * norm_tensors * (2.0 * L + np.where(rv.has_out, 1.0, 0.0)), g, r, "backward", "exposed",
-            tp_on & b.sp)
+            tp_on & b.sequence_parallel)
     if spec.qk_norm:
         led.add("TP all-reduce of q/k-norm weight gradients", "all_reduce", "tp", spec.head_dim * dtype_b,
                 per * 2.0 * L, g, r, "backward", "exposed", tp_on)
@@ -370,7 +370,7 @@ def _grad_norm_records(led: Ledger, spec, b, rv: RankView) -> None:
     per_norm = 2.0 if spec.norm == "layernorm" else 1.0
     plain = sum((rv.n_of[k] * 2.0 * per_norm for k in rv.kinds), np.zeros(len(b))) + np.where(rv.has_out, per_norm, 0.0)
     led.add("gradient-norm all-reduce: one fp32 norm per dense gradient tensor", "all_reduce", "tp",
-            4.0 * (dense - np.where(b.sp, 0.0, plain)), one, b.tp, b.rpn["tp"], "step", "exposed")
+            4.0 * (dense - np.where(b.sequence_parallel, 0.0, plain)), one, b.tp, b.rpn["tp"], "step", "exposed")
     has_experts = ep_on & (expert_t > 0)
     led.add("gradient-norm all-reduce: one fp32 norm per routed-expert gradient tensor", "all_reduce", "efsdp",
             4.0 * expert_t, one, b.efsdp, b.rpn["efsdp"], "step", "exposed", has_experts & fsdp_on)

@@ -105,12 +105,12 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
         eff = hw.gemm_efficiency(kernel_flops)
         if fp8_peak and hw.float8_gemm_efficiency is not None:
             t_fp8 = (flops / kernel_flops) * hw.float8_gemm_efficiency.time_s(kernel_flops, fp8_peak)
-            t_fp8 = t_fp8 / np.where(b.f8_recipe == 0, 1.0, ROWWISE_KERNEL_SPEED)
+            t_fp8 = t_fp8 / np.where(b.float8_recipe == 0, 1.0, ROWWISE_KERNEL_SPEED)
             # [derived] cast: read bf16 (2 B), write fp8 (1 B) per element; rowwise recipes quantize each operand
             # along both axes (the backward GEMMs scale along the other dimension), tensorwise reuses one scale
-            casts = np.where(b.f8_recipe == 0, 1.0, 2.0)
+            casts = np.where(b.float8_recipe == 0, 1.0, 2.0)
             t_fp8 = t_fp8 + casts * 3.0 * io_elems / mem_bw
-            wgrad_hp = wgrad_hp + np.where(b.float8 & (b.f8_recipe == 2), np.maximum(t - t_fp8, 0.0), 0.0)
+            wgrad_hp = wgrad_hp + np.where(b.float8 & (b.float8_recipe == 2), np.maximum(t - t_fp8, 0.0), 0.0)
             t = np.where(b.float8, t_fp8, t)
             eff = np.where(b.float8, hw.float8_gemm_efficiency(kernel_flops), eff)
         mm_count += kind == "mm"
@@ -145,7 +145,7 @@ def _attention_item(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfi
     else:
         eff = hw.attention_keys_efficiency(sh.seq / b.cp)
         t = a_flops / (eff * peak)
-    boost = np.where(b.te, np.minimum(hw.fused_attention_speedup, 1.0 / np.maximum(eff, 1e-12)), 1.0)
+    boost = np.where(b.te_layers, np.minimum(hw.fused_attention_speedup, 1.0 / np.maximum(eff, 1e-12)), 1.0)
     return ComputeItem("attention (causal)", "attention", a_flops, eff * boost, t / boost, False)
 
 

@@ -82,7 +82,7 @@ def rank_ckpt(spec: ModelSpec, b) -> dict:
     """Arrays of blocks checkpointed under ``layer:N`` (0 for the other AC modes' plans), per kind and rank."""
     before = np.array([o.index("ac") < o.index("pp") for o in b.wrapper_orders] or [False])[b.wrapper_idx]
     every = np.maximum(b.ac_every, 1)
-    keys = np.stack([b.pp, b.v, every, before.astype(np.int64)], axis=1)
+    keys = np.stack([b.pp, b.pp_stages_per_rank, every, before.astype(np.int64)], axis=1)
     uniq, inv = np.unique(keys, axis=0, return_inverse=True)
     table = np.array([_rank_ckpt(spec, int(p), int(v), int(e), bool(bp)) for p, v, e, bp in uniq], dtype=np.int64)
     t = table[np.ravel(inv)]
@@ -105,7 +105,7 @@ class Shapes:
         self.spec = spec
         self.T = (b.micro_batch_size * b.seq_len / b.cp).astype(float)
         self.t = b.tp.astype(float)
-        self.sp_div = np.where(b.sp, self.t, 1.0)
+        self.sp_div = np.where(b.sequence_parallel, self.t, 1.0)
         # without data parallelism FSDP applies no mixed precision: autocast keeps the residual stream (block
         # inputs, norm inputs) in fp32 while matmuls produce bf16
         self.res_b = np.where((b.dp_replicate * b.dp_shard * b.cp == 1) & (b.param_bytes < 4), 4.0,
@@ -116,7 +116,7 @@ class Shapes:
         self.act_b = b.param_bytes.astype(float)
         # Transformer Engine layers (Megatron-Core): a float8 linear keeps its input in float8 (1 B) for the weight
         # gradient, else in param_dtype [derived: TE's Linear / LayerNormLinear save the quantized input]
-        self.te = b.te
+        self.te = b.te_layers
         self.f8b = np.where(b.float8, 1.0, self.act_b)
         self.seq = b.seq_len.astype(float)
         self.etp = b.etp_eff.astype(float)
@@ -423,12 +423,12 @@ def inflight(b: PlanBatch, rank: int) -> np.ndarray:
     """Microbatches whose activations are alive at the peak, in units of one microbatch through all of the rank's
     layers. 1F1B: pp - r (warm-up forwards + 1); GPipe: all; interleaved (torch ScheduleInterleaved1F1B):
     ``min(n_micro * v, (v - 1) * pp + 2 * (pp - 1 - r)) + 1`` chunk-microbatches of 1/v of the rank's layers."""
-    pp, v, m = b.pp, b.v, b.n_micro
+    pp, v, m = b.pp, b.pp_stages_per_rank, b.n_micro
     r = np.zeros_like(pp) if rank == FIRST else pp - 1
     one_f_one_b = np.minimum(m, pp - r)
     inter = np.minimum(np.minimum(m * v, (v - 1) * pp + 2 * (pp - 1 - r)) + 1, m * v) / v
-    out = np.where(b.sched == PP_SCHEDULES["GPipe"], m,
-                   np.where(b.sched == PP_SCHEDULES["Interleaved1F1B"], inter, one_f_one_b))
+    out = np.where(b.pp_schedule == PP_SCHEDULES["GPipe"], m,
+                   np.where(b.pp_schedule == PP_SCHEDULES["Interleaved1F1B"], inter, one_f_one_b))
     return np.where(pp == 1, 1.0, out).astype(float)
 
 

@@ -4,12 +4,11 @@ the plan is on it; the peak and its moment. See ``step``'s docstring for the mem
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 
-from ..codec import PlanBatch
+from ..codec import COLUMN_NAMES, PlanBatch
 from ..hardware import HardwareProfile
 from ..plan import AC_MODES
 from ..spec import ModelSpec
@@ -49,7 +48,7 @@ def rank_memory(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.Rank
     # what FSDP2's all-gathers hold unsharded: each unit's padded shards times the shard group
     gathered = {"blocks": sum(rv.n_of[k] * (b.fsdp * rv.pshard[k][0] + b.efsdp * rv.pshard[k][1]) for k in rv.kinds),
                 "emb": b.fsdp * rv.emb_shard, "out": b.fsdp * (rv.norm_shard + rv.outw_shard)}
-    timed = (b.v == 1) & (static_bytes(b, rv) <= above_bytes)
+    timed = (b.pp_stages_per_rank == 1) & (static_bytes(b, rv) <= above_bytes)
     if timed.all():  # the step's timeline (costmodel/memory.py)
         return _timeline_phases(spec, b, sh, rank, rv, c, p_shard, p_opt, timed), p_opt
     # interleaved plans (and those the search screen bounds) keep the coarse moments for now
@@ -70,14 +69,13 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
     layer_mode = b.ac == AC_MODES["layer"]
     every = np.where(layer_mode, np.maximum(b.ac_every, 1), 0)
     before = np.array([o.index("ac") < o.index("pp") for o in b.wrapper_orders] or [False])[b.wrapper_idx]
-    keys = np.stack([b.pp, b.v, every, before & layer_mode], axis=1)
+    keys = np.stack([b.pp, b.pp_stages_per_rank, every, before & layer_mode], axis=1)
     uniq, inv = np.unique(keys[rows], axis=0, return_inverse=True)
     rows_idx = np.nonzero(rows)[0]
     # memory does not depend on the device order, compile, async TP, or float8 outside TE layers (its recipe not
     # at all): one simulation per plan that differs in anything else
-    same = np.stack([np.asarray(getattr(b, f.name), dtype=float) for f in dataclasses.fields(b)
-                     if f.name not in _NOT_MEMORY and isinstance(getattr(b, f.name), np.ndarray)]
-                    + [np.asarray(b.float8 & b.te, dtype=float)], axis=1)
+    same = np.stack([np.asarray(getattr(b, c), dtype=float) for c in COLUMN_NAMES if c not in _NOT_MEMORY]
+                    + [np.asarray(b.float8 & b.te_layers, dtype=float)], axis=1)
     steps = {moe: (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe)) for moe in rv.kinds}
     for g, (pp, v, k, bp) in enumerate(uniq):
         idx = rows_idx[np.ravel(inv) == g]
@@ -91,7 +89,7 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
     return out
 
 
-_NOT_MEMORY = ("mesh_idx", "compile", "async_tp", "float8", "f8_recipe")
+_NOT_MEMORY = ("mesh_idx", "compile", "async_tp", "float8", "float8_recipe")
 
 
 def _block_runs(spec: ModelSpec, pp: int, v: int, rank: int, every: int, before_pp: bool
@@ -175,9 +173,10 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     V, d = spec.vocab_size, float(spec.d_model)
     # the embedding backward's dense gradient over the whole vocabulary (torch's embedding backward, also under
     # RowwiseParallel), its vocab shard under TE layers (Megatron's VocabParallelEmbedding)
-    emb_dense = np.where(has_emb, np.where(b.te[idx], emb_local, V * d) * gb, 0.0)
+    emb_dense = np.where(has_emb, np.where(b.te_layers[idx], emb_local, V * d) * gb, 0.0)
     rope = float(spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim)
-    buffers = b.seq_len[idx].astype(float) * rope * 4.0 * np.where(b.pp[idx] > 1, b.v[idx], 1)  # RoPE cos / sin
+    # RoPE cos / sin
+    buffers = b.seq_len[idx].astype(float) * rope * 4.0 * np.where(b.pp[idx] > 1, b.pp_stages_per_rank[idx], 1)
     # what a microbatch in flight keeps beside its blocks' activations: its stage output (the residual stream,
     # sent on and kept by the schedule until its backward), or on the last stage the loss's saved tensors (the
     # fp32 log-softmax output, 4 B per logit; the fused loss: the logits) and the final norm's input and output
@@ -191,14 +190,14 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     m = np.where(b.pp[idx] > 1, m, 1.0)
     # without FSDP a vocab-sharded (TP) embedding's gradient is a view of the dense whole-vocabulary gradient its
     # backward made: that storage stays (with FSDP, FSDP2 copies the rank's rows out)
-    all_grads4 = np.asarray(p_shard)[idx] * 4.0 + np.where(~fsdp_on & has_emb & (b.tp[idx] > 1) & ~b.te[idx],
+    all_grads4 = np.asarray(p_shard)[idx] * 4.0 + np.where(~fsdp_on & has_emb & (b.tp[idx] > 1) & ~b.te_layers[idx],
                                                            (V * d - emb_local) * 4.0, 0.0)
     return RankMemory(
         n=len(idx), parameters=np.asarray(p_opt)[idx] * 4.0, optimizer_states=np.asarray(p_opt)[idx] * 8.0,
         buffers=buffers, all_grads4=all_grads4, fsdp=fsdp_on, raf=b.raf[idx],
         raf_out=b.raf_always[idx], acc=(b.grad_accum > 1)[idx], has_emb=has_emb, has_out=has_out,
         emb=unit(np.asarray(rv.emb_shard)[idx], emb_local, S, emb_local), emb_dense_grad=emb_dense,
-        emb_sharded=(b.tp > 1)[idx] & ~b.te[idx],
+        emb_sharded=(b.tp > 1)[idx] & ~b.te_layers[idx],
         out=unit(np.asarray(rv.norm_shard + rv.outw_shard)[idx], np.asarray(rv.out_local)[idx], S,
                  np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))),
         loss=np.asarray(_loss_bytes(spec, b, sh, rv, c))[idx] * np.ones(len(idx)),
@@ -292,11 +291,11 @@ def _gradients_alive(b: PlanBatch, rv: C.RankView, local, p_shard, n_inflight, r
     # in its one pass) nothing has accumulated
     # the embedding's gradient: dense over the full vocabulary (torch's embedding backward, also under
     # RowwiseParallel), or its vocab shard under TE layers (Megatron's VocabParallelEmbedding) [derived]
-    emb_full = np.where(b.te, emb_local, vocab_elems)
+    emb_full = np.where(b.te_layers, emb_local, vocab_elems)
     accumulated = (local - emb_local) * rb + np.where(has_emb, emb_full * rb, 0.0)
     # with gradient accumulation (ga > 1) the grads of the earlier passes are there in every schedule (traces of
     # pp2 GPipe with ga 4 in fp32: the stage's full gradients beside the activations) [measured]
-    steady = (b.pp > 1) & (((b.sched != SCHED_GPIPE) & (m_pass > n_inflight)) | (ga > 1))
+    steady = (b.pp > 1) & (((b.pp_schedule != SCHED_GPIPE) & (m_pass > n_inflight)) | (ga > 1))
     grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, np.where(steady, accumulated, 0.0))
     return emb_full, accumulated, grads_prev
 

@@ -20,5 +20,5 @@ def bubble(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb):
     anyway. With s = 1 this is the plain bubble."""
     s = float(hw.corrections.get("compute_scale", 1.0))
     full_speed_mb = t_mb - compute_mb + compute_mb / s  # exposed comm per microbatch is not stretched by s
-    bubble1 = ga * (b.pp - 1) / b.v * full_speed_mb
+    bubble1 = ga * (b.pp - 1) / b.pp_stages_per_rank * full_speed_mb
     return np.maximum(0.0, M * compute_mb / s + bubble1 - M * compute_mb)

@@ -91,7 +91,7 @@ def reserved_breakdown(b: PlanBatch, rv: C.RankView, logits, act_b, p_shard, pea
     pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
     # FSDP2 wraps the model (its streams); Megatron-style plans (distributed optimizer, TE layers: cost-model-only
     # Megatron semantics) keep their gradients in one contiguous buffer on the default stream instead
-    wrapped = ((b.fsdp > 1) | (b.efsdp > 1) | (b.dp_replicate > 1)) & ~b.zero1 & ~b.te
+    wrapped = ((b.fsdp > 1) | (b.efsdp > 1) | (b.dp_replicate > 1)) & ~b.zero1 & ~b.te_layers
     ag, ag_largest = _all_gather_pool(b, rv, wrapped, pb)
     rs, rs_largest = _reduce_pool(b, rv, wrapped, p_shard, rb)
     at_opt = phase_idx == PHASES.index(OPT)

@@ -83,7 +83,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
     not fit either way). ``time_bound``: only ``step_time_lower_bound_s`` (``_time_lower_bound``), without the
     collectives and memory."""
     sh = Shapes(spec, b)
-    layers = rank_layers(spec, b.pp, b.v)
+    layers = rank_layers(spec, b.pp, b.pp_stages_per_rank)
     kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
     overheads = block_overheads(hw)
     costs = {k: layer_costs(spec, b, sh, hw, k, overheads, times=not memory_only) for k in kinds}

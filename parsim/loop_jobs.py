@@ -1,0 +1,288 @@
+"""The validate / calibrate loop and this machine's profile as library calls: measure plans here and score the
+predictions (``validate_measured``), score published runs (``validate_published``), measure blocks at plans' local
+shapes into a profile (``measure_plan_shapes``, ``measure_blocks_into``), fit and cross-validate the calibration
+and write the calibrated profiles (``calibrate_dirs``), and the profile that describes this machine
+(``profile_measured_here``). The command line parses, calls these and renders what they return.
+
+Torch-free at import (measuring imports the profiler and the executor when asked for). Progress goes to a
+``progress(task, done, total[, label])`` callback, lines for the user to ``log``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import ParsimError
+from .search_job import Log, Progress, log_to_stderr
+
+
+def profile_for_this_machine(name: str, log: Log = log_to_stderr):
+    """Load a profile; a measured CPU profile from another machine gets one warning line."""
+    from .hardware import load_profile
+    from .machine import warning
+
+    hw = load_profile(name)
+    w = warning(hw)
+    if w:
+        log(w)
+    return hw
+
+
+def profile_measured_here(name: str, nproc: int | None = None, log: Log = log_to_stderr):
+    """The profile to predict runs on this machine with: ``name`` when it describes this machine (or is not a
+    measured CPU profile: spec sheets and GPU profiles describe hardware elsewhere); otherwise this machine's own,
+    ``<name>-<machine tag>``, loaded when an earlier call measured it, else measured now with ``parsim profile``
+    defaults (about a minute on 2 cores) and kept beside the others. ``validate --model`` and ``search --execute``
+    use it: a prediction set beside a measurement must describe the machine that measured."""
+    from .hardware import load_profile
+    from .machine import machine_tag, warning
+
+    hw = load_profile(name)
+    if not warning(hw):
+        return hw
+    own = f"{hw.name}-{machine_tag()}"
+    try:
+        mine = load_profile(own)
+        if not warning(mine):
+            log(f"profile {hw.name} was measured on another machine: using this machine's {own}")
+            return mine
+    except ParsimError:
+        pass
+    n = nproc or int(hw.provenance.get("device_count") or 2)
+    log(f"profile {hw.name} was measured on another machine ({warning(hw)}); measuring this one first: "
+        f"parsim profile --nproc-per-node {n} --out {own}")
+    from .profiler.run import profile as _profile
+
+    return _profile(own, n, log=log)
+
+
+def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | None, rounds: int, steps: int,
+                      max_plans: int, timeout_s: float, measure_blocks: bool = False,
+                      progress: Progress | None = None, log: Log = log_to_stderr) -> dict:
+    """``parsim validate --model``: the model's measured plan set run here (``rounds`` x ``steps``), each
+    prediction beside its measurement, the folder's rows and summary written (every measurement in it)."""
+    from . import validate as V
+    from .spec import load_model
+
+    if nproc < 1 or nproc > 64:
+        raise ParsimError(f"--nproc-per-node must be in 1..64, got {nproc}")
+    if rounds < 1 or steps < 1:
+        raise ParsimError("--rounds and --steps must be >= 1")
+    spec = load_model(model)
+    plans = V.measured_plans(spec, nproc)
+    if max_plans:
+        plans = plans[:max_plans]
+    hw = profile_measured_here(profile or f"cpu-gloo-{nproc}", nproc, log)  # this machine's, before anything runs
+    out = Path(out_dir)
+    task = f"{model} on {nproc} ranks"
+    V.run_measured(model, nproc, out, rounds=rounds, steps=steps, timeout_s=timeout_s, plans=plans,
+                   progress=(lambda done, total, what: progress(task, done, total, what)) if progress else None)
+    return measured_summary(out, profile, hw, measure_blocks, progress, log)
+
+
+def measured_summary(out: Path, profile: str | None, hw, measure_blocks: bool = False,
+                     progress: Progress | None = None, log: Log = log_to_stderr) -> dict:
+    """Rows and summary over every measurement in the folder (earlier models and rank counts included). With
+    ``measure_blocks`` the plans' blocks are measured at their local shapes first (kept in the profile) and the
+    summary without them is written beside, with the wall time of the measurement."""
+    import dataclasses
+
+    from . import validate as V
+
+    lines = V.load_measurements(out / "measurements.jsonl")
+    rows, rows_curves, walls, n_shapes = [], [], {}, 0
+    for nproc in sorted({ln["nproc"] for ln in lines}):
+        prof = hw if profile else profile_measured_here(f"cpu-gloo-{nproc}", nproc, log)
+        sel = [ln for ln in lines if ln["nproc"] == nproc]
+        if measure_blocks:  # the curves alone: without any block the profile already holds
+            rows_curves += V.measured_rows(sel, dataclasses.replace(prof, measured_blocks={}))
+            prof, w, n = _with_measured_blocks(prof, sel, progress)
+            walls.update(w)
+            n_shapes += n
+        rows += V.measured_rows(sel, prof)
+    summary = V.summarize(rows)
+    meta: dict = {"tier": "measured", "profile": profile or "cpu-gloo-<ranks>"}
+    if measure_blocks:
+        meta["measured_blocks"] = {"shapes": n_shapes, "measured_now": len(walls),
+                                   "measurement_wall_s": sum(walls.values())}
+        meta["without_measured_blocks"] = V.summarize(rows_curves)
+        meta["components"] = _components(out, V.component_differences(rows_curves, rows))
+    V.write_results(out, rows, summary, meta)
+    return {**summary, **{k: v for k, v in meta.items() if k != "tier"}}
+
+
+def _components(out: Path, diffs: list[dict]) -> dict:
+    """Write ``components.csv`` (every plan's components, curves beside measured blocks) and return, per
+    component, the median over plans of each side as a share of the measured step."""
+    import pandas as pd
+
+    from .jsonio import atomic_write_text
+
+    df = pd.DataFrame(diffs)
+    if df.empty:
+        return {}
+    atomic_write_text(out / "components.csv", df.to_csv(index=False))
+    df = df[df["measured_step_s"].notna()]
+    share = df.assign(curves=df["curves_s"] / df["measured_step_s"], blocks=df["blocks_s"] / df["measured_step_s"])
+    med = share.groupby("component")[["curves", "blocks"]].median()
+    return {k: {"curves_share_of_measured": float(v["curves"]), "blocks_share_of_measured": float(v["blocks"])}
+            for k, v in med.iterrows()}
+
+
+def measure_plan_shapes(plan_file: str, out: str, out_dir: str | None, model: str | None,
+                        progress: Progress | None = None) -> dict:
+    """``parsim profile --measure-shapes-of PLANFILE --out PROFILE``: the blocks and ends (embedding, output and
+    loss) of the plans in the file, measured at their local shapes on this device and kept in the profile
+    (resumable: shapes it has are not re-measured)."""
+    from .blockshape import plan_measured_shapes
+    from .hardware import HardwareProfile
+    from .jsonio import read_json
+    from .plan import Plan
+    from .profiler.run import resolve_profile_out
+    from .spec import load_model
+
+    doc = read_json(Path(plan_file), "cannot read the plan file")
+    entries = doc if isinstance(doc, list) else [doc]
+    shapes, skipped = [], 0
+    for e in entries:
+        if not isinstance(e, dict) or not isinstance(e.get("plan"), dict) or not (model or e.get("model")):
+            raise ParsimError(f"{plan_file}: each entry needs 'model' and 'plan' (as search --emit-plan writes)")
+        got = plan_measured_shapes(load_model(model or e["model"]), Plan.from_dict(e["plan"]))
+        shapes += [s for s in got if s is not None]
+        skipped += sum(s is None for s in got)
+    path = resolve_profile_out(out, out_dir)
+    if not path.exists():
+        raise ParsimError(f"profile {path} does not exist: measure one first (parsim profile --nproc-per-node N)")
+    hw = HardwareProfile.from_dict(read_json(path, "corrupt profile"), origin=str(path))
+    shapes = list(dict.fromkeys(shapes))
+    hw, walls = measure_blocks_into(hw, shapes, path, progress)
+    return {"profile": str(path), "shapes": len(shapes), "not_measurable": skipped, "measured_now": len(walls),
+            "measurement_wall_s": sum(walls.values())}
+
+
+def _with_measured_blocks(hw, lines: list[dict], progress: Progress | None = None):
+    """The profile with a block and the ends measured at every local shape of the plans in ``lines`` (measured
+    here, written to the profile folder under the profile's name); (profile, {key: wall s}, number of shapes)."""
+    from .blockshape import plan_measured_shapes
+    from .hardware import profile_write_dir
+    from .plan import Plan
+    from .spec import load_model
+
+    shapes = []
+    for ln in lines:
+        shapes += [s for s in plan_measured_shapes(load_model(ln["model"]), Plan.from_dict(ln["plan"])) if s]
+    shapes = list(dict.fromkeys(shapes))
+    hw, walls = measure_blocks_into(hw, shapes, profile_write_dir() / f"{hw.name}.json", progress)
+    return hw, walls, len(shapes)
+
+
+def measure_blocks_into(hw, shapes, path: Path, progress: Progress | None = None):
+    """The blocks of ``shapes`` the profile lacks, timed on this device and written with the profile to ``path``
+    after each (``profiler.blocks.add_measured_blocks``): (profile, {key: wall s})."""
+    from .profiler.blocks import add_measured_blocks
+
+    path.parent.mkdir(parents=True, exist_ok=True)  # the user's profile folder, on first use
+    task = f"measuring {len(shapes)} block shapes"
+    return add_measured_blocks(hw, shapes, path,
+                               progress=(lambda d, t, k: progress(task, d, t)) if progress else None)
+
+
+def validate_published(csv: str, out_dir: str, profile: str | None, calibrated: bool = True) -> dict:
+    """``parsim validate --published CSV``: every published run predicted (spec-sheet profiles, calibrated or
+    not), the folder's rows and summary written."""
+    from . import validate as V
+    from .hardware import load_profile
+
+    profiles = {}
+    if profile:
+        hw = load_profile(profile)
+        base = hw.provenance.get("calibrated_from", hw.name)
+        profiles[base] = hw
+    rows = V.published_rows(csv, profiles, calibrated=calibrated)
+    summary = V.summarize(rows)
+    V.write_results(Path(out_dir), rows, summary, {"tier": "published", "csv": csv, "profile": profile or (
+        "spec-cal" if calibrated else "spec")})
+    return summary
+
+
+def load_rows(dirs: list[str]) -> list[dict]:
+    """The rows of validate folders (their ``rows.json``), each with the folder it came from."""
+    import json
+
+    rows = []
+    for d in dirs:
+        p = Path(d) / "rows.json"
+        if not p.is_file():
+            raise ParsimError(f"{d}: no rows.json (run `parsim validate --out {d}` first)")
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise ParsimError(f"cannot read {p}: {e}") from None
+        if not isinstance(data, list):
+            raise ParsimError(f"{p}: expected a list of rows")
+        for r in data:
+            r.setdefault("dir", d)
+        rows += data
+    return rows
+
+
+def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str | None) -> dict:
+    """Fit, cross-validate, write the calibrated profile(s) and each folder's calibration.json."""
+    import math
+    import os
+
+    from . import calibrate as C
+    from .hardware import load_profile, profile_write_dir
+    from .jsonio import atomic_write_json, check_output_path
+    from .validate import summarize
+
+    rows = load_rows(dirs)
+    gpu = all(r.get("tier") == "published" for r in rows)
+    names = tuple(p.strip() for p in params.split(",")) if params else (
+        C.GPU_PARAMETERS if gpu else C.DEFAULT_PARAMETERS)
+    profiles = {n: load_profile(n) for n in sorted({r["profile"] for r in rows if r.get("profile")})}
+    target = Path(out_dir) if out_dir else profile_write_dir()
+    for n in profiles:
+        check_output_path(target / f"{n}-cal.json", make_parents=True)
+    res = C.calibrate(rows, profiles, names, folds)
+    scored = res["rows"]
+    q = res["interval_log_halfwidth"]
+    views = {}
+    for key, pred, half in (("uncalibrated", res["uncalibrated"], None), ("in_sample", res["in_sample"], None),
+                            ("out_of_fold", res["out_of_fold"], res["interval_fold_halfwidth"])):
+        view = []
+        for i, r in enumerate(scored):
+            v = dict(r, predicted_step_s=float(pred[i]))
+            v["interval_s"] = None if half is None or not math.isfinite(half[i]) else \
+                [float(pred[i] * math.exp(-half[i])), float(pred[i] * math.exp(half[i]))]
+            view.append(v)
+        views[key] = summarize(view)
+    stats = {"out_of_fold": views["out_of_fold"], "in_sample": views["in_sample"],
+             "uncalibrated": views["uncalibrated"]}
+    written = []
+    for n, hw in profiles.items():
+        new = C.calibrated_profile(hw, res, {k: _headline(v) for k, v in stats.items()}, list(dirs))
+        written.append(os.path.relpath(new.save(target / f"{n}-cal.json")))
+    for d in dirs:
+        mine = [i for i, r in enumerate(scored) if r["dir"] == d]
+        atomic_write_json(Path(d) / "calibration.json", {
+            "factors": res["factors"], "interval_log_halfwidth": q, "profiles": written, "stats": stats,
+            "rows": {scored[i]["plan_id"] + "/" + scored[i]["model"]: {
+                "out_of_fold_step_s": float(res["out_of_fold"][i]), "in_sample_step_s": float(res["in_sample"][i]),
+                "fold": int(res["folds"][i]), "fold_log_halfwidth": _finite(res["interval_fold_halfwidth"][i])}
+                for i in mine}})
+    return {"factors": res["factors"], "parameters": {n: C.PARAMETERS[n][0] for n in names},
+            "interval_log_halfwidth": q, "n_rows": len(scored), "folds": int(max(res["folds"]) + 1),
+            "profiles_written": written, **stats}
+
+
+def _finite(x):
+    import math
+
+    return float(x) if math.isfinite(x) else None
+
+
+def _headline(s: dict) -> dict:
+    keys = ("n", "step_time_mape", "step_time_max_ape", "spearman", "interval_coverage",
+            "interval_median_rel_halfwidth", "top1_regret")
+    return {k: s.get(k) for k in keys}

@@ -1,0 +1,217 @@
+"""The plan schema: one row per plan field, and everything else derived from it.
+
+A row says what a field is (name, kind, default, choices, range), how a user gives it (CLI flag, help, the flag's
+default), how the vectorized cost model holds it (its ``PlanBatch`` column), how search treats it (enumerated, or
+pinned for every plan when the user gives it), whether it is part of the plan id at its default, and how tables,
+reports, the executor and the emitters name an option they show or cannot run. ``Plan`` (plan.py), ``PlanBatch``
+and its encode/decode/names (codec.py), the command line's plan flags (cli/main.py) and their defaults and checks
+(flags.py), search's pins (search.py), the report's option words, the search table's option letters, the executor's
+refusal of cost-model-only options and the emitters' gap lines are built from these rows: adding a plan option is a
+row here, its cost term and its test.
+
+Torch-free and numpy-free (imported by everything).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ParsimError
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+WRAPPERS = ("pp", "tp", "ac", "compile", "fsdp")
+DEFAULT_ORDER = WRAPPERS
+PP_SCHEDULE_NAMES = ("GPipe", "1F1B", "Interleaved1F1B")
+AC_MODE_NAMES = ("none", "full", "selective-op", "layer")
+RAF_MODES = ("default", "always", "never")
+EP_FROM = ("dp_shard", "dp_replicate")
+# torchao float8 training recipes (torchtitan's Float8LinearConverter recipe_name; tensorwise is the original one)
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+DTYPES = ("float32", "bfloat16", "float16")
+# absurd sizes, refused before anything is enumerated (and int64 / float arithmetic stays far from overflow)
+MAX_GPUS = 2**20  # 1,048,576: beyond every cluster built so far
+MAX_SEQ_LEN = 2**24  # 16,777,216 tokens
+MAX_BATCH = 2**24  # sequences per optimizer step
+MAX_STAGES_PER_RANK = 64
+
+KINDS = ("int", "bool", "choice", "optional_bool", "ac", "order")
+SEARCH_ROLES = ("enumerated", "pinned", "given", "fixed")
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class PlanField:
+    """One plan field. ``kind``: int (``low..high``), bool, choice (one of ``choices``; its batch column holds the
+    index), optional_bool (None resolves to a default the Plan derives), ac (``parse_ac``: two columns, mode code
+    and period), order (a permutation of ``choices``; the batch holds an index into the orders it carries)."""
+
+    name: str
+    kind: str
+    default: Any
+    help: str = ""
+    choices: tuple = ()
+    low: int = 1
+    high: int = 0
+    # command line: the flag ("" -> --name-with-dashes, None -> no flag), what it means when left out (the Plan
+    # default unless given; None: derived from other flags, see flags.plan_from_given) and the help's [default]
+    flag: str | None = ""
+    flag_default: Any = _UNSET
+    shown_default: str = ""
+    # search: "enumerated" over its values, "pinned" for every plan when the user gives it (else the default),
+    # "given" (the problem: every plan has it) or "fixed" (the default; no flag); ``only_with``: a pin applies to the
+    # plans whose axis of this name is > 1 (the others keep the default)
+    search: str = "pinned"
+    only_with: str = ""
+    # fields added after plan ids were first recorded: left out of the id while at their default, so that the ids
+    # of earlier plans (and the measurements keyed by them) stay valid
+    late: bool = False
+    # an option (bool) as tables and reports show it when on: report words, search-table letters
+    label: str = ""
+    letters: str = ""
+    # an option the executor does not run (refused with this reason when on) / torchtitan or Megatron-LM cannot
+    # express (the emitter's gap line when on)
+    executor_refusal: str = ""
+    torchtitan_gap: str = ""
+    megatron_gap: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"plan field {self.name}: unknown kind {self.kind!r}")
+        if self.kind == "choice" and self.default not in self.choices:
+            raise ValueError(f"plan field {self.name}: default {self.default!r} not among {self.choices}")
+        if self.search not in SEARCH_ROLES or (self.search == "fixed") != (self.flag is None):
+            raise ValueError(f"plan field {self.name}: search role {self.search!r} (fixed = no flag)")
+
+    @property
+    def cli_flag(self) -> str | None:
+        return None if self.flag is None else (self.flag or "--" + self.name.replace("_", "-"))
+
+    @property
+    def cli_default(self) -> Any:
+        """What the command line takes when the flag is left out."""
+        if self.flag_default is not _UNSET:
+            return self.flag_default
+        return ",".join(self.default) if self.kind == "order" else self.default
+
+    @property
+    def column(self) -> str:
+        """The PlanBatch column (orders: an index into the batch's tuple of orders)."""
+        return {"mesh_order": "mesh_idx", "wrapper_order": "wrapper_idx"}.get(self.name, self.name)
+
+    def check(self, value: Any) -> None:
+        """One ParsimError line naming the field when ``value`` is not one it can hold."""
+        if self.kind == "int":
+            low = self.low
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= self.high:
+                what = "a positive integer" if low else "an integer >= 0"
+                raise ParsimError(f"{self.name} must be {what} <= {self.high}, got {value!r}")
+        elif self.kind == "bool":
+            if not isinstance(value, bool):
+                raise ParsimError(f"{self.name} must be true or false, got {value!r}")
+        elif self.kind == "optional_bool":
+            if value is not None and not isinstance(value, bool):
+                raise ParsimError(f"{self.name} must be true, false or null, got {value!r}")
+        elif self.kind in ("choice", "ac"):
+            if not isinstance(value, str):
+                raise ParsimError(f"{self.name} must be a string, got {value!r}")
+            if self.kind == "ac":
+                parse_ac(value)
+            elif value not in self.choices:
+                raise ParsimError(f"{self.name} must be one of {', '.join(self.choices)}, got {value!r}")
+        elif not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
+            raise ParsimError(f"{self.name} must be a list of names, got {value!r}")
+        elif sorted(value) != sorted(self.choices):
+            raise ParsimError(f"{self.name} {','.join(value)} must be a permutation of {','.join(self.choices)}")
+
+
+def parse_ac(ac: str) -> tuple[str, int]:
+    """'none' | 'full' | 'selective-op' | 'layer:N' (every N-th layer fully checkpointed) -> (mode, N)."""
+    if ac in ("none", "full", "selective-op"):
+        return ac, 1
+    if ac.startswith("layer:"):
+        try:
+            n = int(ac.split(":", 1)[1])
+        except ValueError:
+            n = 0
+        if n >= 1:
+            return "layer", n
+    raise ParsimError(f"bad AC mode {ac!r}: expected none, full, selective-op or layer:N with N >= 1")
+
+
+def _degree(name: str, help_: str = "", shown: str = "[1]", **kw) -> PlanField:
+    return PlanField(name, "int", 1, help=help_, high=MAX_GPUS, shown_default=shown, search="enumerated", **kw)
+
+
+def _batch(name: str, default: int, low: int, help_: str = "", shown: str = "", **kw) -> PlanField:
+    return PlanField(name, "int", default, help=help_, low=low, high=MAX_BATCH, shown_default=shown, **kw)
+
+
+PLAN_FIELDS: tuple[PlanField, ...] = (
+    _degree("pp"),
+    _degree("dp_replicate"),
+    _degree("dp_shard", "-1 = the GPUs the other degrees leave", "[-1]", flag_default=-1),
+    _degree("cp"),
+    _degree("tp"),
+    _degree("ep"),
+    _degree("etp"),
+    PlanField("ep_from", "choice", "dp_shard", choices=EP_FROM, search="enumerated", shown_default="[dp_shard]",
+              help="where EP ranks come from: dp_shard (torchtitan dp2ep: dp_shard x cp x tp == efsdp x ep x etp) | "
+                   "dp_replicate (Megatron-style DDP + EP)"),
+    PlanField("mesh_order", "order", AXES, choices=AXES, search="enumerated",
+              help="device order, outermost first; may list only the axes > 1",
+              shown_default=f"[{','.join(AXES)}]"),
+    PlanField("seq_len", "int", 4096, high=MAX_SEQ_LEN, shown_default="[4096]", search="given"),
+    _batch("local_batch_size", 1, 1, shown="[1]", search="enumerated"),
+    _batch("global_batch_size", 0, 0, shown="[local batch x dp]", flag_default=None, search="given",
+           help_="sequences per optimizer step (0: local batch x dp, no gradient accumulation)"),
+    _batch("micro_batch_size", 0, 0, shown="[local batch]", flag_default=None, search="enumerated",
+           help_="sequences per pipeline microbatch (0: the local batch, one microbatch)"),
+    PlanField("pp_schedule", "choice", "1F1B", choices=PP_SCHEDULE_NAMES, search="enumerated",
+              help=" | ".join(PP_SCHEDULE_NAMES), shown_default="[1F1B]"),
+    PlanField("pp_stages_per_rank", "int", 1, high=MAX_STAGES_PER_RANK, flag_default=None, search="enumerated",
+              shown_default="[1, or 2 for Interleaved1F1B]"),
+    PlanField("sequence_parallel", "optional_bool", None, shown_default="[on when tp > 1]"),
+    PlanField("fsdp_reshard_after_forward", "choice", "default", choices=RAF_MODES, search="enumerated",
+              help="default (on without PP, off with PP: torchtitan) | always | never", shown_default="[default]"),
+    PlanField("ac", "ac", "none", help="none | full | selective-op | layer:N", shown_default="[none]",
+              search="enumerated"),
+    PlanField("compile", "bool", False, shown_default="[no]", search="enumerated"),
+    PlanField("float8", "bool", False, shown_default="[no]", search="enumerated"),
+    PlanField("param_dtype", "choice", "bfloat16", choices=DTYPES, flag=None, search="fixed"),
+    PlanField("reduce_dtype", "choice", "float32", choices=DTYPES, flag=None, search="fixed"),
+    PlanField("wrapper_order", "order", DEFAULT_ORDER, choices=WRAPPERS, flag="--order", search="enumerated",
+              help="wrapper order", shown_default=f"[{','.join(DEFAULT_ORDER)}]"),
+    PlanField("float8_recipe", "choice", "tensorwise", choices=FLOAT8_RECIPES, late=True,
+              help=" | ".join(FLOAT8_RECIPES), shown_default="[tensorwise]"),
+    PlanField("async_tp", "bool", False, late=True, only_with="tp", label="async TP", letters="aTP",
+              help="TP collectives decomposed and overlapped with the matmuls they feed (torchtitan "
+                   "enable_async_tensor_parallel, Megatron tp_comm_overlap; cost model only)", shown_default="[no]"),
+    PlanField("distributed_optimizer", "bool", False, late=True, only_with="dp_replicate",
+              label="distributed optimizer", letters="ZeRO1", shown_default="[no]",
+              help="Megatron's distributed optimizer (ZeRO-1): fp32 master weights and AdamW states sharded over "
+                   "dp_replicate, gradients reduce-scattered (cost model only)",
+              torchtitan_gap="distributed optimizer (ZeRO-1 over dp_replicate): not a torchtitan option; use FSDP "
+                             "(data_parallel_shard_degree) to shard the optimizer state"),
+    PlanField("te_layers", "bool", False, late=True, label="TE layers", letters="TE", shown_default="[no]",
+              help="Megatron-Core Transformer Engine layers: SP inputs kept local and re-gathered in the backward, "
+                   "float8 inputs saved, fused SwiGLU/RoPE, vocab-parallel embedding (cost model only)",
+              executor_refusal="te_layers (Megatron-Core's Transformer Engine layers) is a cost-model option: "
+                               "Transformer Engine runs on CUDA only, the executor has no such layers",
+              torchtitan_gap="TE layers (Megatron-Core's Transformer Engine spec): not a torchtitan option; "
+                             "torchtitan runs its own layers (more activation memory under SP: see --emit-megatron)"),
+    PlanField("fused_loss", "bool", False, late=True, label="fused loss", letters="FL", shown_default="[no]",
+              help="fused cross-entropy (flash-attn xentropy, Megatron cross_entropy_loss_fusion): no fp32 copy of "
+                   "the logits, one logits-sized gradient",
+              torchtitan_gap="fused cross-entropy: torchtitan has no loss option; with compile it compiles the loss "
+                             "(compile.components model, loss), which fuses it"),
+)
+FIELDS: dict[str, PlanField] = {f.name: f for f in PLAN_FIELDS}
+LATE_DEFAULTS = {f.name: f.default for f in PLAN_FIELDS if f.late}
+PINNED = tuple(f for f in PLAN_FIELDS if f.search == "pinned")  # search pins them, never enumerates
+
+
+def check_fields(values: dict) -> None:
+    """Every field's type and range (a plan file can hold anything): one ParsimError line for the first bad one."""
+    for f in PLAN_FIELDS:
+        f.check(values[f.name])

@@ -1,0 +1,64 @@
+"""Plans in a few characters: the words of search's tables (degrees in device order, options as letters, batch,
+AC, schedule), shared by the command line's tables and the rows a search job writes. Torch-free."""
+
+from __future__ import annotations
+
+
+def order_str(plan) -> str:
+    """The device order of the axes > 1, outermost first (``pp>dp_shard>tp``)."""
+    axes = [a for a in plan.mesh_order if getattr(plan, a) > 1]
+    return ">".join(axes) or "-"
+
+
+SHORT_AXES = {"pp": "pp", "dp_replicate": "dpr", "dp_shard": "fsdp", "cp": "cp", "tp": "tp"}
+SHORT_AC = {"none": "-", "full": "full", "selective-op": "sel"}
+SHORT_DOMINANT = {"compute_backward": "bwd", "compute_forward": "fwd", "recompute": "recomp", "pp_bubble": "bubble",
+                  "optimizer": "optim", "comm_interference": "interf"}
+WRAPPER_LETTERS = {"pp": "P", "tp": "T", "ac": "A", "compile": "C", "fsdp": "F"}
+
+
+def short_degrees(plan) -> str:
+    """Degrees in device order (outermost first; axes of degree 1 left out, as they place no rank), short names:
+    ``pp4 dpr2 fsdp8 tp4 ep8`` (``ep8d``: EP borrowed from dp_replicate)."""
+    parts = [f"{SHORT_AXES[a]}{getattr(plan, a)}" for a in plan.mesh_order if getattr(plan, a) > 1]
+    if plan.ep > 1:
+        parts.append(f"ep{plan.ep}" + (f"/{plan.etp}" if plan.etp > 1 else "")
+                     + ("d" if plan.ep_from == "dp_replicate" else ""))
+    return " ".join(parts) or "1 GPU"
+
+
+def short_options(plan) -> str:
+    """compile (C), float8 (F8, rowwise r / gw_hp g), reshard never/always (R-/R+), the schema's options that are on
+    (their ``letters``: async TP aTP, distributed optimizer ZeRO1, TE layers TE, fused loss FL), a wrapper order
+    other than PP>TP>AC>compile>FSDP (its letters)."""
+    from parsim.plan import DEFAULT_ORDER
+    from parsim.plan_schema import PLAN_FIELDS
+
+    out = []
+    if plan.compile:
+        out.append("C")
+    if plan.float8:
+        out.append("F8" + {"tensorwise": "", "rowwise": "r", "rowwise_with_gw_hp": "g"}[plan.float8_recipe])
+    if plan.fsdp_reshard_after_forward != "default":
+        out.append("R-" if plan.fsdp_reshard_after_forward == "never" else "R+")
+    out += [f.letters for f in PLAN_FIELDS if f.letters and getattr(plan, f.name) != f.default]
+    if tuple(plan.wrapper_order) != DEFAULT_ORDER:
+        out.append("".join(WRAPPER_LETTERS[w] for w in plan.wrapper_order))
+    return " ".join(out) or "-"
+
+
+def short_batch(plan) -> str:
+    """local/micro batch, and the gradient-accumulation steps when more than one (``4/1 ga2``)."""
+    ga = plan.grad_accum_steps
+    return f"{plan.local_batch_size}/{plan.micro_batch_size}" + (f" ga{ga}" if ga > 1 else "")
+
+
+def short_ac(ac: str) -> str:
+    return SHORT_AC.get(ac, ac.replace("layer:", "L"))
+
+
+def sched_str(plan) -> str:
+    if plan.pp == 1:
+        return "-"
+    name = "I1F1B" if plan.pp_schedule == "Interleaved1F1B" else plan.pp_schedule
+    return name + (f"/v{plan.pp_stages_per_rank}" if plan.pp_stages_per_rank > 1 else "")
