@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import ParsimError
-from .search_job import Log, Progress, log_to_stderr
+from .progress import Log, Progress, log_to_stderr
 
 
 def profile_for_this_machine(name: str, log: Log = log_to_stderr):

@@ -11,24 +11,15 @@ executions) to ``log(line)``.
 from __future__ import annotations
 
 import math
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ParsimError
 from .plan_schema import PLAN_FIELDS
 from .plan_text import short_degrees, short_options
+from .progress import Log, Progress, log_to_stderr
 
 CPU_MEASURE_BUDGET_FLOPS = 2e10  # assumed: about 1 s forward on one CPU core, ~10 s per shape with repetitions
-
-Progress = Callable[..., None]  # (task, done, total[, label]): a bar per task, the label its text when given
-Log = Callable[[str], None]
-
-
-def log_to_stderr(line: str) -> None:
-    print(line, file=sys.stderr)
-
 
 @dataclass(frozen=True)
 class SearchOutputs:

@@ -170,9 +170,19 @@ class RankView:
         return self.emb_shard + self.norm_shard + self.outw_shard
 
 
-def rank_comm(spec, b, sh, hw, rv: RankView) -> dict:
-    """The ledger of one rank for one step; ``bytes`` (per "<op>/<axis>"), and the totals the step model needs:
-    exposed TP/CP/EP seconds per microbatch, PP send seconds, FSDP gather and reduce seconds."""
+@dataclass(frozen=True)
+class RankComm:
+    """One rank's collectives for one step: its ledger and the totals the step model needs (arrays over the
+    batch)."""
+
+    ledger: Ledger
+    per_microbatch_exposed_s: dict  # "tp" / "cp" / "ep" -> exposed seconds per microbatch (fwd + bwd + recompute)
+    fsdp_gather_total_s: np.ndarray  # FSDP / HSDP all-gathers of the step, unoverlapped
+    fsdp_reduce_total_s: np.ndarray  # their reduce-scatters / all-reduces
+
+
+def rank_comm(spec, b, sh, hw, rv: RankView) -> RankComm:
+    """The ledger of one rank for one step and its totals (``RankComm``)."""
     led = Ledger(hw, len(b))
     M = (b.grad_accum * b.n_micro).astype(float)
     ac = {k: _ac_counts(b, rv.n_of[k], rv.n_ckpt[k]) for k in rv.kinds}
@@ -189,8 +199,8 @@ def rank_comm(spec, b, sh, hw, rv: RankView) -> dict:
     _grad_norm_records(led, spec, b, rv)
     per_mb = {a: sum((r.time_s for r in led.records if r.overlap == "exposed" and r.axis == a
                       and r.phase != "step"), np.zeros(len(b))) / np.maximum(M, 1) for a in ("tp", "cp", "ep")}
-    return {"ledger": led, "per_microbatch_exposed_s": per_mb,
-            "fsdp_ag_total_s": led.total_s(("fsdp_gather",)), "fsdp_red_total_s": led.total_s(("fsdp_reduce",))}
+    return RankComm(ledger=led, per_microbatch_exposed_s=per_mb, fsdp_gather_total_s=led.total_s(("fsdp_gather",)),
+                    fsdp_reduce_total_s=led.total_s(("fsdp_reduce",)))
 
 
 def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> None:

@@ -74,13 +74,13 @@ def interference(hw: HardwareProfile, ledger) -> np.ndarray:
     return k * np.maximum(hidden, 0.0)
 
 
-def fsdp_exposed(b: PlanBatch, hw: HardwareProfile, cm: dict, fwd, bwd, n_layers) -> np.ndarray:
+def fsdp_exposed(b: PlanBatch, hw: HardwareProfile, cm, fwd, bwd, n_layers) -> np.ndarray:
     """Exposed FSDP/HSDP seconds per step on one rank. FSDP2 prefetches one unit ahead: a unit's all-gather hides
     behind the previous unit's forward (and, when resharded, the next unit's backward); reduce-scatters (and HSDP
     all-reduces) hide behind the next unit's backward; the first gather and the last reduce of a round are exposed.
     Per-unit times are the ledger's totals spread over the rank's layers + 1 (embedding / output) units; gloo on
     CPU blocks the rank, so there everything is exposed."""
-    ag_total, red_total = cm["fsdp_ag_total_s"], cm["fsdp_red_total_s"]
+    ag_total, red_total = cm.fsdp_gather_total_s, cm.fsdp_reduce_total_s  # comm.RankComm
     if not hw.comm_overlap:
         return ag_total + red_total
     ga, m_pass = b.grad_accum.astype(float), b.n_micro.astype(float)

@@ -5,6 +5,7 @@ the plan is on it; the peak and its moment. See ``step``'s docstring for the mem
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -250,10 +251,22 @@ def _loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: Ra
     return np.where(rv.has_out, c.logits * per_logit + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
 
 
-def rank_peak(b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, c: RankCompute, phases: dict) -> dict:
-    """A rank's allocated peak (the largest phase: ``mem``, its breakdown ``mb``, ``phase`` its index, every
-    phase's total ``phase_totals``) and what CUDA's caching allocator reserves at it (``reserved``, itemized
-    ``rb``: costmodel/reserved.py; a gloo (CPU) profile has no caching allocator)."""
+@dataclass(frozen=True)
+class RankPeak:
+    """A rank's allocated peak (the largest of its memory phases) and what CUDA's caching allocator reserves at it
+    (costmodel/reserved.py; a gloo (CPU) profile has no caching allocator). Arrays over the batch."""
+
+    memory_bytes: np.ndarray  # the peak: the largest phase's total
+    breakdown_bytes: dict  # MEMORY_KEYS -> bytes held at the peak
+    phase: np.ndarray  # index into PHASES of the peak's phase
+    phase_totals_bytes: dict  # phase -> its total
+    reserved_bytes: np.ndarray
+    reserved_breakdown_bytes: dict  # RESERVED_KEYS -> bytes
+
+
+def rank_peak(b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, c: RankCompute,
+              phases: dict) -> RankPeak:
+    """A rank's ``RankPeak`` from its memory phases."""
     n, z = len(b), np.zeros(len(b))
     totals = {k: sum(v.values()) for k, v in phases.items()}
     names = list(phases)
@@ -262,7 +275,8 @@ def rank_peak(b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, c: 
     mem = np.choose(which, [np.broadcast_to(totals[p], (n,)) for p in names])
     rsv = reserved_breakdown(b, rv, np.asarray(c.logits, dtype=float), np.asarray(sh.act_b, dtype=float),
                              rank_params(b, rv)[0], mem, mb, which, allocator=hw.comm_overlap)
-    return {"mem": mem, "mb": mb, "phase": which, "phase_totals": totals, "reserved": sum(rsv.values()), "rb": rsv}
+    return RankPeak(memory_bytes=mem, breakdown_bytes=mb, phase=which, phase_totals_bytes=totals,
+                    reserved_bytes=sum(rsv.values()), reserved_breakdown_bytes=rsv)
 
 
 def _unsharded_params(b: PlanBatch, gathered: dict, sharded, local, layer_g, pb) -> tuple:

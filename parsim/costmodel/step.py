@@ -44,6 +44,7 @@ a vocab-parallel embedding whose gradient is its shard; see ``layers.saved_tenso
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -65,7 +66,7 @@ from .layers import (
 )
 from .memory import MEMORY_KEYS, PHASES
 from .overlap import async_tp_exposed_fraction, framework_overheads, fsdp_exposed, interference, set_exposed
-from .phases import rank_memory, rank_params, rank_peak, static_bytes
+from .phases import RankPeak, rank_memory, rank_params, rank_peak, static_bytes
 from .pipeline import bubble
 from .reserved import RESERVED_KEYS
 
@@ -99,15 +100,15 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
             phases, _ = rank_memory(spec, b, sh, rank, rv, c, above_bytes)
             pk = rank_peak(b, sh, hw, rv, c, phases)
             static = static_bytes(b, rv)
-            per_rank.append({k: np.where(static > above_bytes, np.maximum(pk[k], static), pk[k])
-                             for k in ("mem", "reserved")})
+            per_rank.append([np.where(static > above_bytes, np.maximum(v, static), v)
+                             for v in (pk.memory_bytes, pk.reserved_bytes)])
         else:
             per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
     if time_bound:
         return {"step_time_lower_bound_s": np.maximum(per_rank[0], per_rank[1])}
-    if memory_only:
-        return {"peak_memory_bytes": np.maximum(per_rank[0]["mem"], per_rank[1]["mem"]),
-                "reserved_memory_bytes": np.maximum(per_rank[0]["reserved"], per_rank[1]["reserved"])}
+    if memory_only:  # per rank: (allocated peak, reserved) with the static bound
+        return {"peak_memory_bytes": np.maximum(per_rank[0][0], per_rank[1][0]),
+                "reserved_memory_bytes": np.maximum(per_rank[0][1], per_rank[1][1])}
     return _combine(spec, b, hw, per_rank, detail)
 
 
@@ -177,67 +178,77 @@ def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: RankCompute, p_opt, 
     return M * compute_mb + opt + bubble(b, hw, M, ga, compute_mb, compute_mb)
 
 
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's step: its time (itemized, summing to ``step_s``), its collectives' ledger and its memory peak
+    (arrays over the batch)."""
+
+    step_s: np.ndarray
+    time_breakdown_s: dict  # component -> seconds
+    ledger: C.Ledger
+    peak: RankPeak
+
+
 def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rank: int, rv: C.RankView,
-                   costs: dict) -> dict:
+                   costs: dict) -> RankStep:
     """Step time (itemized) and peak memory (itemized, the largest of five moments) of one rank."""
     c = rank_compute(spec, b, sh, hw, rv, costs)
     phases, p_opt = rank_memory(spec, b, sh, rank, rv, c)
     ga = b.grad_accum.astype(float)
     M = ga * b.n_micro  # microbatches per step per rank
     cm = C.rank_comm(spec, b, sh, hw, rv)
-    per_mb_exposed = dict(cm["per_microbatch_exposed_s"])  # TP, CP, EP by axis (fwd + bwd + recompute)
+    per_mb_exposed = dict(cm.per_microbatch_exposed_s)  # TP, CP, EP by axis (fwd + bwd + recompute)
     tp_ratio = async_tp_exposed_fraction(b, hw, per_mb_exposed["tp"], c.gemm)
     per_mb_exposed["tp"] = per_mb_exposed["tp"] * tp_ratio
     t_mb = c.fwd + c.bwd + c.rec + sum(per_mb_exposed.values())
     fsdp_exposed_s = fsdp_exposed(b, hw, cm, c.fwd, c.bwd + c.rec, rv.n_layers)
-    set_exposed(cm["ledger"], fsdp_exposed_s, cm["fsdp_ag_total_s"] + cm["fsdp_red_total_s"], tp_ratio)
+    set_exposed(cm.ledger, fsdp_exposed_s, cm.fsdp_gather_total_s + cm.fsdp_reduce_total_s, tp_ratio)
     opt = optimizer_time_s(hw, p_opt, rv.n_tensors)
     tb = {"compute_forward": M * c.fwd, "compute_backward": M * c.bwd, "recompute": M * c.rec,
           "pp_bubble": bubble(b, hw, M, ga, c.fwd + c.bwd + c.rec, t_mb), "optimizer": opt}
-    for axis, tt in cm["ledger"].exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
+    for axis, tt in cm.ledger.exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
         tb["comm_" + axis] = tt
-    tb["comm_interference"] = interference(hw, cm["ledger"])
-    tb.update(framework_overheads(spec, b, hw, cm["ledger"], rv.n_layers, M))
-    return {"step": sum(tb.values()), "tb": tb, "ledger": cm["ledger"], **rank_peak(b, sh, hw, rv, c, phases)}
+    tb["comm_interference"] = interference(hw, cm.ledger)
+    tb.update(framework_overheads(spec, b, hw, cm.ledger, rv.n_layers, M))
+    return RankStep(step_s=sum(tb.values()), time_breakdown_s=tb, ledger=cm.ledger,
+                    peak=rank_peak(b, sh, hw, rv, c, phases))
 
 
 def _combine(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, per_rank: list, detail: bool) -> dict:
     """The plan's step time is its slowest rank's, its memory the larger peak; comm_bytes are rank 0's."""
     n = len(b)
     first, last = per_rank
-    time_rank = np.where(last["step"] > first["step"], LAST, FIRST)
-    mem_rank = np.where(last["mem"] > first["mem"], LAST, FIRST)
-    step = np.where(time_rank == LAST, last["step"], first["step"])
-    peak_mem = np.where(mem_rank == LAST, last["mem"], first["mem"])
+    time_rank = np.where(last.step_s > first.step_s, LAST, FIRST)
+    mem_rank = np.where(last.peak.memory_bytes > first.peak.memory_bytes, LAST, FIRST)
+    step = np.where(time_rank == LAST, last.step_s, first.step_s)
+    peak_mem = np.where(mem_rank == LAST, last.peak.memory_bytes, first.peak.memory_bytes)
     # what must fit is what the allocator reserves (its rank can differ from the allocated peak's)
-    rsv_rank = np.where(last["reserved"] > first["reserved"], LAST, FIRST)
-    reserved = np.where(rsv_rank == LAST, last["reserved"], first["reserved"])
+    rsv_rank = np.where(last.peak.reserved_bytes > first.peak.reserved_bytes, LAST, FIRST)
+    reserved = np.where(rsv_rank == LAST, last.peak.reserved_bytes, first.peak.reserved_bytes)
     tps = b.global_batch_size * b.seq_len / step / b.world
     mfu = _model_flops_per_token(spec, b) * tps / hw.peak("bfloat16")
     out = {"step_time_s": step, "peak_memory_bytes": peak_mem, "fits": reserved <= hw.usable_memory_bytes,
            "reserved_memory_bytes": reserved, "tokens_per_s_per_gpu": tps, "mfu": mfu, "peak_rank": mem_rank,
            "time_rank": time_rank}
 
-    def pick(src: str, rank_sel) -> dict:
-        keys = sorted(set(first[src]) | set(last[src]))
-        return {k: np.where(rank_sel == LAST, _g(last[src], k, n), _g(first[src], k, n)) for k in keys}
+    def pick(of_first: dict, of_last: dict, rank_sel) -> dict:
+        keys = sorted(set(of_first) | set(of_last))
+        return {k: np.where(rank_sel == LAST, _g(of_last, k, n), _g(of_first, k, n)) for k in keys}
 
+    tb = pick(first.time_breakdown_s, last.time_breakdown_s, time_rank)
     if not detail:  # the dominant cost, cheaply: the largest breakdown entry of the time-critical rank
-        tb = pick("tb", time_rank)
         out["dominant"] = np.array(list(tb))[np.argmax(np.stack(list(tb.values())), axis=0)]
         return out
-    out["time_breakdown_s"] = pick("tb", time_rank)
-    out["memory_breakdown_bytes"] = {k: np.where(mem_rank == LAST, last["mb"][k], first["mb"][k])
-                                     for k in MEMORY_KEYS}
-    out["reserved_breakdown_bytes"] = {k: np.where(rsv_rank == LAST, last["rb"][k], first["rb"][k])
-                                       for k in RESERVED_KEYS}
-    out["comm_bytes"] = first["ledger"].bytes_by_key()
-    out["peak_phase"] = np.where(mem_rank == LAST, last["phase"], first["phase"])
-    for r in per_rank:
-        r["comm_time"], r["exposed"] = r["ledger"].time_by_key(), r["ledger"].exposed_by_key()
-    out["comm_time_s"] = pick("comm_time", time_rank)
-    out["exposed_comm_time_s"] = pick("exposed", time_rank)
-    out["ledgers"] = (first["ledger"], last["ledger"])
+    out["time_breakdown_s"] = tb
+    out["memory_breakdown_bytes"] = {k: np.where(mem_rank == LAST, last.peak.breakdown_bytes[k],
+                                                 first.peak.breakdown_bytes[k]) for k in MEMORY_KEYS}
+    out["reserved_breakdown_bytes"] = {k: np.where(rsv_rank == LAST, last.peak.reserved_breakdown_bytes[k],
+                                                   first.peak.reserved_breakdown_bytes[k]) for k in RESERVED_KEYS}
+    out["comm_bytes"] = first.ledger.bytes_by_key()
+    out["peak_phase"] = np.where(mem_rank == LAST, last.peak.phase, first.peak.phase)
+    out["comm_time_s"] = pick(first.ledger.time_by_key(), last.ledger.time_by_key(), time_rank)
+    out["exposed_comm_time_s"] = pick(first.ledger.exposed_by_key(), last.ledger.exposed_by_key(), time_rank)
+    out["ledgers"] = (first.ledger, last.ledger)
     out["ranks"] = per_rank
     return out
 
@@ -264,13 +275,14 @@ def rank_details(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict[int, 
     out = {}
     for which, rk in zip((FIRST, LAST), r["ranks"], strict=True):
         names = canonical_axes(plan, stage_rank(plan, which))
+        pk = rk.peak
         out[which] = {
-            "peak_memory_bytes": float(rk["mem"][0]), "peak_phase": PHASES[int(rk["phase"][0])],
-            "memory_breakdown_bytes": {k: float(v[0]) for k, v in rk["mb"].items()},
-            "reserved_memory_bytes": float(rk["reserved"][0]),
-            "reserved_breakdown_bytes": {k: float(v[0]) for k, v in rk["rb"].items()},
-            "phase_totals_bytes": {k: float(np.broadcast_to(v, (1,))[0]) for k, v in rk["phase_totals"].items()},
-            "comm_bytes": _named({k: float(v[0]) for k, v in rk["ledger"].bytes_by_key().items()}, names),
+            "peak_memory_bytes": float(pk.memory_bytes[0]), "peak_phase": PHASES[int(pk.phase[0])],
+            "memory_breakdown_bytes": {k: float(v[0]) for k, v in pk.breakdown_bytes.items()},
+            "reserved_memory_bytes": float(pk.reserved_bytes[0]),
+            "reserved_breakdown_bytes": {k: float(v[0]) for k, v in pk.reserved_breakdown_bytes.items()},
+            "phase_totals_bytes": {k: float(np.broadcast_to(v, (1,))[0]) for k, v in pk.phase_totals_bytes.items()},
+            "comm_bytes": _named({k: float(v[0]) for k, v in rk.ledger.bytes_by_key().items()}, names),
         }
     return out
 
