@@ -200,10 +200,11 @@ def _print_reranked(con, measured: dict) -> None:
     t = Table(title=f"re-ranked with blocks measured on this {measured['device']} ({measured['shapes']} shapes, "
                     f"{measured['stand_ins']} by stand-ins, {measured['measured_now']} measured now in "
                     f"{measured['measurement_wall_s']:.0f} s)", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False,
-              caption="was: rank on the curves. blocks: measured at the plan's shape, a stand-in (w/h/s: widths, "
-                      "heads, sequence divided by) or curves (a shape one block cannot stand for: CP, MLA, ...; not "
-                      "re-ranked against measured plans: listed last)")
-    for col in ("#", "was", "curves s", "meas s", "diff", "degrees", "sched", "batch", "AC", "opt", "blocks"):
+              caption="was: rank on the curves. blocks, ends (embedding; norm, output, loss): measured at the plan's "
+                      "shape, a stand-in (w/h/v/s: widths, heads, vocabulary rows, sequence divided by) or curves (a "
+                      "shape a measurement cannot stand for: CP, MLA, ...; not re-ranked against measured plans: "
+                      "listed last)")
+    for col in ("#", "was", "curves s", "meas s", "diff", "degrees", "sched", "batch", "AC", "opt", "blocks", "ends"):
         t.add_column(col, justify="right" if col in ("#", "was", "curves s", "meas s", "diff") else "left",
                      no_wrap=True)
     for r in measured["rows"]:
@@ -212,7 +213,7 @@ def _print_reranked(con, measured: dict) -> None:
         was = f"{r['curves_rank']}" + (f" ({'+' if moved > 0 else ''}{moved})" if moved else "")
         t.add_row(str(r["measured_rank"] or "-"), was, f"{r['curves_step_s']:.4g}", f"{r['measured_step_s']:.4g}",
                   f"{100 * (r['measured_step_s'] / r['curves_step_s'] - 1):+.0f}%", short_degrees(plan),
-                  sched_str(plan), short_batch(plan), short_ac(plan.ac), short_options(plan), r["blocks"])
+                  sched_str(plan), short_batch(plan), short_ac(plan.ac), short_options(plan), r["blocks"], r["ends"])
     con.print(t)
 
 

@@ -8,13 +8,21 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from parsim.blockshape import plan_block_shapes
+from parsim.blockshape import HeadShape, plan_block_shapes, plan_head_shape
 from parsim.cli.main import app
 from parsim.costmodel import predict
-from parsim.costmodel.blocktime import composed_block_times
+from parsim.costmodel.blocktime import composed_block_times, composed_head_times
 from parsim.hardware import load_profile
 from parsim.plan import Plan
-from parsim.remeasure import block_forward_flops, candidates, measure_and_rerank, stand_in, with_stand_ins
+from parsim.remeasure import (
+    block_forward_flops,
+    candidates,
+    head_forward_flops,
+    head_stand_in,
+    measure_and_rerank,
+    stand_in,
+    with_stand_ins,
+)
 from parsim.search import SearchResult
 from parsim.spec import load_model
 
@@ -81,6 +89,9 @@ def test_rerank_orders_by_measured_time_and_keeps_both_ranks():
     def slow_dense_of_a(hw_, shapes):  # a's block 10x its curves, b's as the curves say: b must move up
         blocks = {}
         for s in shapes:
+            if isinstance(s, HeadShape):  # the ends as the curves say (the embedding as its traffic)
+                blocks[s.key] = {f"{k}_s": v for k, v in composed_head_times(s, hw_).items()}
+                continue
             f, bw = composed_block_times(s, hw_)
             k = 10.0 if s == plan_block_shapes(spec, a)["dense"] else 1.0
             blocks[s.key] = {"fwd_s": k * f, "bwd_s": k * bw}
@@ -90,7 +101,8 @@ def test_rerank_orders_by_measured_time_and_keeps_both_ranks():
     rows = out["rows"]
     assert [r["plan_id"] for r in rows] == [b.plan_id, a.plan_id]
     assert {r["plan_id"]: (r["curves_rank"], r["measured_rank"]) for r in rows}[a.plan_id][1] == 2
-    assert all(r["blocks"] == "measured" for r in rows) and out["measured_now"] == 2 and out["stand_ins"] == 0
+    assert all(r["blocks"] == r["ends"] == "measured" for r in rows)
+    assert out["measured_now"] == 4 and out["stand_ins"] == 0  # two blocks, two ends (tp 1 and tp 2 vocab rows)
 
 
 @pytest.mark.slow
@@ -110,7 +122,7 @@ def test_cli_search_measure_times_blocks_and_reranks(tmp_path, monkeypatch):
     assert m["measured_now"] == m["shapes"] > 0 and m["device"] == "cpu"
     ranks = [r_["measured_rank"] for r_ in m["rows"] if r_["measured_rank"]]
     assert ranks == list(range(1, len(m["rows"]) + 1))  # --no-cp on tiny: every block measurable
-    assert all(r_["measured_step_s"] > 0 for r_ in m["rows"])
+    assert all(r_["measured_step_s"] > 0 and r_["ends"] == "measured" for r_ in m["rows"])
     again = json.loads(runner.invoke(app, args).stdout)["measured"]  # the cache: nothing measured twice
     assert again["measured_now"] == 0 and [x["plan_id"] for x in again["rows"]] == [x["plan_id"] for x in m["rows"]]
 
@@ -147,3 +159,21 @@ def test_validate_component_differences_sum_to_the_two_predictions():
     (left,) = [d for d in diffs if d["component"] == "unexplained"]
     assert left["blocks_s"] == pytest.approx(0.5 * rb["predicted_step_s"])
     assert any(d["blocks_minus_curves_s"] > 0 for d in parts)  # the slower measured block shows in a component
+
+
+def test_the_ends_stand_in_shrinks_vocabulary_then_width_then_sequence_and_scales_by_the_ratio():
+    spec, hw = load_model("llama3-8b"), load_profile("cpu-gloo-2")
+    full = plan_head_shape(spec, Plan(seq_len=4096, local_batch_size=1, micro_batch_size=1))
+    assert head_stand_in(full, head_forward_flops(full)).exact
+    s = head_stand_in(full, budget_flops=2e10)
+    m = s.measured
+    assert head_forward_flops(m) <= 2e10 < head_forward_flops(full)
+    assert (m.vocab, m.d_model, m.seq_len) == (full.vocab // 64, full.d_model // 4, full.seq_len)  # vocab first
+    assert s.describe() == "w/4 v/64"
+    small, big = composed_head_times(m, hw), composed_head_times(full, hw)
+    measured = {m.key: {"emb_fwd_s": 2.0 * small["emb_fwd"], "emb_bwd_s": small["emb_bwd"],
+                        "out_fwd_s": 3.0 * small["out_fwd"], "out_bwd_s": small["out_bwd"]}}
+    got = with_stand_ins(dataclasses.replace(hw, measured_blocks=measured), {full.key: s}).measured_blocks[full.key]
+    assert got["emb_fwd_s"] == pytest.approx(2.0 * big["emb_fwd"]) and got["out_fwd_s"] == pytest.approx(
+        3.0 * big["out_fwd"])
+    assert got["out_bwd_s"] == pytest.approx(big["out_bwd"]) and got["stand_in_key"] == m.key

@@ -290,13 +290,8 @@ def rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
     # AC wrapping a compiled block recomputes more (measured by `parsim orders`, see parsim/ordering.py)
     rec = rec * np.where(b.ac_wraps_compile & b.compile, ac_wraps_compile_recompute_factor(), 1.0)
     logits = sh.T * np.ceil(spec.vocab_size / sh.t)  # TP coordinate 0 holds ceil(V / tp) vocabulary rows
-    out_gemm = hw.gemm_efficiency.time_s(2.0 * logits * spec.d_model, compute_peak(hw, b))
-    # a fused cross-entropy reads the logits once in the forward and reads them / writes their gradient in the
-    # backward, all in param_dtype [derived]
-    hbm = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
-    loss_fwd = np.where(b.fused_loss, sh.act_b, LOSS_BYTES_PER_LOGIT) * logits / hbm
-    loss_bwd = np.where(b.fused_loss, 2.0 * sh.act_b, LOSS_BYTES_PER_LOGIT) * logits / hbm
-    out_fwd, out_bwd, emb_fwd, emb_bwd = out_gemm + loss_fwd, GEMM_BWD_PER_FWD * out_gemm + loss_bwd, 0.0, 0.0
+    out_fwd, out_bwd = curve_output_times(hw, logits, spec.d_model, sh.act_b, b.fused_loss, compute_peak(hw, b))
+    emb_fwd, emb_bwd = 0.0, 0.0
     head = measured_head_times(spec, b, hw)
     if head is not None:  # the ends measured at the plan's shape replace the curves and add the embedding's
         cs = float(hw.corrections.get("compute_scale", 1.0))
@@ -307,6 +302,19 @@ def rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
     bwd = bwd + np.where(rv.has_out, out_bwd, 0.0) + np.where(rv.has_emb, emb_bwd, 0.0)
     return RankCompute(fwd=fwd, bwd=bwd, rec=rec, act=act, transient=transient, logits=logits, gemm=gemm,
                        costs=costs)
+
+
+def curve_output_times(hw: HardwareProfile, logits, d_model, act_b, fused_loss, peak_flops) -> tuple:
+    """(forward s, backward s) of the final output projection and the loss on the curves: the GEMM of ``logits``
+    (tokens x local vocabulary rows) x ``d_model`` at the GEMM efficiency (backward ``GEMM_BWD_PER_FWD`` times),
+    and the loss's memory traffic: ``LOSS_BYTES_PER_LOGIT`` per logit each way, or a fused cross-entropy that reads
+    the logits once in the forward and reads them / writes their gradient in the backward, all in param_dtype
+    (``act_b`` bytes) [derived]."""
+    out_gemm = hw.gemm_efficiency.time_s(2.0 * logits * d_model, peak_flops)
+    hbm = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
+    loss_fwd = np.where(fused_loss, act_b, LOSS_BYTES_PER_LOGIT) * logits / hbm
+    loss_bwd = np.where(fused_loss, 2.0 * act_b, LOSS_BYTES_PER_LOGIT) * logits / hbm
+    return out_gemm + loss_fwd, GEMM_BWD_PER_FWD * out_gemm + loss_bwd
 
 
 def optimizer_time_s(hw: HardwareProfile, p_opt, n_tensors) -> np.ndarray:
