@@ -330,12 +330,10 @@ def run(
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="passed to torchrun"),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="passed to torchrun"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu to force gloo on a GPU machine"),
-    param_dtype: Optional[str] = typer.Option(None, "--param-dtype", help="float32 | bfloat16 (default bfloat16)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Run a plan for real under torchrun (gloo on CPU, NCCL on GPUs) and measure it."""
     require_torch("run")
-    import dataclasses
 
     from parsim.errors import ParsimError
     from parsim.flags import check_int
@@ -343,10 +341,6 @@ def run(
     from parsim.procs import check_timeout
 
     spec, plan, _ = build_plan(flags)
-    if param_dtype:
-        if param_dtype not in ("float32", "bfloat16"):
-            raise ParsimError(f"--param-dtype must be float32 or bfloat16, got {param_dtype!r}")
-        plan = dataclasses.replace(plan, param_dtype=param_dtype)
     if device not in (None, "cpu"):
         raise ParsimError(f"--device takes only cpu (to force gloo on a GPU machine), got {device!r}")
     check_int("--nproc-per-node", nproc_per_node, 1, 1024)

@@ -178,8 +178,11 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
               search="enumerated"),
     PlanField("compile", "bool", False, shown_default="[no]", search="enumerated"),
     PlanField("float8", "bool", False, shown_default="[no]", search="enumerated"),
-    PlanField("param_dtype", "choice", "bfloat16", choices=DTYPES, flag=None, search="fixed"),
-    PlanField("reduce_dtype", "choice", "float32", choices=DTYPES, flag=None, search="fixed"),
+    PlanField("param_dtype", "choice", "bfloat16", choices=DTYPES, shown_default="[bfloat16]",
+              help="FSDP mixed precision's compute dtype (float32 on a CPU without bf16 instructions): " + " | ".join(
+                  DTYPES)),
+    PlanField("reduce_dtype", "choice", "float32", choices=DTYPES, shown_default="[float32]",
+              help="the dtype gradients are reduced in: " + " | ".join(DTYPES)),
     PlanField("wrapper_order", "order", DEFAULT_ORDER, choices=WRAPPERS, flag="--order", search="enumerated",
               help="wrapper order", shown_default=f"[{','.join(DEFAULT_ORDER)}]"),
     PlanField("float8_recipe", "choice", "tensorwise", choices=FLOAT8_RECIPES, late=True,

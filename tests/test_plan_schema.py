@@ -134,3 +134,59 @@ def test_a_dummy_option_in_the_schema_alone_reaches_every_consumer():
                    "refusal": "dummy_option: cost model only: dummy: not run",
                    "gaps": ["dummy: no torchtitan", "dummy: no megatron"],
                    "words": [["dummy words"], "DUM"], "predict": True, "search": True}
+
+
+def _plan_values(draw):
+    """A Plan's fields drawn from the schema rows (degrees and batch sizes small; orders permuted)."""
+    from hypothesis import strategies as st
+
+    out = {}
+    for f in PLAN_FIELDS:
+        if f.kind == "int":
+            out[f.name] = draw(st.sampled_from((1, 2, 4) if f.name not in ("seq_len",) else (256, 1024, 4096)))
+        elif f.kind in ("choice", "bool"):
+            out[f.name] = draw(st.sampled_from(f.choices or (False, True)))
+        elif f.kind == "optional_bool":
+            out[f.name] = draw(st.sampled_from((None, False, True)))
+        elif f.kind == "ac":
+            out[f.name] = draw(st.sampled_from(("none", "full", "selective-op", "layer:2")))
+        else:
+            out[f.name] = tuple(draw(st.permutations(f.choices)))
+    if out["pp"] == 1:
+        out["micro_batch_size"] = out["local_batch_size"]
+    out["global_batch_size"] *= out["local_batch_size"] * out["dp_replicate"] * out["dp_shard"]
+    return out
+
+
+def _flags_of(plan) -> dict:
+    """The command line's flags that say ``plan`` (every flag given, orders as a,b,c text)."""
+    given = {"model": "llama3-8b", "model_given": True, "profile": "h100-sxm-spec", "plan_file": None,
+             "gpus": plan.world_size}
+    for key, f in flags.FLAG_FIELDS.items():
+        v = getattr(plan, f.name)
+        given[key] = ",".join(v) if f.kind == "order" else v
+    return given
+
+
+def test_the_flags_that_say_a_plan_build_that_plan():
+    """Two roads to one plan: a Plan built from drawn fields, and the command line's flags that say it
+    (``flags.plan_from_given``, every flag from the schema): the same plan, id included, or both refuse."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from parsim.codec import validate_plan
+    from parsim.errors import ParsimError
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.composite(_plan_values)())
+    def check(values):
+        try:
+            plan = Plan(**values)
+            validate_plan(plan)
+        except ParsimError:
+            return
+        got = flags.plan_from_given(_flags_of(plan))
+        assert got == plan and got.plan_id == plan.plan_id
+
+    check()
