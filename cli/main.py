@@ -30,15 +30,13 @@ def _root():
 # ---- shared plan flags (CLI contract of shared/DESIGN.md; names follow torchtitan) ---------------------------------
 # Every flag defaults to None ("not given"): predict/run/trace fill in parsim.flags.DEFAULTS, search pins what is given.
 def _schema_flags() -> list:
-    """One flag per plan field that has one (``parsim.plan_schema``): its name, type, help and [default]."""
+    """One flag per plan field (``parsim.plan_schema``): its name, type, help and [default]."""
     from rich.markup import escape  # typer renders help as rich markup: "[no]" would be read as a style tag
 
     from parsim.plan_schema import PLAN_FIELDS
 
     out = []
     for f in PLAN_FIELDS:
-        if f.flag is None:
-            continue
         help_ = escape(" ".join(x for x in (f.help, f.shown_default) if x))
         if f.kind in ("bool", "optional_bool"):
             opt, ann = typer.Option(None, f"{f.cli_flag}/--no-{f.cli_flag[2:]}", help=help_), Optional[bool]

@@ -99,13 +99,6 @@ def _print_search(con, spec, hw, gpus, space, res, top, wide) -> bool:
     return True
 
 
-def _interval_factor(hw, plan) -> float:
-    """The 90% interval factor of ``plan``'s step time (x/÷), as ``predict`` sizes it: its plan family's."""
-    from parsim.plan import interval_group
-
-    return math.exp(hw.interval_log_halfwidth_for(interval_group(plan)))
-
-
 def _interval_caption(hw) -> str:
     by_group = hw.calibration.get("interval_log_halfwidth_by_group") or {}
     if not by_group:
@@ -120,6 +113,8 @@ def _top_table(res, top: int, hw, wide: bool, width: int = 100):
     out with ``--wide``."""
     from rich import box
     from rich.table import Table
+
+    from parsim.plan import interval_factor
 
     n = min(top, len(res.top))
     if wide:
@@ -146,7 +141,7 @@ def _top_table(res, top: int, hw, wide: bool, width: int = 100):
         t.add_column(col, justify=just, no_wrap=not wide)
     for i, (plan, step, mem, tps, mfu, dom) in enumerate(res.top[:top], 1):
         if wide:
-            q = _interval_factor(hw, plan)
+            q = interval_factor(hw, plan)
             t.add_row(str(i), plan.describe(), order_str(plan), sched_str(plan),
                       f"{plan.local_batch_size}/{plan.micro_batch_size}", str(plan.grad_accum_steps), plan.ac,
                       "y" if plan.compile else "n", "y" if plan.float8 else "n", plan.fsdp_reshard_after_forward,

@@ -18,7 +18,7 @@ the layers) is written at the top of the file, plainly, with what was emitted in
 from __future__ import annotations
 
 from .plan import AXES, DEFAULT_ORDER, Plan, parse_ac
-from .plan_schema import PLAN_FIELDS
+from .plan_schema import options_on
 from .spec import ModelSpec
 
 # parsim preset -> (torchtitan model module, flavor, torchtitan 0.3.0 recipe in <module>.config_registry)
@@ -78,7 +78,7 @@ def torchtitan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
                    "MemoryBudgetAC only; FullAC is emitted (more recompute, less memory than planned)")
     if plan.async_tp and not plan.compile:
         out.append("async TP without compile: torchtitan's async TP needs torch.compile; enable compile")
-    out += [f.torchtitan_gap for f in PLAN_FIELDS if f.torchtitan_gap and getattr(plan, f.name) != f.default]
+    out += options_on(plan, "torchtitan_gap")
     if torchtitan_model(spec) is None:
         out.append(f"model {spec.name}: its dimensions match no torchtitan registry flavour (llama3 8B/70B/405B, "
                    "qwen3 30B-A3B, deepseek_v3 671B); torchtitan builds models from its registries only, so the "
@@ -290,7 +290,7 @@ def megatron_gaps(plan: Plan, spec: ModelSpec) -> list[str]:
     if plan.float8 and plan.float8_recipe != "tensorwise":
         gaps.append(f"float8 {plan.float8_recipe}: Megatron/TE has tensorwise (delayed / current scaling), "
                     "blockwise and mxfp8, not torchao's rowwise: blockwise emitted")
-    return gaps + [f.megatron_gap for f in PLAN_FIELDS if f.megatron_gap and getattr(plan, f.name) != f.default]
+    return gaps + options_on(plan, "megatron_gap")
 
 
 def _megatron_model_args(spec: ModelSpec, plan: Plan) -> list[str]:

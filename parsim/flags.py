@@ -16,15 +16,15 @@ from .errors import ParsimError, check_number
 from .plan import AXES, MAX_GPUS, Plan, plan_from_flags
 from .plan_schema import PINNED, PLAN_FIELDS, WRAPPERS, parse_ac
 
-# the flags that say what to load (not what the plan is), then every plan field that has a flag (plan_schema)
+# the flags that say what to load (not what the plan is), then one flag per plan field (plan_schema)
 LOAD_DEFAULTS = {"model": "llama3-8b", "gpus": None, "plan_file": None, "profile": "h100-sxm-spec-cal"}
-FLAG_FIELDS = {("order" if f.name == "wrapper_order" else f.name): f for f in PLAN_FIELDS if f.flag is not None}
+FLAG_FIELDS = {("order" if f.name == "wrapper_order" else f.name): f for f in PLAN_FIELDS}
 DEFAULTS = {**LOAD_DEFAULTS, **{k: f.cli_default for k, f in FLAG_FIELDS.items()}}
 DEGREES = tuple(k for k, f in FLAG_FIELDS.items() if f.kind == "int" and f.high == MAX_GPUS)
 # flag name -> (low, high) for the integer flags (a flag's 0 is "derived": left out, not given as 0)
 INT_RANGES = {"gpus": (1, MAX_GPUS), **{k: (max(f.low, 1), f.high) for k, f in FLAG_FIELDS.items() if f.kind == "int"}}
 CLI_NAMES = {k: "--" + k.replace("_", "-") for k in LOAD_DEFAULTS} | {"plan_file": "--plan"} | {
-    k: f.cli_flag or "" for k, f in FLAG_FIELDS.items()}
+    k: f.cli_flag for k, f in FLAG_FIELDS.items()}
 # flags that only say what to load, not what the plan is
 NOT_PLAN = ("model", "profile", "plan_file", "gpus", "model_given")
 

@@ -152,6 +152,14 @@ class Plan(_PlanValue):
 INTERVAL_GROUPS = ("ep", "cp", "pp-deep", "pp", "float8", "dense")
 
 
+def interval_factor(hw, plan: "Plan") -> float:
+    """The 90% interval factor (x/÷) of ``plan``'s step time on profile ``hw``: its plan family's
+    (``interval_group``), as ``predict`` sizes it."""
+    import math
+
+    return math.exp(hw.interval_log_halfwidth_for(interval_group(plan)))
+
+
 def interval_group(plan: "Plan") -> str:
     """The plan family an interval is sized for (Mondrian conformal, ``parsim.calibrate``): the first feature in
     ``INTERVAL_GROUPS`` order that the plan has — expert parallel (all-to-all and routing the model takes as

@@ -36,7 +36,7 @@ MAX_BATCH = 2**24  # sequences per optimizer step
 MAX_STAGES_PER_RANK = 64
 
 KINDS = ("int", "bool", "choice", "optional_bool", "ac", "order")
-SEARCH_ROLES = ("enumerated", "pinned", "given", "fixed")
+SEARCH_ROLES = ("enumerated", "pinned", "given")
 _UNSET: Any = object()
 
 
@@ -53,14 +53,14 @@ class PlanField:
     choices: tuple = ()
     low: int = 1
     high: int = 0
-    # command line: the flag ("" -> --name-with-dashes, None -> no flag), what it means when left out (the Plan
-    # default unless given; None: derived from other flags, see flags.plan_from_given) and the help's [default]
-    flag: str | None = ""
+    # command line: the flag ("" -> --name-with-dashes), what it means when left out (the Plan default unless
+    # given; None: derived from other flags, see flags.plan_from_given) and the help's [default]
+    flag: str = ""
     flag_default: Any = _UNSET
     shown_default: str = ""
     # search: "enumerated" over its values, "pinned" for every plan when the user gives it (else the default),
-    # "given" (the problem: every plan has it) or "fixed" (the default; no flag); ``only_with``: a pin applies to the
-    # plans whose axis of this name is > 1 (the others keep the default)
+    # or "given" (the problem: every plan has it); ``only_with``: a pin applies to the plans whose axis of this name
+    # is > 1 (the others keep the default)
     search: str = "pinned"
     only_with: str = ""
     # fields added after plan ids were first recorded: left out of the id while at their default, so that the ids
@@ -80,12 +80,12 @@ class PlanField:
             raise ValueError(f"plan field {self.name}: unknown kind {self.kind!r}")
         if self.kind == "choice" and self.default not in self.choices:
             raise ValueError(f"plan field {self.name}: default {self.default!r} not among {self.choices}")
-        if self.search not in SEARCH_ROLES or (self.search == "fixed") != (self.flag is None):
-            raise ValueError(f"plan field {self.name}: search role {self.search!r} (fixed = no flag)")
+        if self.search not in SEARCH_ROLES:
+            raise ValueError(f"plan field {self.name}: unknown search role {self.search!r}")
 
     @property
-    def cli_flag(self) -> str | None:
-        return None if self.flag is None else (self.flag or "--" + self.name.replace("_", "-"))
+    def cli_flag(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
 
     @property
     def cli_default(self) -> Any:
@@ -212,6 +212,12 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
 FIELDS: dict[str, PlanField] = {f.name: f for f in PLAN_FIELDS}
 LATE_DEFAULTS = {f.name: f.default for f in PLAN_FIELDS if f.late}
 PINNED = tuple(f for f in PLAN_FIELDS if f.search == "pinned")  # search pins them, never enumerates
+
+
+def options_on(plan, attr: str) -> list[str]:
+    """The ``attr`` text (label, letters, executor_refusal, torchtitan_gap, ...) of every row that has one and that
+    ``plan`` sets off its default, in row order."""
+    return [getattr(f, attr) for f in PLAN_FIELDS if getattr(f, attr) and getattr(plan, f.name) != f.default]
 
 
 def check_fields(values: dict) -> None:

@@ -32,7 +32,7 @@ def short_options(plan) -> str:
     (their ``letters``: async TP aTP, distributed optimizer ZeRO1, TE layers TE, fused loss FL), a wrapper order
     other than PP>TP>AC>compile>FSDP (its letters)."""
     from parsim.plan import DEFAULT_ORDER
-    from parsim.plan_schema import PLAN_FIELDS
+    from parsim.plan_schema import options_on
 
     out = []
     if plan.compile:
@@ -41,7 +41,7 @@ def short_options(plan) -> str:
         out.append("F8" + {"tensorwise": "", "rowwise": "r", "rowwise_with_gw_hp": "g"}[plan.float8_recipe])
     if plan.fsdp_reshard_after_forward != "default":
         out.append("R-" if plan.fsdp_reshard_after_forward == "never" else "R+")
-    out += [f.letters for f in PLAN_FIELDS if f.letters and getattr(plan, f.name) != f.default]
+    out += options_on(plan, "letters")
     if tuple(plan.wrapper_order) != DEFAULT_ORDER:
         out.append("".join(WRAPPER_LETTERS[w] for w in plan.wrapper_order))
     return " ".join(out) or "-"

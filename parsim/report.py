@@ -14,9 +14,9 @@ def _console():
 
 def option_labels(plan) -> list[str]:
     """The words of the plan's options that are on (``plan_schema``: the rows with a ``label``)."""
-    from .plan_schema import PLAN_FIELDS
+    from .plan_schema import options_on
 
-    return [f.label for f in PLAN_FIELDS if f.label and getattr(plan, f.name) != f.default]
+    return options_on(plan, "label")
 
 
 def print_prediction(pred: Prediction, spec, plan) -> None:

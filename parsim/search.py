@@ -39,7 +39,7 @@ from .plan import (
     PP_SCHEDULES,
     RAF_MODES,
     Plan,
-    interval_group,
+    interval_factor,
 )
 from .plan_schema import FIELDS, PINNED
 from .spec import ModelSpec
@@ -682,7 +682,7 @@ def _pair_bounds(spec, hw, base, opts, sp, pr, po, chunk, deadline, tick=None) -
 def result_to_dict(res: SearchResult, spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace,
                    top: int) -> dict:
     def row(plan, step, mem, *rest):
-        q = math.exp(hw.interval_log_halfwidth_for(interval_group(plan)))  # as predict sizes the plan's interval
+        q = interval_factor(hw, plan)
         d = {"plan_id": plan.plan_id, "describe": plan.describe(), "step_time_s": step,
              "interval_s": [step / q, step * q], "reserved_memory_bytes": mem, "plan": plan.to_dict()}
         if rest:

@@ -95,7 +95,7 @@ def search_to_table(spec, hw, gpus: int, space, top: int, table_path: str | None
 
 def said_of(spec, hw, res, best, measured) -> str:
     """What parsim predicted for the plan it writes out (the re-ranked prediction after --measure)."""
-    from .plan import interval_group
+    from .plan import interval_factor
     from .units import GiB
 
     top = res.top[0]
@@ -105,7 +105,7 @@ def said_of(spec, hw, res, best, measured) -> str:
 
         p = predict(spec, best, measured["profile"])
         step, mem, tps, mfu = p.step_time_s, p.reserved_memory_bytes, p.tokens_per_s_per_gpu, p.mfu
-    q = math.exp(hw.interval_log_halfwidth_for(interval_group(best)))  # the 90% interval of its plan family
+    q = interval_factor(hw, best)
     return (f"step {step:.3f} s (90% interval {step / q:.3f}-{step * q:.3f} s), {tps:,.0f} tokens/s/GPU, "
             f"MFU {100 * mfu:.1f}%, {mem / GiB:.1f} GiB reserved per GPU on {hw.name}")
 

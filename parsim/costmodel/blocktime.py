@@ -15,7 +15,7 @@ from ..codec import encode
 from ..hardware import HardwareProfile
 from ..plan import Plan
 from ..units import DTYPE_BYTES
-from .compute import block_overheads, curve_output_times, layer_costs
+from .compute import block_overheads, curve_output_times, dtype_peak_flops, layer_costs
 from .layers import Shapes
 
 
@@ -41,7 +41,7 @@ def composed_head_times(shape: HeadShape, hw: HardwareProfile) -> dict[str, floa
     scales with the shape, not a prediction of the embedding."""
     act_b = float(DTYPE_BYTES[shape.dtype])
     tokens = float(shape.micro_batch * shape.seq_len)
-    peak = float(hw.peak_flops.get("float32", hw.peak("bfloat16"))) if act_b >= 4 else hw.peak("bfloat16")
+    peak = float(dtype_peak_flops(hw, act_b))
     out_f, out_b = curve_output_times(hw, tokens * shape.vocab, shape.d_model, act_b, shape.fused_loss, peak)
     hbm = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
     rows = tokens * shape.d_model * act_b

@@ -154,9 +154,14 @@ def compute_peak(hw: HardwareProfile, b: PlanBatch) -> np.ndarray:
     ``param_dtype`` — bf16 at its tensor-core peak, fp32 plans at the profile's float32 peak (a CPU without bf16
     instructions: 98.8 GFLOP/s fp32 vs 2.3 GFLOP/s bf16 measured on this machine). MFU stays relative to the
     bf16 peak, as published figures are."""
+    return dtype_peak_flops(hw, b.param_bytes)
+
+
+def dtype_peak_flops(hw: HardwareProfile, param_bytes) -> np.ndarray:
+    """``compute_peak`` of a plan whose param_dtype takes ``param_bytes`` bytes (array or scalar)."""
     bf16 = hw.peak("bfloat16")
     fp32 = float(hw.peak_flops.get("float32", bf16))
-    return np.where(b.param_bytes >= 4, fp32, bf16).astype(float)
+    return np.where(np.asarray(param_bytes) >= 4, fp32, bf16).astype(float)
 
 
 def block_overheads(hw: HardwareProfile) -> tuple[float, float]:
