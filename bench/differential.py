@@ -269,7 +269,7 @@ def cases(draw, allow_cp: bool = True) -> Case:
 def small_cases(draw) -> Case:
     """A plan of at most 4 ranks on tiny / tiny-moe, for a real run (``execute_sample``)."""
     spec = PRESETS[draw(st.sampled_from(("tiny", "tiny-moe")))]
-    plan = draw(plans(spec, max_world=4, allow_cp=False))
+    plan = draw(plans(spec, max_world=4))
     return Case(spec, plan, last_stage=False, source="execute")
 
 
@@ -366,6 +366,13 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "HSDP with a shard group of 1 (FSDP2 replicating): at the largest unit's reduce the trace holds one more fp32 "
      "copy of its gradient (an out-of-place aten.div over the all-reduced gradient) than the model; peaks 1-4% "
      "under on small models whose embedding dominates; where torch makes that copy is not yet found"),
+    ("context parallel transients", lambda c: c.plan.cp > 1,
+     "CP plans (torch's ring attention, run on CPU through parsim.executor.cp): collective bytes match (the K/V "
+     "all-gathers and the fp32 dK/dV ring permutes) and so do peaks at the end of forward (the wo input copy of the "
+     "merged output is modelled); a peak inside the ring attention's backward is 0.5-2% under (its fp32 dQ/dK/dV "
+     "accumulators, contiguous K/V copies, the gathered K/V and the permute buffers are not steps of "
+     "layers.backward_steps yet), and with reshard-after-forward 'never' the trace's end of forward holds more "
+     "than the model (found on 1-layer random models, not yet explained)"),
     ("MoE activations", lambda c: c.spec.moe is not None,
      "MoE plans without PP: peaks within about 1.5% of the trace but not 0.5%: the op-level backward steps of "
      "routed and shared experts (layers.backward_steps) do not yet match the executor's MoE autograd graph "

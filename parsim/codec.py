@@ -455,8 +455,6 @@ EXECUTOR_RULES: tuple[Rule, ...] = (
     Rule("float8", False, lambda b, s: b.float8,
          lambda p, s: "float8 training (torchao's float8 linears) needs CUDA's scaled matmul: a cost-model option "
                       "here"),
-    Rule("context parallel", False, lambda b, s: b.cp > 1,
-         lambda p, s: "context parallel: torch's ring-attention handlers are CUDA-only"),
     Rule("MLA", True, lambda b, s: np.full(np.shape(b.pp), s.mla is not None),
          lambda p, s: f"{s.name}: the executor has no multi-head latent attention"),
     Rule("learned positions", True, lambda b, s: np.full(np.shape(b.pp), s.max_position_embeddings > 0),
@@ -527,8 +525,9 @@ def canonical_axes(p: Plan, rank: int = 0) -> dict[str, str]:
 
 
 def canonical_key(key: str, names: dict[str, str]) -> str:
-    """``"<op>/<axis>"`` with its axis renamed by ``canonical_axes`` (all-to-alls keep ``ep``)."""
+    """``"<op>/<axis>"`` with its axis renamed by ``canonical_axes``; an all-to-all is ``ep``'s wherever its group
+    holds EP's ranks (the counter's rule: CP's ring permutes over a cp group that is also the EP group)."""
     op, axis = key.split("/", 1)
-    if op == "all_to_all" and axis == "ep":
-        return key
+    if op == "all_to_all" and (axis == "ep" or ("ep" in names and names.get(axis, axis) == names["ep"])):
+        return f"{op}/ep"
     return f"{op}/{names.get(axis, axis)}"

@@ -54,7 +54,9 @@ def family_of(plan: Plan) -> str:
 def measured_plans(spec: ModelSpec, nproc: int, *, seq_len: int = MEASURED_SEQ,
                    global_batch_size: int = MEASURED_GLOBAL_BATCH, param_dtype: str = "float32") -> list[Plan]:
     """Every legal degree combination on ``nproc`` ranks that the executor runs (HSDP, TP, PP, EP with dp2ep; no CP:
-    ring attention over gloo is not supported; no DDP-style EP, a cost-model option: ``codec``'s executor rules)
+    the executor runs it (loss parity in tests/test_executor.py) but its attention is not a measured block
+    (``blockshape``) and the set is kept comparable with earlier figures; no DDP-style EP, a cost-model option:
+    ``codec``'s executor rules)
     with default options, plus option variants of the FSDP plan (AC full / selective-op / layer:2, compile,
     reshard never) and of a PP plan (GPipe, Interleaved1F1B, more microbatches)."""
     from .search import SearchSpace, candidates

@@ -46,6 +46,12 @@ PARITY = [
     # the fused cross-entropy (issue 11), with selective-op AC, and as a pipeline's loss
     ("tiny", dict(dp_shard=4, local_batch_size=2, ac="selective-op", fused_loss=True)),
     LONG("tiny", dict(pp=2, dp_shard=2, local_batch_size=4, micro_batch_size=2, fused_loss=True)),
+    # context parallel (issue 21): torch's ring attention on CPU (parsim.executor.cp), with FSDP over dp_shard x cp
+    # and selective-op AC; with TP, as a pipeline's, and with EP borrowed from cp
+    ("tiny", dict(cp=2, dp_shard=2, local_batch_size=4, ac="selective-op")),
+    LONG("tiny", dict(cp=2, tp=2, local_batch_size=8)),
+    LONG("tiny", dict(pp=2, cp=2, local_batch_size=8, micro_batch_size=2)),
+    LONG("tiny-moe", dict(cp=2, ep=2, local_batch_size=8)),
 ]
 
 
@@ -124,6 +130,23 @@ def test_trace_64_rank_fsdp_tp_matches_the_model():
     # llama3-8b (8 of its 32 layers: each is traced alike, and CI time is short), FSDP 8 x TP 8 on 64 fake ranks,
     # in this one process
     _assert_trace_matches_prediction(LLAMA8_CUT, Plan(dp_shard=8, tp=8, seq_len=2048), 0.01)
+
+
+def test_trace_selective_ac_without_sequence_parallel_matches_the_model():
+    # TP without SP all-reduces the row-parallel outputs; selective-op AC recomputes the attention's (the MLP's is
+    # consumed by the residual add alone, and the recompute stops before it): one more all-reduce per layer
+    _assert_trace_matches_prediction(PRESETS["tiny"], Plan(dp_shard=2, tp=2, seq_len=256, ac="selective-op",
+                                                           sequence_parallel=False), 0.01)
+
+
+def test_trace_context_parallel_matches_the_model():
+    # llama3-8b (8 layers) FSDP 4 x CP 2 at 8k: torch's ring attention (all-gather rotation) traced on CPU; the K/V
+    # all-gathers, the fp32 dK/dV ring permutes and the end-of-forward peak (with the wo input's copy of the merged
+    # attention output) as the model says
+    t = _assert_trace_matches_prediction(LLAMA8_CUT, Plan(dp_shard=4, cp=2, seq_len=8192), 0.005)
+    kv = 8192 // 2 * (1024 + 1024)  # tokens per rank x (K + V) widths
+    assert t.comm_bytes["all_gather/cp"] == 8 * 2 * kv * 2  # forward and backward, bf16
+    assert t.comm_bytes["all_to_all/cp"] == 8 * 2 * kv * 4  # cp permutes per layer, fp32
 
 
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.long)])  # the fused: 2 min of chunks

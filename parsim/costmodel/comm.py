@@ -14,8 +14,10 @@ Bytes follow parsim's convention: the input tensors one rank hands to the collec
   all-reduces (T*d) each way (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022). Recompute repeats the
   forward collectives that AC does not save (selective-op saves reduce-scatter outputs). Under SP the norm
   weights' gradients (d elements each) are all-reduced over tp in every backward (DTensor Partial -> Replicate).
-* CP (torch context parallel, all-gather rotation): forward all-gathers K and V, backward all-gathers them again
-  and reduce-scatters their gradients.
+* CP (torch context parallel, all-gather rotation, ``torch.distributed.tensor.experimental._context_parallel``):
+  per layer and microbatch the forward all-gathers [K, V] once (and full AC's recompute again), the backward
+  all-gathers them again and passes the fp32 partial sums of [dK, dV] round the ring in cp permutes (issued as
+  all-to-alls); traced with the executor's CP on CPU.
 * EP (dp2ep): per MoE layer, dispatch and combine all-to-all of the routed tokens (T_routed x d), twice more in
   backward.
 * PP: one send of the stage output (T x d / sp) per microbatch forward and one of its gradient backward.
@@ -88,9 +90,12 @@ class Ledger:
         self.hw, self.n = hw, n
         self.records: list[Record] = []
 
-    def add(self, what, op, axis, bytes_per_call, calls, group, rpn, phase, overlap, mask=True) -> None:
+    def add(self, what, op, axis, bytes_per_call, calls, group, rpn, phase, overlap, mask=True,
+            time_bytes_scale=1.0) -> None:
         """Record a kind of call. ``axis`` may be a list of (axis, mask) to split one kind of call between axis
-        names by plan (FSDP over dp_shard, or dp_shard+cp when cp > 1): its time is computed once."""
+        names by plan (FSDP over dp_shard, or dp_shard+cp when cp > 1): its time is computed once.
+        ``time_bytes_scale``: the call is timed as ``op`` of that many times its bytes (a permute issued as an
+        all-to-all sends all of its buffer, where the all-to-all curve's call of the same size sends (g-1)/g)."""
         n = self.n
         group = np.broadcast_to(np.asarray(group), (n,))
         rpn = np.broadcast_to(rpn, (n,))
@@ -103,7 +108,8 @@ class Ledger:
             return
         per_call = np.where(on, np.broadcast_to(bytes_per_call, (n,)), 0.0)
         calls = np.where(on, np.broadcast_to(calls, (n,)), 0.0)
-        t = self.hw.collective_time_s(op, per_call, group, rpn) * calls * axis_class_scale(self.hw, split[0][0], op)
+        t = (self.hw.collective_time_s(op, per_call * time_bytes_scale, group, rpn) * calls
+             * axis_class_scale(self.hw, split[0][0], op))
         for name, m in split:
             self.records.append(Record(what, op, name, np.where(m, per_call, 0.0), np.where(m, calls, 0.0), group,
                                        rpn, phase, overlap, np.where(m, t, 0.0)) if len(split) > 1 else
@@ -232,7 +238,10 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> Non
             T * d * sh.act_b, M * rs_mm, g, r, "forward", "exposed", tp_on & sp)
     led.add("TP reduce-scatter of norm-output gradients", "reduce_scatter", "tp", T * d * sh.res_b, M * rs_res, g, r,
             "backward", "exposed", tp_on & sp)
-    ar_calls = 4.0 * L + n_full + 2.0 * n_sac + edge  # full AC: early stop skips the MLP's all-reduce, as above
+    # recompute: early stop skips the MLP's all-reduce (consumed by the residual add alone) under full AC and
+    # selective-op AC alike (which does not save all-reduce outputs): one per recomputed layer (trace: tiny,
+    # tiny-moe, llama3-405b at tp 2 without SP)
+    ar_calls = 4.0 * L + n_full + n_sac + edge
     led.add("TP all-reduce of partial sums (no sequence parallel)", "all_reduce", "tp", T * d * sh.act_b,
             M * ar_calls, g, r, "forward+backward", "exposed", tp_on & ~sp)
     # loss parallel on the last stage: torch's log_softmax / nll_loss handlers for vocab-sharded logits all-reduce
@@ -273,10 +282,15 @@ def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac)
     L = rv.n_layers
     kv = sh.T * (spec.kv_dim + spec.v_dim) / sh.t * sh.act_b
     cp_on, g, r = b.cp > 1, b.cp, b.rpn["cp"]
-    led.add("CP all-gather of K and V (forward, recompute, backward)", "all_gather", "cp", kv,
-            M * (2.0 * L + n_full + n_sac), g, r, "forward+backward", "exposed", cp_on)
-    led.add("CP reduce-scatter of K and V gradients", "reduce_scatter", "cp", kv * b.cp, M * L, g, r, "backward",
-            "exposed", cp_on)
+    # selective-op AC saves the ring attention's output (its policy sees the SDPA op above DTensor's CP handler),
+    # so only full AC's recompute gathers K and V again
+    led.add("CP all-gather of K and V (forward, full-AC recompute, backward)", "all_gather", "cp", kv,
+            M * (2.0 * L + n_full), g, r, "forward+backward", "exposed", cp_on)
+    # the backward passes the fp32 partial sums of dK and dV round the ring: one permute (an all-to-all with all
+    # of the buffer going to the next rank) per ring step, cp per layer
+    kv_f32 = sh.T * (spec.kv_dim + spec.v_dim) / sh.t * 4.0
+    led.add("CP ring pass of the fp32 K and V gradients (one permute per ring step)", "all_to_all", "cp", kv_f32,
+            M * L * g, g, r, "backward", "exposed", cp_on, time_bytes_scale=g / np.maximum(g - 1, 1))
     if True in rv.kinds:
         n_moe = rv.n_of[True]
         full_moe = ac[True][0]

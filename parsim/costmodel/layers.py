@@ -117,6 +117,10 @@ class Shapes:
         # Transformer Engine layers (Megatron-Core): a float8 linear keeps its input in float8 (1 B) for the weight
         # gradient, else in param_dtype [derived: TE's Linear / LayerNormLinear save the quantized input]
         self.te = b.te_layers
+        # torch's ring attention (CP, torch layers) merges its partial outputs in fp32 and returns a contiguous
+        # (batch, heads, seq, head_dim) output: the (batch, seq, heads x head_dim) input of wo is then a copy
+        # (flash SDPA's own output is laid out so that this reshape is a view) [derived; trace]
+        self.cp_copy = (b.cp > 1) & ~b.te_layers
         self.f8b = np.where(b.float8, 1.0, self.act_b)
         self.seq = b.seq_len.astype(float)
         self.etp = b.etp_eff.astype(float)
@@ -217,6 +221,7 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
         ("sdpa.out", T * spec.attn_out_dim / t * b2, "sdpa"),
         # under TE with float8 the output projection keeps its own float8 copy of the attention output
         ("wo.input(float8)", np.where(te & (sh.f8b < b2), T * spec.attn_out_dim / t * sh.f8b, 0.0), "other"),
+        ("wo.input(CP copy)", np.where(sh.cp_copy, T * spec.attn_out_dim / t * b2, 0.0), "other"),
         ("sdpa.logsumexp", T * spec.n_heads / t * b4, "sdpa"),
         ("wo.out", T * d * b2, "mm"),
     ]
@@ -509,7 +514,7 @@ class _BackwardSteps:
         step, pg, spec, T, d, b2, t = self.step, self.pg, self.spec, self.T, self.d, self.b2, self.t
         ao, q_, kv_ = spec.attn_out_dim / t, spec.q_dim / t, spec.kv_dim / t
         step(self.g_full)
-        step(T * ao * b2, self.g_full, (), pg("wo"))
+        step(T * ao * b2, self.g_full, ["wo.input(CP copy)"], pg("wo"))
         qk_saved = ["q.rotated", "k.rotated"] if spec.qk_norm else ["wq.out", "wk.out"]
         step(T * (q_ + 2 * kv_) * b2, T * ao * b2, ["sdpa.out", "sdpa.logsumexp", "wv.out", *qk_saved])
         step(T * (q_ + kv_) * b2, T * (q_ + kv_) * b2, ["rope.cos_sin"])

@@ -107,9 +107,10 @@ class CommCounter(CommRecorder, TorchDispatchMode):
     subclass handles an op, so the collectives DTensor issues *inside* its dispatch (an implicit redistribution,
     e.g. a Partial norm stacked with others in gradient clipping) would be invisible: while counting,
     ``torch.distributed.tensor._dispatch.redistribute_local_tensor`` runs under a tap when the counter is not on
-    the mode stack. Custom DTensor op handlers that call collectives themselves (loss parallel, context parallel)
-    stay invisible here; traces count below DTensor, in their fake-tensor mode (``trace.CountingFakeTensorMode``),
-    which sees every collective on a local tensor wherever it is issued."""
+    the mode stack; so do torch's ring-attention functions that context parallel's SDPA handlers call (the K/V
+    all-gathers and dK/dV permutes). Loss parallel's handlers, which call collectives themselves, stay invisible
+    here; traces count below DTensor, in their fake-tensor mode (``trace.CountingFakeTensorMode``), which sees every
+    collective on a local tensor wherever it is issued."""
 
     def __init__(self, axis_of_group: dict[str, tuple[str, ...]]):
         CommRecorder.__init__(self, axis_of_group)
@@ -124,26 +125,30 @@ class CommCounter(CommRecorder, TorchDispatchMode):
 
     def __enter__(self):
         from torch.distributed.tensor import _dispatch
+        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-        orig = _dispatch.redistribute_local_tensor
+        def tap(orig):
+            def tapped(*a, **k):
+                if self in _get_current_dispatch_mode_stack():
+                    return orig(*a, **k)
+                with _Tap(self):
+                    return orig(*a, **k)
 
-        def tapped(*a, **k):
-            if self in _get_current_dispatch_mode_stack():
-                return orig(*a, **k)
-            with _Tap(self):
-                return orig(*a, **k)
+            return tapped
 
-        _dispatch.redistribute_local_tensor = tapped
-        self._restore = (_dispatch, orig)
+        targets = ((_dispatch, "redistribute_local_tensor"), (ring, "_templated_ring_attention"),
+                   (ring, "_templated_ring_attention_backward"))
+        self._restore = [(mod, name, getattr(mod, name)) for mod, name in targets]
+        for mod, name, orig in self._restore:
+            setattr(mod, name, tap(orig))
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
-        if self._restore is not None:
-            mod, orig = self._restore
-            mod.redistribute_local_tensor = orig
-            self._restore = None
+        for mod, name, orig in self._restore or ():
+            setattr(mod, name, orig)
+        self._restore = None
         return out
 
 

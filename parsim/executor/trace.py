@@ -108,7 +108,7 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
 
             def step():
                 with loss_context(traced):
-                    _fake_step(spec, traced, parts, stage_ids, sends, phase)
+                    _fake_step(spec, traced, parts, stage_ids, sends, phase, meshes)
                 phase["now"] = PHASE_OPTIMIZER
                 clip_and_step(params, opt, pp_g, ep_g, expert_ids)
 
@@ -208,74 +208,88 @@ def _loss(logits, y, n_global, fused=False):
     return loss_sum(logits, y, fused) / n_global
 
 
-def _fake_step(spec, plan: Plan, parts, stage_ids, sends, phase: dict):
+def _fake_step(spec, plan: Plan, parts, stage_ids, sends, phase: dict, meshes=None):
     """Forward + backward of one step for the traced rank (see the module docstring for PP), keeping
-    ``phase["now"]`` current."""
-    mbs, seq = plan.micro_batch_size, plan.seq_len
+    ``phase["now"]`` current. Under CP each pass runs in torchtitan's context-parallel context (``cp.cp_context``:
+    tokens, labels and RoPE tables sharded on the sequence, SDPA through torch's ring attention)."""
+    from .cp import cp_context
+
+    seq = plan.seq_len
     n_global = plan.global_batch_size * seq
-    n_stages = plan.pp * plan.pp_stages_per_rank
     for _ in range(plan.grad_accum_steps):
         if plan.pp == 1:
             x = torch.randint(0, spec.vocab_size, (plan.local_batch_size, seq))
+            y = x if plan.cp == 1 else torch.randint(0, spec.vocab_size, (plan.local_batch_size, seq))
             phase["now"], phase["bwd"] = PHASE_FORWARD, PHASE_FIRST_BACKWARD
-            _loss(parts[0](x), x, n_global, plan.fused_loss).backward()
+            with cp_context(plan, meshes, parts, x, y):
+                _loss(parts[0](x), y, n_global, plan.fused_loss).backward()
             continue
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.pipelining.stage import _PipelineStageBase
+        with cp_context(plan, meshes, parts, None, None):  # the pipeline's tokens and labels are made local-size
+            _fake_pipeline_pass(spec, plan, parts, stage_ids, sends, phase)
 
-        seq_local = seq // plan.cp // (plan.tp if plan.sequence_parallel else 1)
-        hidden_shape = (mbs, seq_local, spec.d_model)
-        # a stage receives what the previous one sends: its output in param_dtype under FSDP mixed precision,
-        # the fp32 residual stream under autocast (no data parallelism); its gradient goes back in that dtype
-        autocast = plan.dp_replicate * plan.dp_shard * plan.cp == 1
-        hidden_dtype = torch.float32 if autocast else getattr(torch, plan.param_dtype)
-        # this rank's actions in the order torch's schedule runs them (``torch_schedule_order``), with torch's FSDP
-        # protocol: every backward without gradient sync or reshard, the gradients reduced by the stage's
-        # REDUCE_GRAD (torch's own ``perform_reduce_grad``); runtime schedules (interleaved) also unshard and
-        # reshard whole stages (UNSHARD / RESHARD)
-        m = plan.n_microbatches
-        rank = stage_ids[0] % plan.pp
-        chunk_of = {sid: c for c, sid in enumerate(stage_ids)}
-        inflight: dict = {}
-        backwards = [0]
-        for kind, sid, mb in torch_schedule_order(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank, m, rank,
-                                                  with_fsdp=True):
-            c = chunk_of[sid]
-            if kind == "F":
-                phase["now"] = PHASE_FORWARD
-                if sid == 0:
-                    inp = torch.randint(0, spec.vocab_size, (mbs, seq))
-                else:
-                    inp = torch.randn(hidden_shape, dtype=hidden_dtype, requires_grad=True)
-                out = parts[c](inp)
-                if sid == n_stages - 1:
-                    out = _loss(out, torch.randint(0, spec.vocab_size, (mbs, seq)), n_global, plan.fused_loss)
-                else:
-                    sends["bytes"] += out.numel() * out.element_size()
-                inflight[c, mb] = (out, inp)
-            elif kind == "B":
-                out, inp = inflight.pop((c, mb))
-                phase["bwd"] = PHASE_FIRST_BACKWARD if backwards[0] == 0 else PHASE_LATER_BACKWARD
-                backwards[0] += 1
-                # the last stage starts with the loss and output layer (the norm hook moves on to phase["bwd"])
-                phase["now"] = PHASE_FORWARD if sid == n_stages - 1 else phase["bwd"]
-                if isinstance(parts[c], FSDPModule):  # as _PipelineStageBase.backward_maybe_with_nosync
-                    parts[c].set_is_last_backward(False)
-                    parts[c].set_reshard_after_backward(False)
-                    parts[c].set_requires_gradient_sync(False)
-                if sid == n_stages - 1:
-                    out.backward()
-                else:
-                    out.backward(torch.ones_like(out))
-                if sid != 0:
-                    sends["bytes"] += inp.numel() * inp.element_size()  # gradient sent to the previous stage
-            elif kind == "REDUCE_GRAD":
-                phase["now"] = PHASE_EMBEDDING_BACKWARD
-                _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=parts[c]), 1)
-            else:  # UNSHARD / RESHARD of every FSDP module of the stage
-                for mod in parts[c].modules():
-                    if isinstance(mod, FSDPModule):
-                        mod.unshard() if kind == "UNSHARD" else mod.reshard()
+
+def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict):
+    """One pass of the pipeline schedule's actions on the traced rank (one gradient-accumulation step)."""
+    mbs, seq = plan.micro_batch_size, plan.seq_len
+    n_global = plan.global_batch_size * seq
+    n_stages = plan.pp * plan.pp_stages_per_rank
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    seq_local = seq // plan.cp // (plan.tp if plan.sequence_parallel else 1)
+    hidden_shape = (mbs, seq_local, spec.d_model)
+    # a stage receives what the previous one sends: its output in param_dtype under FSDP mixed precision,
+    # the fp32 residual stream under autocast (no data parallelism); its gradient goes back in that dtype
+    autocast = plan.dp_replicate * plan.dp_shard * plan.cp == 1
+    hidden_dtype = torch.float32 if autocast else getattr(torch, plan.param_dtype)
+    # this rank's actions in the order torch's schedule runs them (``torch_schedule_order``), with torch's FSDP
+    # protocol: every backward without gradient sync or reshard, the gradients reduced by the stage's
+    # REDUCE_GRAD (torch's own ``perform_reduce_grad``); runtime schedules (interleaved) also unshard and
+    # reshard whole stages (UNSHARD / RESHARD)
+    m = plan.n_microbatches
+    rank = stage_ids[0] % plan.pp
+    chunk_of = {sid: c for c, sid in enumerate(stage_ids)}
+    inflight: dict = {}
+    backwards = [0]
+    for kind, sid, mb in torch_schedule_order(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank, m, rank,
+                                              with_fsdp=True):
+        c = chunk_of[sid]
+        if kind == "F":
+            phase["now"] = PHASE_FORWARD
+            if sid == 0:
+                inp = torch.randint(0, spec.vocab_size, (mbs, seq // plan.cp))
+            else:
+                inp = torch.randn(hidden_shape, dtype=hidden_dtype, requires_grad=True)
+            out = parts[c](inp)
+            if sid == n_stages - 1:
+                out = _loss(out, torch.randint(0, spec.vocab_size, (mbs, seq // plan.cp)), n_global,
+                        plan.fused_loss)
+            else:
+                sends["bytes"] += out.numel() * out.element_size()
+            inflight[c, mb] = (out, inp)
+        elif kind == "B":
+            out, inp = inflight.pop((c, mb))
+            phase["bwd"] = PHASE_FIRST_BACKWARD if backwards[0] == 0 else PHASE_LATER_BACKWARD
+            backwards[0] += 1
+            # the last stage starts with the loss and output layer (the norm hook moves on to phase["bwd"])
+            phase["now"] = PHASE_FORWARD if sid == n_stages - 1 else phase["bwd"]
+            if isinstance(parts[c], FSDPModule):  # as _PipelineStageBase.backward_maybe_with_nosync
+                parts[c].set_is_last_backward(False)
+                parts[c].set_reshard_after_backward(False)
+                parts[c].set_requires_gradient_sync(False)
+            if sid == n_stages - 1:
+                out.backward()
+            else:
+                out.backward(torch.ones_like(out))
+            if sid != 0:
+                sends["bytes"] += inp.numel() * inp.element_size()  # gradient sent to the previous stage
+        elif kind == "REDUCE_GRAD":
+            phase["now"] = PHASE_EMBEDDING_BACKWARD
+            _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=parts[c]), 1)
+        else:  # UNSHARD / RESHARD of every FSDP module of the stage
+            for mod in parts[c].modules():
+                if isinstance(mod, FSDPModule):
+                    mod.unshard() if kind == "UNSHARD" else mod.reshard()
 
 
 def max_inflight(actions: list[tuple[str, int, int]]) -> int:

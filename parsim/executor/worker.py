@@ -159,6 +159,7 @@ def main(argv=None) -> int:
 
 
 def _run(args, device, rank, world) -> dict:
+    from .cp import cp_context
     from .measure import CommCounter, track_step
     from .model import GroupedExperts, Transformer
     from .parallelize import Meshes, apply_plan
@@ -167,8 +168,6 @@ def _run(args, device, rank, world) -> dict:
         plan = Plan.from_dict(json.load(f))
     spec = load_model(args.model)
     validate_plan(plan, spec, world)
-    if plan.cp > 1 and device.type != "cuda":
-        raise RuntimeError("context parallel SDPA handlers are CUDA-only: cp > 1 needs a GPU")
     torch.manual_seed(0)
     model = Transformer(spec, plan.seq_len)
     model.init_weights(seed=0)
@@ -197,15 +196,19 @@ def _run(args, device, rank, world) -> dict:
         mine = data[dp_rank * lbs * ga:(dp_rank + 1) * lbs * ga].to(device)
         contrib = torch.zeros((), device=device)
         for k in range(ga):
-            x, y = mine[k * lbs:(k + 1) * lbs, :-1], mine[k * lbs:(k + 1) * lbs, 1:]
+            # own tensors: context parallel shards its buffers in place
+            x, y = mine[k * lbs:(k + 1) * lbs, :-1].clone(), mine[k * lbs:(k + 1) * lbs, 1:].clone()
             if schedule is None:
-                logits = parts[0](x)
-                loss = loss_sum(logits, y, plan.fused_loss) / n_global
-                loss.backward()
+                with cp_context(plan, meshes, parts, x, y):
+                    logits = parts[0](x)
+                    loss = loss_sum(logits, y, plan.fused_loss) / n_global
+                    loss.backward()
                 contrib += _local(loss.detach())
             else:
                 losses = []
-                schedule.step(x if first else None, target=y if last else None, losses=losses if last else None)
+                with cp_context(plan, meshes, parts, x if first else None, y if last else None):
+                    schedule.step(x if first else None, target=y if last else None,
+                                  losses=losses if last else None)
                 if last:
                     contrib += torch.stack([_local(lo.detach()) for lo in losses]).sum()
         clip_and_step(params, opt, meshes.pp.get_group() if meshes.pp is not None else None,
@@ -214,7 +217,7 @@ def _run(args, device, rank, world) -> dict:
 
     def logged(contrib: torch.Tensor) -> float:
         dist.all_reduce(contrib)  # logging only: not part of the counted step
-        return float(contrib) / (plan.tp * plan.cp)
+        return float(contrib) / plan.tp  # CP ranks hold disjoint tokens' shares of the loss
 
     def sync():
         if device.type == "cuda":
