@@ -362,22 +362,25 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "peaks still differ where PP meets reshard-after-forward 'always' (the model keeps more units unsharded), "
      "layer:N AC (which blocks are checkpointed per stage) and interleaved schedules (still the coarse moment "
      "model, not the timeline)"),
-    ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and c.plan.dp_shard * c.plan.cp == 1,
-     "HSDP with a shard group of 1 (FSDP2 replicating): at the largest unit's reduce the trace holds one more fp32 "
-     "copy of its gradient (an out-of-place aten.div over the all-reduced gradient) than the model; peaks 1-4% "
+    ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
+                                                                               _expert_shard(c.plan)),
+     "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "
+     "cp): at the largest unit's reduce the trace holds one more fp32 "
+     "copy of its gradient (an out-of-place aten.div over the all-reduced gradient) than the model; peaks 1-8% "
      "under on small models whose embedding dominates; where torch makes that copy is not yet found"),
-    ("context parallel transients", lambda c: c.plan.cp > 1,
-     "CP plans (torch's ring attention, run on CPU through parsim.executor.cp): collective bytes match (the K/V "
-     "all-gathers and the fp32 dK/dV ring permutes) and so do peaks at the end of forward (the wo input copy of the "
-     "merged output is modelled); a peak inside the ring attention's backward is 0.5-2% under (its fp32 dQ/dK/dV "
-     "accumulators, contiguous K/V copies, the gathered K/V and the permute buffers are not steps of "
-     "layers.backward_steps yet), and with reshard-after-forward 'never' the trace's end of forward holds more "
-     "than the model (found on 1-layer random models, not yet explained)"),
     ("MoE activations", lambda c: c.spec.moe is not None,
      "MoE plans without PP: peaks within about 1.5% of the trace but not 0.5%: the op-level backward steps of "
      "routed and shared experts (layers.backward_steps) do not yet match the executor's MoE autograd graph "
      "exactly (top-k > 1 with selective AC, EP with layer:N)"),
 )
+
+
+def _expert_shard(p: Plan) -> int:
+    """The routed experts' FSDP shard degree under dp2ep (what EP leaves of dp_shard x cp (x tp with etp 1)); 0
+    without EP."""
+    if p.ep == 1 or p.ep_from != "dp_shard":
+        return 0
+    return p.dp_shard * p.cp * (p.tp if p.etp == 1 else 1) // p.ep
 
 
 def known_gap(case: Case) -> str:

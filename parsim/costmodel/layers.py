@@ -25,6 +25,7 @@ import numpy as np
 
 from ..plan import AC_MODES, PP_SCHEDULES
 from ..spec import ModelSpec
+from .ring import ring_backward_extra_bytes
 
 if TYPE_CHECKING:
     from ..codec import PlanBatch
@@ -516,7 +517,11 @@ class _BackwardSteps:
         step(self.g_full)
         step(T * ao * b2, self.g_full, ["wo.input(CP copy)"], pg("wo"))
         qk_saved = ["q.rotated", "k.rotated"] if spec.qk_norm else ["wq.out", "wk.out"]
-        step(T * (q_ + 2 * kv_) * b2, T * ao * b2, ["sdpa.out", "sdpa.logsumexp", "wv.out", *qk_saved])
+        # context parallel: torch's ring attention backward holds more than its outputs at its peak (ring.py)
+        ring = np.where(self.sh.cp_copy, ring_backward_extra_bytes(T * q_, T * kv_, T * kv_, T * spec.n_heads / t * 4.0,
+                                                                    b2, self.b.cp), 0.0)
+        step(T * (q_ + 2 * kv_) * b2 + ring, T * ao * b2 + ring,
+             ["sdpa.out", "sdpa.logsumexp", "wv.out", *qk_saved])
         step(T * (q_ + kv_) * b2, T * (q_ + kv_) * b2, ["rope.cos_sin"])
         if spec.qk_norm:
             step(T * (q_ + kv_) * b2, T * (q_ + kv_) * b2, ["wq.out", "wk.out", "q_norm.rstd", "k_norm.rstd"],

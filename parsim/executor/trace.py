@@ -38,6 +38,9 @@ from .loss import loss_sum
 # high-precision inputs for the backward), async TP (symmetric memory on CUDA): none changes a parameter or a
 # collective's bytes
 NOT_TRACED = {"compile": False, "float8": False, "float8_recipe": "tensorwise", "async_tp": False}
+# a functional collective's wait returns its input on a device (the collective wrote into it); under FakeTensorMode
+# its fake kernel returns a new tensor, which would double the collective's output until the original is freed
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
 class _CountingFake:
@@ -63,6 +66,8 @@ class _CountingFake:
                 def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                     if self.counter is not None and func in OPS:
                         self.counter.record(func, args, kwargs or {})
+                    if func is WAIT_TENSOR:  # waits in place on a device; the fake kernel would make a new tensor
+                        return args[0]
                     return super().__torch_dispatch__(func, types, args, kwargs)
 
             cls.cls = CountingFakeTensorMode
