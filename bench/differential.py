@@ -494,6 +494,13 @@ def recompare(path: Path, tol: float = MEM_TOL) -> list[dict]:
             m = types.SimpleNamespace(**json.loads(r["trace"]))
             c = Case(ModelSpec.from_dict(json.loads(r["spec"])), Plan.from_dict(json.loads(r["plan"])),
                      r["stage"] == "last", r["source"])
+            try:
+                validate_plan(c.plan, c.spec)
+            except ParsimError as e:  # a rule added since the trace: the plan is no longer drawn
+                r = dict(r, status="invalid", refusal=str(e)[:300], n_failures=0, failures="[]", signature="",
+                         known_gap="")
+                out.append(r)
+                continue
             r = _row(c, m, compare(c, m, hw, tol), "", hw, float(r["wall_s"] or 0.0))
         out.append(r)
     tmp = path.with_suffix(".tmp")
@@ -714,7 +721,7 @@ def summarize(rows: list[dict]) -> dict:
             rels.append(abs(float(r["peak_rel"])))
         if r.get("reserved_rel") not in ("", None):
             rsv.append(float(r["reserved_rel"]))
-    traced = sum(v for k, v in by_status.items() if k != "refused")
+    traced = sum(v for k, v in by_status.items() if k not in ("refused", "invalid"))
     failing = sum(len(v) for v in by_sig.values())
     in_gaps: dict[str, int] = defaultdict(int)
     for v in by_sig.values():

@@ -220,6 +220,7 @@ class RankMemory:
     hsdp: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))  # HSDP (all-reduce over dp_replicate)
     reduce_bytes: np.ndarray = field(default_factory=lambda: np.full(1, 4.0))
     flow: np.ndarray = field(default_factory=lambda: np.zeros(1))  # the residual stream's gradient in backward
+    logits_grad: np.ndarray = field(default_factory=lambda: np.zeros(1))  # the logits' gradient (last stage)
     # pipeline parallel: a stage of a pipeline, microbatches per pass, the schedule's in-flight bound and the
     # microbatches in flight at a later backward, what an in-flight microbatch keeps beside its blocks' activations
     # (its stage output, or on the last stage the loss's saved tensors)
@@ -463,6 +464,13 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     tl.add("fsdp_grad_buffers", q.out.grads, q.has_out & q.fsdp)
     out_def = np.where(q.deferred(mode), q.out_weight4, 0.0)
     _plain_grads(tl, q, q.out.grads, q.has_out, mode, out_def)
+    # the output projection's backward: its weight gradient is made with the logits' gradient still alive (freed
+    # once the projection's input gradient is made too); the trace counts this moment in "end of forward" (the
+    # final norm's backward hook has not run). It sets the peak where a rank has few tokens and a large vocabulary
+    # (the weight gradient, vocab x d, outgrows the loss's per-token tensors: short sequences, CP) [derived; trace]
+    tl.add("logits_and_loss", q.logits_grad, q.has_out)
+    tl.mark(FWD, q.has_out)
+    tl.add("logits_and_loss", -q.logits_grad, q.has_out)
     _post_backward(tl, q, q.out, q.has_out, phase, rs_prev, True, mode)
     _plain_grads_done(tl, q, q.out.grads - out_def, q.has_out, mode)
     runs = list(reversed(q.blocks))

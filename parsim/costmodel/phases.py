@@ -204,6 +204,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         loss=np.asarray(_loss_bytes(spec, b, sh, rv, c))[idx] * np.ones(len(idx)),
         blocks=blocks, opt_temporaries=np.asarray(p_opt)[idx] * 4.0, flat_held=S > 1,
         hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
+        logits_grad=np.where(has_out, np.asarray(c.logits, dtype=float)[idx] * np.asarray(sh.act_b)[idx], 0.0),
         pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
         mb_extra=np.where(has_out, loss_saved, np.where((b.pp > 1)[idx], stage_out, 0.0)),
         autocast_cache=_autocast_cache(spec, b, rv, idx, fsdp_on),
