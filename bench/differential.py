@@ -57,7 +57,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import seed as hyp_seed  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from parsim.codec import executor_refusal, validate_plan  # noqa: E402
+from parsim.codec import encode, executor_refusal, validate_plan  # noqa: E402
 from parsim.costmodel.layers import FIRST, LAST  # noqa: E402
 from parsim.costmodel.step import rank_details  # noqa: E402
 from parsim.errors import ParsimError  # noqa: E402
@@ -363,7 +363,7 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "layer:N AC (which blocks are checkpointed per stage) and interleaved schedules (still the coarse moment "
      "model, not the timeline)"),
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
-                                                                               _expert_shard(c.plan)),
+                                                                               int(encode([c.plan], None).efsdp[0])),
      "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "
      "cp): at the largest unit's reduce the trace holds one more fp32 "
      "copy of its gradient (an out-of-place aten.div over the all-reduced gradient) than the model; peaks 1-8% "
@@ -373,14 +373,6 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "routed and shared experts (layers.backward_steps) do not yet match the executor's MoE autograd graph "
      "exactly (top-k > 1 with selective AC, EP with layer:N)"),
 )
-
-
-def _expert_shard(p: Plan) -> int:
-    """The routed experts' FSDP shard degree under dp2ep (what EP leaves of dp_shard x cp (x tp with etp 1)); 0
-    without EP."""
-    if p.ep == 1 or p.ep_from != "dp_shard":
-        return 0
-    return p.dp_shard * p.cp * (p.tp if p.etp == 1 else 1) // p.ep
 
 
 def known_gap(case: Case) -> str:

@@ -29,9 +29,7 @@ ROTATE_METHOD = "allgather"  # torchtitan's default context_parallel_rotate_meth
 
 
 def _cpu_forward(query, key, value, is_causal, dropout_p=0.0, scale=None):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
-                                                                scale=scale)
-    return out, lse
+    return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, scale=scale)
 
 
 def _cpu_backward(grad_out, query, key, value, out, logsumexp, is_causal, dropout_p=0.0, scale=None):
