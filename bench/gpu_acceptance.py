@@ -8,9 +8,11 @@ predictions beside what it measured (``bash bench/gpu_acceptance.sh``; under 10 
 2. **Measured blocks** (``parsim search --measure 10``): the model's top-10 and Pareto plans on ``--gpus-searched``
    GPUs, their blocks timed at their local shapes on this GPU (full size: no stand-ins on a GPU), the plans
    re-ranked; both rankings in the report.
-3. **Executor runs on this machine's GPUs** (``parsim.executor.launch.run_plan``, 5 timed steps after 2 warm-up):
+3. **Executor runs on this machine's GPUs** (``parsim.executor.launch.run_plan``, 5 timed steps after 2 warm-up;
+   run before the search: they are what a call cut short most needs):
    the model cut to ``--layers`` layers, data parallel over every GPU (FSDP2 with 2+; on one GPU no FSDP wrapper, as
-   torchtitan with dp_shard 1), no AC, full AC, selective-op AC, layer:2 AC, compile, float8 (rowwise); each beside
+   torchtitan with dp_shard 1), no AC, full AC, selective-op AC, layer:2 AC, compile (not float8: the executor
+   refuses it); each beside
    its prediction on the profile just measured (blocks and the model's ends measured at the run's shapes): step time,
    ``torch.cuda`` allocated and reserved peaks, each beside its prediction (reserved: ``costmodel/reserved.py``).
 4. **Writes** ``OUT/<name>.json`` (the profile with its blocks), ``OUT/report.json`` and ``OUT/report.md``, and
@@ -26,6 +28,7 @@ profile, no compile or float8 runs) and writes only under ``--out``: CI runs it 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -62,7 +65,7 @@ def setup(dry_run: bool, n_gpus: int, layers: int) -> Setup:
     if dry_run:
         return Setup("tiny", 2, 128, 4, 1, "float32", base, quick=True)
     more = (("selective-op AC", {"ac": "selective-op"}), ("layer:2 AC", {"ac": "layer:2"}),
-            ("compile", {"compile": True}), ("float8 rowwise", {"float8": True, "float8_recipe": "rowwise"}))
+            ("compile", {"compile": True}))  # float8: the executor refuses it (codec's "float8" rule)
     return Setup("llama3-8b", layers, 4096, 8, max(1, n_gpus), "bfloat16", base + more, quick=False)
 
 
@@ -84,9 +87,27 @@ def _parsim(args: list[str], env: dict) -> dict:
     return json.loads(r.stdout)
 
 
-def _runs(s: Setup, model_path: str, profile_path: Path, cuda: bool) -> list[dict]:
+def _runs(s: Setup, model_path: str, profile_path: Path, cuda: bool, deadline: float, rows: list[dict],
+          on_row) -> None:
     """Each variant run for real and predicted on the profile (blocks and the model's ends at the run's shapes
-    measured first)."""
+    measured first), appended to ``rows`` as it ends (then ``on_row()``); a variant not started by ``deadline``
+    (perf_counter) is recorded as skipped and one that raises as failed, so a broken variant costs only itself."""
+    from parsim.spec import load_model
+
+    spec = load_model(model_path)
+    for name, opts in s.variants:
+        if time.perf_counter() > deadline:
+            rows.append({"variant": name, "status": "skipped", "error": "deadline"})
+            continue
+        try:
+            rows.append(_one_run(s, spec, model_path, profile_path, cuda, name, opts))
+        except Exception as e:  # noqa: BLE001 - the report says what broke; the other variants still run
+            rows.append({"variant": name, "status": "failed", "error": f"{type(e).__name__}: {e}"[:300]})
+            print(f"  {name}: failed: {type(e).__name__}: {e}", flush=True)
+        on_row()
+
+
+def _one_run(s: Setup, spec, model_path: str, profile_path: Path, cuda: bool, name: str, opts: dict) -> dict:
     from parsim.blockshape import plan_measured_shapes
     from parsim.costmodel import predict
     from parsim.executor.launch import run_plan
@@ -94,27 +115,24 @@ def _runs(s: Setup, model_path: str, profile_path: Path, cuda: bool) -> list[dic
     from parsim.jsonio import read_json
     from parsim.plan import Plan
     from parsim.profiler.blocks import add_measured_blocks
-    from parsim.spec import load_model
 
-    spec = load_model(model_path)
-    rows = []
-    for name, opts in s.variants:
-        plan = Plan(dp_shard=s.nproc, seq_len=s.seq_len, local_batch_size=1, micro_batch_size=1,
-                    param_dtype=s.dtype, **opts)
-        hw = HardwareProfile.from_dict(read_json(profile_path, "profile"))
-        shapes = [x for x in plan_measured_shapes(spec, plan) if x is not None]
-        hw, _ = add_measured_blocks(hw, shapes, profile_path)
-        p = predict(spec, plan, hw)
-        t0 = time.perf_counter()
-        m = run_plan(model_path, plan, s.nproc, steps=5, warmup=2, timeout_s=600, device=None if cuda else "cpu")
-        rows.append({"variant": name, "plan_id": plan.plan_id, "status": m.status, "error": m.error[:300],
-                     "pred_step_s": p.step_time_s, "meas_step_s": m.median_step_time_s,
-                     "pred_allocated_bytes": p.peak_memory_bytes, "meas_allocated_bytes": m.peak_memory_bytes,
-                     "pred_reserved_bytes": p.reserved_memory_bytes,
-                     "meas_reserved_bytes": m.memory_breakdown_bytes.get("reserved_peak"),
-                     "wall_s": time.perf_counter() - t0})
-        print(f"  {name}: {m.status} step {m.median_step_time_s} s (predicted {p.step_time_s:.4g} s)", flush=True)
-    return rows
+    plan = Plan(dp_shard=s.nproc, seq_len=s.seq_len, local_batch_size=1, micro_batch_size=1, param_dtype=s.dtype,
+                **opts)
+    hw = HardwareProfile.from_dict(read_json(profile_path, "profile"))
+    shapes = [x for x in plan_measured_shapes(spec, plan) if x is not None]
+    hw, _ = add_measured_blocks(hw, shapes, profile_path)
+    p = predict(spec, plan, hw)
+    t0 = time.perf_counter()
+    m = run_plan(model_path, plan, s.nproc, steps=5, warmup=2, timeout_s=600, device=None if cuda else "cpu")
+    print(f"  {name}: {m.status} step {m.median_step_time_s} s (predicted {p.step_time_s:.4g} s)", flush=True)
+    return {"variant": name, "plan_id": plan.plan_id, "status": m.status, "error": m.error[:300],
+            "pred_step_s": p.step_time_s, "meas_step_s": m.median_step_time_s,
+            "pred_allocated_bytes": p.peak_memory_bytes, "meas_allocated_bytes": m.peak_memory_bytes,
+            "pred_reserved_bytes": p.reserved_memory_bytes,
+            "meas_reserved_bytes": m.reserved_peak_memory_bytes, "meas_step_times_s": list(m.step_times_s),
+            "pred_time_breakdown_s": p.time_breakdown_s, "pred_memory_breakdown_bytes": p.memory_breakdown_bytes,
+            "meas_memory_breakdown_bytes": m.memory_breakdown_bytes, "losses": list(m.losses),
+            "wall_s": time.perf_counter() - t0}
 
 
 def _markdown(doc: dict) -> str:
@@ -122,8 +140,11 @@ def _markdown(doc: dict) -> str:
 
     lines = [f"# GPU acceptance: {doc['device']}", "", f"profile `{doc['profile']}`, {doc['wall_s']:.0f} s in all "
              f"(profile {doc['profile_wall_s']:.0f} s).", "", "## Executor runs beside predictions", ""]
-    runs = pd.DataFrame(doc["runs"])
+    num = ["pred_step_s", "meas_step_s", "pred_allocated_bytes", "meas_allocated_bytes", "pred_reserved_bytes",
+           "meas_reserved_bytes"]
+    runs = pd.DataFrame(doc["runs"]).reindex(columns=["variant", "status", "error", *num])
     if not runs.empty:
+        runs[num] = runs[num].apply(pd.to_numeric, errors="coerce")  # a failed or skipped run has none
         runs["step err %"] = 100 * (runs["pred_step_s"] / runs["meas_step_s"] - 1)
         runs["alloc err %"] = 100 * (runs["pred_allocated_bytes"] / runs["meas_allocated_bytes"] - 1)
         meas_res = pd.to_numeric(runs["meas_reserved_bytes"], errors="coerce")  # None on CPU (no caching allocator)
@@ -133,12 +154,52 @@ def _markdown(doc: dict) -> str:
         cols = ["variant", "status", "pred_step_s", "meas_step_s", "step err %", "pred_allocated_GiB",
                 "meas_allocated_GiB", "alloc err %", "pred_reserved_GiB", "meas_reserved_GiB", "reserved err %"]
         lines.append("```\n" + runs[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}") + "\n```")
+        lines += [f"- {r.variant}: {r.status}: {r.error}" for r in runs.itertuples() if r.status != "ok"]
+    lines += [f"- stage {k} failed: {v[-500:]}" for k, v in (doc.get("errors") or {}).items()]
     lines += ["", "## Re-ranked with measured blocks (`parsim search --measure 10`)", ""]
-    ranked = pd.DataFrame(doc["search_measured"]["rows"])
+    ranked = pd.DataFrame((doc.get("search_measured") or {}).get("rows") or [])
     if not ranked.empty:
         cols = ["measured_rank", "curves_rank", "curves_step_s", "measured_step_s", "describe", "ac", "blocks"]
         lines.append("```\n" + ranked[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}") + "\n```")
     return "\n".join(lines) + "\n"
+
+
+def rerank_from_profile(profile: str, search_json: str) -> dict:
+    """The re-ranking of the plans a GPU's ``parsim search --measure --json`` ranked (``search_json``), recomputed
+    on any machine from the blocks ``profile`` holds (that GPU measured them): each plan on the curves (no measured
+    block) and with its measured blocks, by today's model (``--rerank-only``)."""
+    from parsim.hardware import load_profile
+    from parsim.jsonio import read_json
+    from parsim.plan import Plan
+    from parsim.remeasure import rerank, stand_ins_of
+    from parsim.spec import load_model
+
+    doc = read_json(Path(search_json), "search output")
+    spec, hw = load_model(doc["model"]), load_profile(profile)
+    plans = [(Plan.from_dict(r["plan"]), r["curves_step_s"]) for r in doc["measured"]["rows"]]
+    sins = stand_ins_of(spec, [p for p, _ in plans], float("inf"))
+    rows = rerank(spec, dataclasses.replace(hw, measured_blocks={}), hw, plans, sins)
+    return {"from": Path(search_json).name, "profile": profile, "gpus": plans[0][0].world_size,
+            "seq_len": plans[0][0].seq_len, "rows": rows}
+
+
+def _rerank_markdown(r: dict) -> str:
+    import pandas as pd
+
+    rows = pd.DataFrame(r["rows"])
+    cols = ["measured_rank", "curves_rank", "curves_step_s", "measured_step_s", "describe", "ac", "blocks"]
+    return (f"### llama3-8b on {r['gpus']} GPUs, seq {r['seq_len']} (plans of {r['from']})\n\n```\n"
+            + rows[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}") + "\n```\n")
+
+
+def _stage(doc: dict, key: str, fn) -> None:
+    """Run one stage; what it raises goes into ``doc['errors']`` and the next stage still runs (a first GPU run
+    should bring back everything that worked, not only the first failure)."""
+    try:
+        fn()
+    except (Exception, SystemExit) as e:  # noqa: BLE001
+        doc.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"[-3000:]
+        print(f"  {key} failed: {type(e).__name__}: {e}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,10 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "reports" / "gpu-acceptance"))
     ap.add_argument("--layers", type=int, default=2, help="layers of the model the executor runs")
     ap.add_argument("--no-install", action="store_true", help="do not copy the profile into profiles/")
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="no executor run or search starts after this many seconds (a lent GPU's call is capped)")
+    ap.add_argument("--rerank-only", metavar="PROFILE", help="no measuring: the plans of --searches re-ranked "
+                    "from the blocks PROFILE holds (its GPU measured them), written to OUT/rerank.{json,md}")
+    ap.add_argument("--searches", default="", help="comma-separated `search --measure --json` outputs of a GPU")
     a = ap.parse_args(argv)
+    if a.rerank_only:
+        return _rerank_only(a.rerank_only, a.searches, Path(a.out))
     import torch
 
-    from parsim.profiler.run import profile
+    from parsim.profiler.run import profile, spec_profile_of
 
     cuda = torch.cuda.is_available() and not a.dry_run
     if not cuda and not a.dry_run:
@@ -162,25 +230,56 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    print(f"1/3 profiling {device} ({s.nproc} rank(s)) ...", flush=True)
-    profile(name, s.nproc, out_dir=out, model=s.model, seq_len=min(s.seq_len, 2048), quick=s.quick, restart=True,
-            device=None if cuda else "cpu", log=lambda m: print("  " + m, flush=True))
-    t_prof = time.perf_counter() - t0
+    deadline = t0 + a.budget_s
     prof_path = out / f"{name}.json"
+    doc: dict = {"device": device, "torch": torch.__version__, "profile": str(prof_path), "setup": s.__dict__,
+                 "wall_s": 0.0, "profile_wall_s": 0.0, "search_measured": {"rows": []}, "runs": []}
+
+    def write() -> None:  # after every stage and run: a call cut short still leaves what it measured
+        doc["wall_s"] = time.perf_counter() - t0
+        (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
+        (out / "report.md").write_text(_markdown(doc))
+
+    print(f"1/3 profiling {device} ({s.nproc} rank(s)) ...", flush=True)
+    links = spec_profile_of(device) if cuda and s.nproc == 1 else None  # one GPU measures no collective
+    doc["interconnect_from"] = links
+    _stage(doc, "profile", lambda: profile(
+        name, s.nproc, out_dir=out, model=s.model, seq_len=min(s.seq_len, 2048), quick=s.quick, restart=True,
+        device=None if cuda else "cpu", log=lambda m: print("  " + m, flush=True), interconnect_from=links))
+    doc["profile_wall_s"] = time.perf_counter() - t0
+    write()
+    if not prof_path.exists():
+        print(f"no profile was written: {doc.get('errors')}", file=sys.stderr)
+        return 1
+    print(f"2/3 executor runs ({len(s.variants)}) ...", flush=True)
+    _stage(doc, "runs", lambda: _runs(s, _cut_model(s, out), prof_path, cuda, deadline, doc["runs"], write))
+    write()
+    print(f"3/3 {s.model} on {s.gpus_searched} GPUs: search --measure 10 ...", flush=True)
     env = dict(os.environ, PARSIM_PROFILES_DIR=str(out))  # search --measure keeps its blocks in this profile
-    print(f"2/3 {s.model} on {s.gpus_searched} GPUs: search --measure 10 ...", flush=True)
-    ranked = _parsim(["search", "--model", s.model, "--gpus", str(s.gpus_searched), "--seq-len", str(s.seq_len),
-                      "--profile", str(prof_path), "--top", "10", "--measure", "10"], env)["measured"]
-    print(f"3/3 executor runs ({len(s.variants)}) ...", flush=True)
-    runs = _runs(s, _cut_model(s, out), prof_path, cuda)
-    doc = {"device": device, "profile": str(prof_path), "setup": s.__dict__, "wall_s": time.perf_counter() - t0,
-           "profile_wall_s": t_prof, "search_measured": ranked, "runs": runs}
-    (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
-    (out / "report.md").write_text(_markdown(doc))
+
+    def search() -> None:
+        if time.perf_counter() > deadline:
+            raise TimeoutError("budget spent before the search started")
+        doc["search_measured"] = _parsim(
+            ["search", "--model", s.model, "--gpus", str(s.gpus_searched), "--seq-len", str(s.seq_len), "--profile",
+             str(prof_path), "--top", "10", "--measure", "10"], env)["measured"]
+
+    _stage(doc, "search", search)
+    write()
     if cuda and not a.no_install:
         shutil.copy(prof_path, ROOT / "profiles" / prof_path.name)
     print(_markdown(doc))
     print(f"wrote {out / 'report.md'}, {out / 'report.json'} and {prof_path} in {doc['wall_s']:.0f} s")
+    return 1 if doc.get("errors") else 0
+
+
+def _rerank_only(profile: str, searches: str, out: Path) -> int:
+    done = [rerank_from_profile(profile, f) for f in searches.split(",") if f]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rerank.json").write_text(json.dumps(done, indent=1, default=str))
+    text = "".join(_rerank_markdown(r) + "\n" for r in done)
+    (out / "rerank.md").write_text(text)
+    print(text)
     return 0
 
 

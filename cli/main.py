@@ -501,6 +501,9 @@ def profile(
     measure_frameworks: bool = typer.Option(False, "--measure-frameworks", help="measure FSDP2 / DTensor TP "
                                             "overhead on 2 ranks into the profile --out (which must exist), "
                                             "nothing else (a new profile of 2+ ranks measures it anyway)"),
+    interconnect_from: Optional[str] = typer.Option(None, "--interconnect-from", help="one GPU measures no "
+                                                    "collective: take GPUs per node, topology and collective fits "
+                                                    "from this profile (e.g. h100-sxm-spec); --nproc-per-node 1"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Measure collectives and compute on this machine (or on several nodes), fit them, write a hardware
@@ -525,7 +528,7 @@ def profile(
         nodes = NodeSpec(nnodes, int(rank), master_addr or "", master_port)
     hw = _profile(out, nproc_per_node, resume=resume, restart=restart, min_bytes=min_bytes, max_bytes=max_bytes,
                   factor=factor, ops=ops, model=model, seq_len=seq_len, out_dir=out_dir, device=device,
-                  log=lambda m: typer.echo(m, err=True), nodes=nodes)
+                  log=lambda m: typer.echo(m, err=True), nodes=nodes, interconnect_from=interconnect_from)
     _print_profile_result(hw, nodes, as_json)
 
 

@@ -224,7 +224,9 @@ def measure_and_rerank(spec: ModelSpec, hw: HardwareProfile, res, k: int, budget
     sins = stand_ins_of(spec, [p for p, _ in plans], budget_flops)
     hw_blocks, walls = measure_missing(hw, list(dict.fromkeys(s.measured for s in sins.values())))
     hw_measured = with_stand_ins(hw_blocks, sins)
-    rows = rerank(spec, hw, hw_measured, plans, sins)
+    # "curves" means no measured block at all: a profile given with blocks measured before (a second --measure, the
+    # GPU acceptance profile) would otherwise show the same times in both columns
+    rows = rerank(spec, dataclasses.replace(hw, measured_blocks={}), hw_measured, plans, sins)
     unmeasurable = sum(s is None for p, _ in plans for s in plan_measured_shapes(spec, p))
     return {"rows": rows, "profile": hw_measured, "shapes": len(sins),
             "stand_ins": sum(not s.exact for s in sins.values()), "measured_now": len(walls),

@@ -188,7 +188,9 @@ def measure_top(spec, hw, res, k: int, budget_flops: float | None, progress: Pro
         hw = dataclasses.replace(hw, measured_blocks={**cached.measured_blocks, **hw.measured_blocks})
     out = measure_and_rerank(spec, hw, res, k, budget,
                              lambda hw_, shapes: measure_blocks_into(hw_, shapes, path, progress))
-    return {**out, "budget_flops": budget, "profile_path": str(path), "device": "cuda" if cuda else "cpu"}
+    # no budget on a GPU (every block at its full shape): None in the record, as JSON has no infinity
+    return {**out, "budget_flops": budget if math.isfinite(budget) else None, "profile_path": str(path),
+            "device": "cuda" if cuda else "cpu"}
 
 
 def execute_top(spec, hw, res, k: int, model_arg: str, log: Log = log_to_stderr) -> list[dict]:

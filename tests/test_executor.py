@@ -92,6 +92,22 @@ def test_bad_wrapper_order_is_recorded_not_raised(tmp_path):
 
 
 @pytest.mark.slow
+def test_one_step_profiled_by_kernel_beside_the_timed_steps(tmp_path, monkeypatch):
+    """PARSIM_TORCH_PROFILE runs one more step under torch.profiler and writes each rank's ops with their self
+    times (how the first H100's step breakdown was read); the timed steps stay as many as asked."""
+    import csv
+
+    monkeypatch.setenv("PARSIM_TORCH_PROFILE", str(tmp_path / "prof"))
+    plan = Plan(dp_shard=2, seq_len=64, local_batch_size=1, micro_batch_size=1)
+    m = run_plan("tiny", plan, 2, steps=2, warmup=1, device="cpu")
+    assert m.status == "ok" and len(m.step_times_s) == 2
+    for r in (0, 1):
+        rows = list(csv.DictReader(open(tmp_path / f"prof.rank{r}.csv")))
+        mm = [x for x in rows if x["name"] == "aten::mm"]
+        assert mm and int(mm[0]["calls"]) > 0 and float(mm[0]["self_cpu_us"]) > 0
+
+
+@pytest.mark.slow
 def test_hung_run_is_killed_and_recorded(monkeypatch):
     """A run past its timeout is ended with every worker torchrun started (they live in sessions of their own) and
     recorded. The wall-time bound is liveness, not speed: it only fails if the tree is not ended (before the fix

@@ -42,3 +42,37 @@ def test_gpu_acceptance_without_a_gpu_says_so():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_acceptance.py"), "--out", "/nonexistent/x"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no GPU here" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_one_gpu_profile_takes_its_interconnect_from_the_spec_profile():
+    """One GPU measures no collective: the profile's placeholder links (1 GB/s, one GPU per node) are replaced by
+    the spec profile's (NVLink in 8-GPU nodes, InfiniBand), compute and blocks stay measured, and it says so."""
+    import dataclasses
+
+    from parsim.hardware import load_profile
+    from parsim.profiler.run import spec_profile_of, with_interconnect
+
+    spec = load_profile("h100-sxm-spec")
+    gpu = load_profile("h100-measured")  # the first H100's profile (bench/reports/gpu-acceptance)
+    assert gpu.source == "measured" and "H100" in gpu.device_name and gpu.measured_blocks
+    assert gpu.provenance["interconnect_from"] == "h100-sxm-spec" == spec_profile_of(gpu.device_name)
+    assert gpu.topology == spec.topology and gpu.gpus_per_node == 8
+    one = dataclasses.replace(gpu, gpus_per_node=1, collectives=(), corrections={"optimizer_fixed_s": 1e-4})
+    got = with_interconnect(one, spec)
+    assert got.topology == spec.topology and got.gpus_per_node == spec.gpus_per_node
+    assert got.peak_flops == one.peak_flops and got.measured_blocks == one.measured_blocks
+    assert got.corrections == {"optimizer_fixed_s": 1e-4, "comm_interference": spec.corrections["comm_interference"]}
+    assert "h100-sxm-spec" in got.assumptions[-1]
+    assert spec_profile_of("NVIDIA H100 PCIe") is None  # no SXM links for a PCIe card
+
+
+def test_interconnect_from_is_refused_with_several_ranks(tmp_path):
+    pytest.importorskip("torch")
+    from typer.testing import CliRunner
+
+    from parsim.cli.main import app
+
+    r = CliRunner().invoke(app, ["profile", "--nproc-per-node", "2", "--out", str(tmp_path / "p.json"),
+                                 "--interconnect-from", "h100-sxm-spec"])
+    assert r.exit_code == 2 and "one rank" in r.output and "Traceback" not in r.output
+    assert not list(tmp_path.iterdir())

@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from parsim.blockshape import HeadShape, plan_block_shapes, plan_head_shape
+from parsim.blockshape import HeadShape, plan_block_shapes, plan_head_shape, plan_measured_shapes
 from parsim.cli.main import app
 from parsim.costmodel import predict
 from parsim.costmodel.blocktime import composed_block_times, composed_head_times
@@ -177,3 +177,45 @@ def test_the_ends_stand_in_shrinks_vocabulary_then_width_then_sequence_and_scale
     assert got["emb_fwd_s"] == pytest.approx(2.0 * big["emb_fwd"]) and got["out_fwd_s"] == pytest.approx(
         3.0 * big["out_fwd"])
     assert got["out_bwd_s"] == pytest.approx(big["out_bwd"]) and got["stand_in_key"] == m.key
+
+
+def test_the_curves_column_ignores_blocks_the_given_profile_already_had():
+    """A profile given with blocks measured before (a second --measure, the GPU acceptance profile): its "curves"
+    times are the curves', not the measured blocks' again (both columns were equal on the H100 profile)."""
+    spec, hw = load_model("tiny"), load_profile("cpu-gloo-2")
+    a = Plan(dp_shard=2, seq_len=256, local_batch_size=2, micro_batch_size=2)
+    res = SearchResult()
+    res.top = [(a, predict(spec, a, hw).step_time_s, 0, 0, 0, 0)]
+    res.pareto = []
+
+    def doubled(hw_, shapes):  # every block and end twice the curves
+        blocks = {}
+        for s in shapes:
+            t = composed_head_times(s, hw_) if isinstance(s, HeadShape) else \
+                dict(zip(("fwd", "bwd"), composed_block_times(s, hw_), strict=True))
+            blocks[s.key] = {f"{k}_s": 2.0 * v for k, v in t.items()}
+        return dataclasses.replace(hw_, measured_blocks=blocks), {s.key: 0.1 for s in shapes}
+
+    first = measure_and_rerank(spec, hw, res, 1, float("inf"), doubled)["rows"][0]
+    shapes = [s for s in plan_measured_shapes(spec, a) if s is not None]
+    pre = dataclasses.replace(hw, measured_blocks=doubled(hw, shapes)[0].measured_blocks)
+    again = measure_and_rerank(spec, pre, res, 1, float("inf"), lambda h, s: (h, {}))["rows"][0]
+    assert first["measured_step_s"] > 1.2 * first["curves_step_s"]
+    assert again["curves_step_s"] == pytest.approx(first["curves_step_s"])
+    assert again["measured_step_s"] == pytest.approx(first["measured_step_s"])
+
+
+def test_measure_top_on_a_gpu_records_no_budget_as_null(monkeypatch, tmp_path):
+    """On CUDA the block budget is unlimited: the record says None, since JSON has no infinity (the first H100 run's
+    `search --measure --json` failed on it)."""
+    torch = pytest.importorskip("torch")
+    import parsim.remeasure as rm
+    from parsim.search_job import measure_top
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("PARSIM_PROFILES_DIR", str(tmp_path))
+    monkeypatch.setattr(rm, "measure_and_rerank", lambda spec, hw, res, k, budget, fn: {"rows": [], "budget": budget})
+    spec, hw = load_model("tiny"), load_profile("cpu-gloo-2")
+    out = measure_top(spec, hw, SearchResult(), 1, None)
+    assert out["budget"] == float("inf") and out["budget_flops"] is None and out["device"] == "cuda"
+    json.dumps({k: v for k, v in out.items() if k != "budget"}, allow_nan=False)

@@ -373,3 +373,45 @@ def track_step(step, parts, opt, phase: dict | None = None, events: list | None 
             print(f"PEAK-LIVE {n / 2**20:9.1f} MiB {c:20s} {o}")
     # the op whose output set the peak (where in the step it is) goes with the tracker for provenance
     return out, float(tracker.peak), tracker.breakdown(), tracker.peak_op
+
+
+def _where(frames: list[dict], depth: int = 4) -> str:
+    """The innermost ``depth`` frames of an allocation's Python stack in parsim's code (torch's where none is;
+    "?" for the autograd engine's allocations, which have no Python stack)."""
+    keep = [f for f in frames if "parsim/" in f.get("filename", "")] or \
+        [f for f in frames if "torch/" in f.get("filename", "")]
+    return " < ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']}:{f['name']}" for f in keep[:depth]) or "?"
+
+
+def peak_holders(snapshot: dict, top: int = 30) -> dict:
+    """What holds the peak of allocated memory in a ``torch.cuda.memory._snapshot()`` taken with history recording
+    on: the allocation events replayed (an alloc adds its size, a free request removes it, as the allocator's
+    allocated statistic counts), the moment of the largest total, and the blocks live then grouped by where they
+    were allocated (``_where``), largest first. Blocks allocated before recording began are not in the events."""
+    events = [e for t in snapshot.get("device_traces", []) for e in t]
+    cur = peak = 0
+    peak_i, live = -1, {}
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            cur += e["size"]
+            if cur > peak:
+                peak, peak_i = cur, i
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            cur -= live.pop(e["addr"])["size"]
+    live = {}
+    for e in events[:peak_i + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_requested":
+            live.pop(e["addr"], None)
+    groups: dict = {}
+    for e in live.values():
+        g = groups.setdefault(_where(e.get("frames", [])), {"bytes": 0, "blocks": 0})
+        g["bytes"] += e["size"]
+        g["blocks"] += 1
+    rows = sorted(({"where": k, **v} for k, v in groups.items()), key=lambda r: -r["bytes"])
+    at = events[peak_i] if peak_i >= 0 else {}
+    return {"peak_recorded_bytes": peak, "events": len(events), "peak_event": peak_i,
+            "peak_alloc_where": _where(at.get("frames", []), 8), "holders": rows[:top],
+            "other_bytes": sum(r["bytes"] for r in rows[top:])}

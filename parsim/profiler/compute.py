@@ -115,11 +115,14 @@ def optimizer_samples(device, sizes_params, tensor_counts=(1, 16, 64), reps=3) -
     return out
 
 
-def block_sample(spec, tokens: int, seq_len: int, device, dtype, reps=3) -> dict:
-    """Forward + backward of one real block of ``spec`` on ``tokens`` tokens (batch = tokens / seq_len)."""
+def block_sample(spec, tokens: int, seq_len: int, device, dtype, reps: int | None = None) -> dict:
+    """Forward + backward of one real block of ``spec`` on ``tokens`` tokens (batch = tokens / seq_len). On a GPU
+    an eager block is launch-bound at these sizes and its times scatter (one H100: forward 2.6-3.7 ms over 9
+    samples, and once 9.8 ms in a profile's run, above its own forward + backward), so 15 reps there, 3 on CPU."""
     from ..executor.model import Block, rope_cache
 
     cuda = device.type == "cuda"
+    reps = reps if reps is not None else (15 if cuda else 3)
     blk = Block(spec, 0).to(device=device, dtype=dtype)
     rope = rope_cache(spec.head_dim, seq_len).to(device)
     x = torch.randn(max(1, tokens // seq_len), seq_len, spec.d_model, device=device, dtype=dtype, requires_grad=True)
@@ -152,7 +155,11 @@ def run_compute(device, spec=None, seq_len=512, threads: int | None = 1, quick=F
         [(1, 32, 1024, 128), (1, 32, 4096, 128), (2, 32, 8192, 128)]
     out += attention_samples(device, dtype, att[:2] if quick else att)
     out += memory_samples(device, [1 << 18, 1 << 20, 1 << 22] + ([] if quick else [1 << 24]))
-    out += optimizer_samples(device, [1 << 18, 1 << 20] + ([] if quick else [1 << 22]))
+    # a GPU's step is launch-bound below ~10M parameters: its per-parameter (bandwidth) term needs sizes of a real
+    # model's shard (measured on one H100, clip + foreach AdamW: 2^22 params 0.83 ms, 2^26 2.75 ms, 2^28 9.6 ms)
+    opt_sizes = [1 << 18, 1 << 20] + ([] if quick else [1 << 22]) if cpu else \
+        [1 << 20, 1 << 24] + ([] if quick else [1 << 26, 1 << 28])
+    out += optimizer_samples(device, opt_sizes)
     if spec is not None:
         out.append(block_sample(spec, seq_len, seq_len, device, dtype))
     return out

@@ -42,13 +42,23 @@ def _cpu_name() -> str:
 def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: int = 0, max_bytes: int = 0,
             factor: int = 4, ops: str = ",".join(COLLECTIVE_OPS), model: str | None = "tiny", seq_len: int = 512,
             out_dir: Path | None = None, timeout_s: float = 1800.0, device: str | None = None, quick=False,
-            restart: bool = False, log=print, nodes: NodeSpec | None = None) -> HardwareProfile | None:
+            restart: bool = False, log=print, nodes: NodeSpec | None = None,
+            interconnect_from: str | None = None) -> HardwareProfile | None:
     """Measure and write a profile. With ``nodes`` (several nodes, one ``parsim profile`` per node, e.g. under
     ``srun``) the collectives run over every node's ranks, so groups that cross nodes are measured and fitted by
-    their ranks per node; node 0 then measures compute and writes the profile, the other nodes return None."""
+    their ranks per node; node 0 then measures compute and writes the profile, the other nodes return None.
+    ``interconnect_from`` (a profile's name or path; one rank only): the collectives no single GPU can measure are
+    taken from that profile (``with_interconnect``)."""
+    from ..hardware import load_profile
     from ..spec import load_model
 
     spec = load_model(model) if model else None  # refuse a bad model before measuring anything (or importing torch)
+    links = None
+    if interconnect_from is not None:
+        if nproc_per_node != 1 or nodes is not None:
+            raise ParsimError("--interconnect-from is for a profile of one rank (one GPU measures no collective); "
+                              f"got {nproc_per_node} ranks per node" + (" on several nodes" if nodes else ""))
+        links = load_profile(interconnect_from)
     check_profile_args(nproc_per_node, factor=factor, ops=ops, seq_len=seq_len, timeout_s=timeout_s,
                        min_bytes=min_bytes, max_bytes=max_bytes)
     if nodes is not None and nodes.node_rank > 0:
@@ -104,6 +114,8 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
                                  wall_s=time.perf_counter() - t0, coll_wall_s=t_coll)
     if fw is not None:
         hw = with_framework_samples(hw, fw)
+    if links is not None:
+        hw = with_interconnect(hw, links)
     hw.save(out_path)
     atomic_write_text(out_dir / f"{name}.samples.csv", samples_csv(coll["samples"], comp["samples"]))
     shutil.rmtree(partial)
@@ -181,6 +193,44 @@ def with_framework_samples(hw: HardwareProfile, fw: dict) -> HardwareProfile:
     samples["frameworks"] = {"samples": fw["samples"], "torch": fw.get("torch"), "backend": fw.get("backend")}
     return dataclasses.replace(hw, samples=samples,
                                corrections={**hw.corrections, **fit_framework_overheads(fw["samples"])})
+
+
+# what a machine's collectives are, as opposed to its compute: taken whole from another profile by
+# ``with_interconnect`` (corrections named here are comm-side: the interference of collectives with compute)
+INTERCONNECT_CORRECTIONS = ("comm_interference",)
+
+
+# packaged spec-sheet profiles by the words of torch.cuda.get_device_name() that identify them
+SPEC_PROFILE_OF_DEVICE = ((("H100", "HBM3"), "h100-sxm-spec"), (("H200",), "h200-spec"), (("B200",), "b200-spec"),
+                          (("A100", "80GB"), "a100-sxm-80gb-spec"))
+
+
+def spec_profile_of(device_name: str) -> str | None:
+    """The packaged spec-sheet profile of a GPU named ``device_name`` (its interconnect: NVLink in 8-GPU nodes,
+    InfiniBand across), or None where none matches (an H100 PCIe, say)."""
+    return next((prof for words, prof in SPEC_PROFILE_OF_DEVICE if all(w in device_name for w in words)), None)
+
+
+def with_interconnect(hw: HardwareProfile, other: HardwareProfile) -> HardwareProfile:
+    """``hw`` (measured on one GPU, where no collective can run) with ``other``'s interconnect: GPUs per node,
+    topology, collective fits and comm-side corrections; compute, memory and measured blocks stay ``hw``'s. The
+    assumptions say so: a search over many GPUs then composes measured compute with ``other``'s links (e.g. a
+    spec-sheet NVLink/InfiniBand profile of the same GPU) instead of the 1 GB/s placeholder of a profile that
+    measured no collective."""
+    import dataclasses
+
+    if hw.collectives and hw.gpus_per_node > 1:
+        raise ParsimError(f"profile {hw.name!r} measured its own collectives over {hw.gpus_per_node} GPUs: "
+                          "keep them rather than borrowing another profile's interconnect")
+    comm = {k: v for k, v in other.corrections.items() if k in INTERCONNECT_CORRECTIONS}
+    note = (f"interconnect (gpus_per_node {other.gpus_per_node}, topology, {len(other.collectives)} collective "
+            f"fits, {', '.join(comm) or 'no'} comm corrections) taken from profile {other.name!r} "
+            f"(source {other.source}): one GPU measured no collective")
+    return dataclasses.replace(hw, gpus_per_node=other.gpus_per_node, n_nodes=other.n_nodes,
+                               topology=other.topology, collectives=other.collectives,
+                               comm_overlap=other.comm_overlap, corrections={**hw.corrections, **comm},
+                               assumptions=(*hw.assumptions, note),
+                               provenance={**hw.provenance, "interconnect_from": other.name})
 
 
 def add_framework_overheads(path: Path, device: str | None = None, timeout_s: float = 1800.0,
