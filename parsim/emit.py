@@ -78,6 +78,13 @@ def torchtitan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
                    "MemoryBudgetAC only; FullAC is emitted (more recompute, less memory than planned)")
     if plan.async_tp and not plan.compile:
         out.append("async TP without compile: torchtitan's async TP needs torch.compile; enable compile")
+    if plan.param_dtype != "float32" and plan.dp_shard == 1 and plan.cp == 1 and (plan.tp > 1 or plan.pp > 1):
+        # torchtitan.distributed.utils.maybe_enable_amp: fully_shard applies mixed precision when dp_shard > 1 or
+        # cp > 1; otherwise autocast, except under TP or PP, where it logs a warning and trains in float32
+        out.append(f"{plan.param_dtype} with {'TP' if plan.tp > 1 else 'PP'} and neither FSDP (dp_shard 1) nor CP: "
+                   "torchtitan applies mixed precision through fully_shard, or autocast without TP and PP; here it "
+                   "disables it and trains in float32 (its maybe_enable_amp), while parsim predicted "
+                   f"{plan.param_dtype} compute: add dp_shard > 1, or expect float32 speed and memory")
     out += options_on(plan, "torchtitan_gap")
     if torchtitan_model(spec) is None:
         out.append(f"model {spec.name}: its dimensions match no torchtitan registry flavour (llama3 8B/70B/405B, "

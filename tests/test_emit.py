@@ -292,3 +292,16 @@ def test_emitted_python_says_what_torchtitan_cannot_express():
     py = to_torchtitan_python(plan, spec)
     assert "float8 tensorwise: removed in torchtitan 0.3.0" in py and "recipe_name='rowwise'" in py
     assert "filter_fqns=['lm_head']" in py and "attn_backend='flex'" in py
+
+
+def test_torchtitan_trains_tp_or_pp_without_fsdp_in_float32():
+    """torchtitan's maybe_enable_amp: mixed precision through fully_shard (dp_shard > 1 or cp > 1), else autocast,
+    except with TP or PP, where it warns and trains in float32: the emitted config says so."""
+    from parsim.emit import torchtitan_gaps
+
+    spec = PRESETS["llama3-8b"]
+    said = lambda **kw: any("trains in float32" in g for g in torchtitan_gaps(Plan(seq_len=4096, **kw), spec,  # noqa: E731
+                                                                               "0.3.0"))
+    assert said(tp=8) and said(pp=2, tp=4) and said(dp_replicate=2, tp=4)
+    assert not said(dp_shard=2, tp=4) and not said(cp=2, tp=4) and not said(dp_replicate=8)
+    assert not said(tp=8, param_dtype="float32")
