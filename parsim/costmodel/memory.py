@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "buffers", "fsdp_unsharded_params",
+MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "buffers", "cp_buffers", "fsdp_unsharded_params",
                "fsdp_gather_buffers", "fsdp_grad_buffers", "autocast_weight_cache", "autocast_weight_grads",
                "activations",
                "recompute_transient", "logits_and_loss", "optimizer_temporaries")
@@ -203,6 +203,9 @@ class RankMemory:
     optimizer_states: np.ndarray
     buffers: np.ndarray
     all_grads4: np.ndarray  # every sharded gradient, fp32 (without FSDP: the plain gradients)
+    # context parallel: what torch's context_parallel() keeps while it is entered (forward and backward):
+    # ``phases._cp_buffers``
+    cp_buffers: np.ndarray
     fsdp: np.ndarray  # bool: FSDP wraps the model
     raf: np.ndarray  # bool: blocks and embedding resharded after forward
     raf_out: np.ndarray  # bool: [norm, output] resharded after forward
@@ -254,6 +257,7 @@ def simulate(q: RankMemory) -> dict:
     tl.add("parameters", q.parameters)
     tl.add("optimizer_states", q.optimizer_states)
     tl.add("buffers", q.buffers)
+    tl.add("cp_buffers", q.cp_buffers)
     tl.add("gradients", q.all_grads4, q.acc)
     # autocast (no FSDP): the compute-dtype copies of the linear weights, cached from their first use until the
     # autocast region ends after the last backward
@@ -290,8 +294,8 @@ def simulate(q: RankMemory) -> dict:
         with tl.only(q.pp):
             _reduce_after(tl, q)
     # clipping and the optimizer: every gradient, the foreach temporaries
-    for k in ("fsdp_unsharded_params", "fsdp_gather_buffers", "fsdp_grad_buffers", "autocast_weight_cache",
-              "activations", "recompute_transient", "logits_and_loss"):
+    for k in ("cp_buffers", "fsdp_unsharded_params", "fsdp_gather_buffers", "fsdp_grad_buffers",
+              "autocast_weight_cache", "activations", "recompute_transient", "logits_and_loss"):
         tl.cur[k] = np.zeros(q.n)
     tl.cur["gradients"] = np.asarray(q.all_grads4, dtype=float) * np.ones(q.n)
     tl.add("optimizer_temporaries", q.opt_temporaries)

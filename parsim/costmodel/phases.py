@@ -195,7 +195,8 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
                                                            (V * d - emb_local) * 4.0, 0.0)
     return RankMemory(
         n=len(idx), parameters=np.asarray(p_opt)[idx] * 4.0, optimizer_states=np.asarray(p_opt)[idx] * 8.0,
-        buffers=buffers, all_grads4=all_grads4, fsdp=fsdp_on, raf=b.raf[idx],
+        buffers=buffers, cp_buffers=_cp_buffers(b, idx, rope, has_emb, has_out), all_grads4=all_grads4,
+        fsdp=fsdp_on, raf=b.raf[idx],
         raf_out=b.raf_always[idx], acc=(b.grad_accum > 1)[idx], has_emb=has_emb, has_out=has_out,
         emb=unit(np.asarray(rv.emb_shard)[idx], emb_local, S, emb_local), emb_dense_grad=emb_dense,
         emb_sharded=(b.tp > 1)[idx] & ~b.te_layers[idx],
@@ -210,6 +211,21 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         autocast_cache=_autocast_cache(spec, b, rv, idx, fsdp_on),
         param_bytes=pb, out_weight4=np.asarray(rv.out_local - rv.norm_local)[idx] * 4.0 * np.ones(len(idx)),
         last_cast4=_last_cast_elems(spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
+
+
+def _cp_buffers(b: PlanBatch, idx: np.ndarray, rope: float, has_emb, has_out) -> np.ndarray:
+    """Bytes torch's ``context_parallel()`` holds while entered (the executor enters it around each microbatch's
+    forward and backward, as torchtitan does, with buffers [tokens, labels, every stage's RoPE table]): a clone of
+    every buffer it must restore (the RoPE tables, fp32, full sequence), the list of load-balanced shards it made
+    (tokens and labels int64 and every table, a 1/cp share each) and the clone of the last shard (the last table's)
+    that its loop variable keeps [derived from torch.distributed.tensor.experimental.context_parallel; trace: 0.87
+    MB of a 29.9 MB peak on a 6-layer tiny model at cp 4 x tp 4, all of it these]."""
+    cp = b.cp[idx].astype(float)
+    seq = b.seq_len[idx].astype(float)
+    stages = np.where(b.pp[idx] > 1, b.pp_stages_per_rank[idx], 1).astype(float)
+    table = seq * rope * 4.0
+    tokens = b.micro_batch_size[idx] * seq / cp * 8.0 * (np.asarray(has_emb, float) + np.asarray(has_out, float))
+    return np.where(cp > 1, stages * table + (stages + 1.0) * table / cp + tokens, 0.0)
 
 
 def _last_cast_elems(spec: ModelSpec, b: PlanBatch, moe: bool) -> np.ndarray:
