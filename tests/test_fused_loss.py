@@ -42,3 +42,11 @@ def test_executor_refuses_what_it_cannot_run():
     check_executable(Plan(dp_shard=2, fused_loss=True))
     with pytest.raises(ParsimError, match="Transformer Engine"):
         check_executable(Plan(dp_shard=2, te_layers=True))
+
+
+def test_the_model_chunks_the_fused_loss_as_the_executor_does():
+    pytest.importorskip("torch")
+    from parsim.costmodel.phases import FUSED_LOSS_CHUNK_ELEMENTS
+    from parsim.executor.loss import CHUNK_ELEMENTS
+
+    assert FUSED_LOSS_CHUNK_ELEMENTS == CHUNK_ELEMENTS
