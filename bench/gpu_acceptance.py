@@ -28,7 +28,6 @@ profile, no compile or float8 runs) and writes only under ``--out``: CI runs it 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -178,7 +177,7 @@ def rerank_from_profile(profile: str, search_json: str) -> dict:
     spec, hw = load_model(doc["model"]), load_profile(profile)
     plans = [(Plan.from_dict(r["plan"]), r["curves_step_s"]) for r in doc["measured"]["rows"]]
     sins = stand_ins_of(spec, [p for p, _ in plans], float("inf"))
-    rows = rerank(spec, dataclasses.replace(hw, measured_blocks={}), hw, plans, sins)
+    rows = rerank(spec, hw, plans, sins)
     return {"from": Path(search_json).name, "profile": profile, "gpus": plans[0][0].world_size,
             "seq_len": plans[0][0].seq_len, "rows": rows}
 

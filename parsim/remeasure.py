@@ -184,14 +184,16 @@ def candidates(res, k: int) -> list[tuple[Plan, float]]:
     return list(seen.values())
 
 
-def rerank(spec: ModelSpec, hw_curves: HardwareProfile, hw_measured: HardwareProfile,
-           plans: list[tuple[Plan, float]], stand_ins: dict[str, StandIn]) -> list[dict]:
-    """One row per plan: its rank and step time on the curves and with the measured blocks and ends, and which
-    were measured how. Only plans whose every block and whose ends were measured (or stood in for) are re-ranked:
-    a plan left on the curves (a shape a measurement cannot stand for: CP, MLA, learned positions, ...) would win
-    or lose against measured ones by what the curves miss, not by how it runs; such plans follow, with
-    ``measured_rank`` None."""
+def rerank(spec: ModelSpec, hw_measured: HardwareProfile, plans: list[tuple[Plan, float]],
+           stand_ins: dict[str, StandIn]) -> list[dict]:
+    """One row per plan: its rank and step time on the curves (``hw_measured`` without any measured block, also
+    those a profile was given with: a second ``--measure`` would otherwise show the same times in both columns)
+    and with the measured blocks and ends, and which were measured how. Only plans whose every block and whose
+    ends were measured (or stood in for) are re-ranked: a plan left on the curves (a shape a measurement cannot
+    stand for: CP, MLA, learned positions, ...) would win or lose against measured ones by what the curves miss,
+    not by how it runs; such plans follow, with ``measured_rank`` None."""
     rows: list[dict[str, Any]] = []
+    hw_curves = dataclasses.replace(hw_measured, measured_blocks={})
     for plan, _ in plans:
         before, after = predict(spec, plan, hw_curves), predict(spec, plan, hw_measured)
         how = sorted({stand_ins[s.key].describe() if s is not None and s.key in hw_measured.measured_blocks
@@ -224,9 +226,7 @@ def measure_and_rerank(spec: ModelSpec, hw: HardwareProfile, res, k: int, budget
     sins = stand_ins_of(spec, [p for p, _ in plans], budget_flops)
     hw_blocks, walls = measure_missing(hw, list(dict.fromkeys(s.measured for s in sins.values())))
     hw_measured = with_stand_ins(hw_blocks, sins)
-    # "curves" means no measured block at all: a profile given with blocks measured before (a second --measure, the
-    # GPU acceptance profile) would otherwise show the same times in both columns
-    rows = rerank(spec, dataclasses.replace(hw, measured_blocks={}), hw_measured, plans, sins)
+    rows = rerank(spec, hw_measured, plans, sins)
     unmeasurable = sum(s is None for p, _ in plans for s in plan_measured_shapes(spec, p))
     return {"rows": rows, "profile": hw_measured, "shapes": len(sins),
             "stand_ins": sum(not s.exact for s in sins.values()), "measured_now": len(walls),

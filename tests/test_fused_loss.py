@@ -45,7 +45,6 @@ def test_executor_refuses_what_it_cannot_run():
 
 
 def test_the_model_chunks_the_fused_loss_as_the_executor_does():
-    pytest.importorskip("torch")
     from parsim.costmodel.phases import FUSED_LOSS_CHUNK_ELEMENTS
     from parsim.executor.loss import CHUNK_ELEMENTS
 

@@ -289,10 +289,7 @@ def _profiled_step(run_step, out_prefix: str, rank: int, sync) -> None:
         sync()
     rows = []
     for e in prof.key_averages():
-        dev_us = getattr(e, "self_device_time_total", None)
-        if dev_us is None:
-            dev_us = getattr(e, "self_cuda_time_total", 0.0)
-        rows.append({"name": e.key, "calls": e.count, "self_device_us": float(dev_us),
+        rows.append({"name": e.key, "calls": e.count, "self_device_us": float(e.self_device_time_total),
                      "self_cpu_us": float(e.self_cpu_time_total)})
     rows.sort(key=lambda r: -r["self_device_us"])
     with open(f"{out_prefix}.rank{rank}.csv", "w", newline="") as f:
