@@ -103,6 +103,27 @@ class PlanBatch:
         return self.ep_from == EP_FROM.index("dp_replicate")
 
     @cached_property
+    def ep_folded(self):
+        """Megatron-Core MoE parallel folding: the expert mesh (edp, ep, etp) laid over the dense mesh's
+        dp_replicate x cp x tp ranks of a pipeline stage (etp innermost), so EP may outnumber the data-parallel
+        ranks; dp_shard is 1 (Megatron DDP, optionally with its distributed optimizer)."""
+        return self.ep_from == EP_FROM.index("folded")
+
+    @cached_property
+    def ep_megatron(self):
+        """Megatron-style EP (DDP-style or folded): routed experts are not FSDP-sharded; their gradients are reduced
+        over the expert-data-parallel group ``edp`` (reduce-scattered under the distributed optimizer)."""
+        return (self.ep > 1) & (self.ep_ddp | self.ep_folded)
+
+    @cached_property
+    def edp(self):
+        """Expert-data-parallel degree of Megatron-style EP: ranks of a stage holding the same experts, the
+        stage's dp_replicate x cp x tp ranks over ep x etp (DDP-style: dp_replicate over ep, cp and tp outside)."""
+        ep = np.maximum(self.ep, 1)
+        folded = self.dp_replicate * self.cp * self.tp // (ep * np.maximum(self.etp, 1))
+        return np.maximum(1, np.where(self.ep_folded, folded, self.dp_replicate // ep))
+
+    @cached_property
     def ac_wraps_compile(self):
         """AC applied after compile (AC(compile(block))): the recompute is counted twice."""
         wraps = np.array([o.index("ac") > o.index("compile") for o in self.wrapper_orders] or [False])
@@ -147,7 +168,8 @@ class PlanBatch:
     def efsdp(self):
         """FSDP degree of the routed experts: with their block when ep == 1, else what dp2ep leaves."""
         tt = self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
-        return np.where((self.ep == 1) | self.ep_ddp, self.dp_shard * self.cp, tt)
+        return np.where(self.ep_megatron & self.ep_folded, 1,
+                        np.where((self.ep == 1) | self.ep_ddp, self.dp_shard * self.cp, tt))
 
     @cached_property
     def world(self):
@@ -271,9 +293,14 @@ def group_rpn(b: PlanBatch, order: tuple[str, ...], gpus_per_node: int) -> dict:
     block = np.where(b.etp == 1, ranks_per_node(deg, order, gpus_per_node, ("dp_shard", "cp", "tp")), out["fsdp"])
     ep_tt = np.minimum(b.ep, block)
     efsdp_tt = np.maximum(1, block // np.maximum(b.ep, 1))
-    out["ep"] = np.where(b.ep_ddp, np.minimum(b.ep, out["dp_replicate"]), ep_tt)
-    out["efsdp"] = np.where(b.ep_ddp, out["fsdp"], efsdp_tt)
-    out["edp"] = np.maximum(1, out["dp_replicate"] // np.maximum(b.ep, 1))
+    # folded (Megatron): the stage's dp_replicate x cp x tp ranks as one block, etp innermost, then ep, then edp
+    fold = ranks_per_node(deg, order, gpus_per_node, ("dp_replicate", "cp", "tp"))
+    etp = np.maximum(b.etp, 1)
+    ep_fold = np.minimum(b.ep, np.maximum(1, fold // etp))
+    edp_fold = np.minimum(b.edp, np.maximum(1, fold // (etp * np.maximum(b.ep, 1))))
+    out["ep"] = np.where(b.ep_folded, ep_fold, np.where(b.ep_ddp, np.minimum(b.ep, out["dp_replicate"]), ep_tt))
+    out["efsdp"] = np.where(b.ep_folded, 1, np.where(b.ep_ddp, out["fsdp"], efsdp_tt))
+    out["edp"] = np.where(b.ep_folded, edp_fold, np.maximum(1, out["dp_replicate"] // np.maximum(b.ep, 1)))
     return out
 
 
@@ -286,6 +313,9 @@ DP2EP_RULE = "dp_shard x cp x tp not divisible by ep x etp"
 # (ParallelDims: "EP would borrow all cp and tp and some dp_shard degree"); the executor builds its EP mesh the same way
 DP2EP_BORROW_RULE = "ep not a multiple of cp x tp (etp 1) / cp (etp tp)"
 DP2EP_RULES = (DP2EP_RULE, DP2EP_BORROW_RULE)
+# Megatron-Core MoE parallel folding: the expert mesh (edp, ep, etp) over dp_replicate x cp x tp, without FSDP
+FOLDED_RULE = "dp_replicate x cp x tp not divisible by ep x etp (folded EP)"
+FOLDED_DP_SHARD_RULE = "folded EP with dp_shard > 1"
 
 
 class RuleError(ParsimError):
@@ -361,16 +391,23 @@ RULES: tuple[Rule, ...] = (
          lambda b, s: _uses_ep(b) & (b.etp != 1) & (b.etp != b.tp),
          lambda p, s: f"etp must be 1 or tp={p.tp}, got {p.etp}"),
     Rule(DP2EP_RULE, False,
-         lambda b, s: _uses_ep(b) & ~b.ep_ddp & ((b.dp_shard * b.cp * b.tp) % (b.ep * b.etp) != 0),
+         lambda b, s: _uses_ep(b) & ~b.ep_megatron & ((b.dp_shard * b.cp * b.tp) % (b.ep * b.etp) != 0),
          lambda p, s: f"dp2ep needs dp_shard x cp x tp = {p.dp_shard} x {p.cp} x {p.tp} = "
                       f"{p.dp_shard * p.cp * p.tp} divisible by ep x etp = {p.ep} x {p.etp} = {p.ep * p.etp}"),
     Rule(DP2EP_BORROW_RULE, False,
-         lambda b, s: (b.ep > 1) & ~b.ep_ddp & (b.ep % (b.cp * np.where(b.etp == 1, b.tp, 1)) != 0),
+         lambda b, s: (b.ep > 1) & ~b.ep_megatron & (b.ep % (b.cp * np.where(b.etp == 1, b.tp, 1)) != 0),
          lambda p, s: f"dp2ep borrows all of cp{' x tp' if p.etp == 1 else ''} for EP: ep {p.ep} is not a multiple "
                       f"of {p.cp * (p.tp if p.etp == 1 else 1)}"),
     Rule("dp_replicate not divisible by ep (DDP-style EP)", False,
          lambda b, s: _uses_ep(b) & b.ep_ddp & (b.dp_replicate % b.ep != 0),
-         lambda p, s: f"DDP-style EP needs dp_replicate {p.dp_replicate} divisible by ep {p.ep}"),
+         lambda p, s: f"DDP-style EP needs dp_replicate {p.dp_replicate} divisible by ep {p.ep} (ep_from folded "
+                      "lays EP over dp_replicate x cp x tp)"),
+    Rule(FOLDED_DP_SHARD_RULE, False, lambda b, s: _uses_ep(b) & b.ep_folded & (b.dp_shard != 1),
+         lambda p, s: f"folded EP is Megatron's (DDP, no FSDP): dp_shard must be 1, got {p.dp_shard}"),
+    Rule(FOLDED_RULE, False,
+         lambda b, s: _uses_ep(b) & b.ep_folded & ((b.dp_replicate * b.cp * b.tp) % (b.ep * b.etp) != 0),
+         lambda p, s: f"folded EP needs dp_replicate x cp x tp = {p.dp_replicate} x {p.cp} x {p.tp} = "
+                      f"{p.dp_replicate * p.cp * p.tp} divisible by ep x etp = {p.ep} x {p.etp} = {p.ep * p.etp}"),
     Rule("tp does not divide heads / kv heads / d_ff", True,
          lambda b, s: (s.n_heads % b.tp != 0) | (_kv(s) % b.tp != 0) | (s.d_ff % b.tp != 0), _tp_msg),
     Rule("more pipeline stages than layers", True,
@@ -448,9 +485,9 @@ EXECUTOR_RULES: tuple[Rule, ...] = (
     Rule("distributed optimizer", False, lambda b, s: b.zero1,
          lambda p, s: "distributed_optimizer (Megatron's ZeRO-1 over dp_replicate) is a cost-model option: the "
                       "executor has no distributed optimizer"),
-    Rule("DDP-style EP", False, lambda b, s: (b.ep > 1) & b.ep_ddp,
-         lambda p, s: "the executor runs dp2ep (EP borrowed from dp_shard x cp x tp); DDP-style EP (ep_from "
-                      "dp_replicate) is a cost-model option"),
+    Rule("DDP-style EP", False, lambda b, s: b.ep_megatron,
+         lambda p, s: f"the executor runs dp2ep (EP borrowed from dp_shard x cp x tp); Megatron-style EP (ep_from "
+                      f"{p.ep_from}) is a cost-model option"),
     Rule("expert tensor parallel with EP", False, lambda b, s: (b.ep > 1) & (b.etp > 1),
          lambda p, s: "the executor runs EP with etp = 1 (torchtitan's composition); expert tensor parallel with EP "
                       "(etp = tp) is a cost-model option"),
@@ -509,6 +546,12 @@ def _rank_sets(p: Plan, rank: int) -> dict[str, frozenset]:
         two = block.reshape(-1, p.ep)  # (efsdp, ep) as Meshes builds it
         out["ep"] = frozenset(int(x) for x in two[pos // p.ep])
         out["efsdp"] = frozenset(int(x) for x in two[:, pos % p.ep])
+    elif p.ep > 1 and p.ep_from == "folded":  # Megatron: (edp, ep, etp) over the stage's dp_replicate x cp x tp
+        block = grid[coord[0], :, coord[2]].reshape(-1)  # dp_replicate x cp x tp of this rank, tp fastest
+        three = block.reshape(-1, p.ep, p.etp)
+        e, j, k = (int(x[0]) for x in np.nonzero(three == rank))
+        out["ep"] = frozenset(int(x) for x in three[e, :, k])
+        out["edp"] = frozenset(int(x) for x in three[:, j, k])
     elif p.ep > 1:  # DDP-style: EP the innermost ep ranks of dp_replicate, expert data parallel the rest
         dpr = vary(("dp_replicate",))
         ordered = sorted(dpr)

@@ -56,14 +56,19 @@ def torchtitan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
     if tuple(plan.wrapper_order) != TORCHTITAN_ORDER:
         out.append(f"wrapper order {'>'.join(plan.wrapper_order)}: torchtitan applies PP > TP > AC > compile > "
                    "FSDP and has no option for another order")
-    if plan.ep > 1 and plan.ep_from == "dp_replicate":
+    if plan.ep > 1 and plan.ep_from in ("dp_replicate", "folded"):
         borrowed = plan.dp_shard * plan.cp * plan.tp
-        out.append("EP borrowed from dp_replicate (DDP-style, Megatron): torchtitan borrows EP from "
+        where = ("borrowed from dp_replicate (DDP-style" if plan.ep_from == "dp_replicate" else
+                 "folded over dp_replicate x cp x tp (MoE parallel folding")
+        out.append(f"EP {where}, Megatron): torchtitan borrows EP from "
                    f"dp_shard x cp x tp ({borrowed}); " + (
                        f"expert_parallel_degree={plan.ep} is emitted, its ranks will come from there"
-                       if _torchtitan_ep(plan) == plan.ep else
-                       f"EP {plan.ep} does not divide it, so expert_parallel_degree=1 is emitted (experts "
+                       if _torchtitan_ep(plan, version) == plan.ep else
+                       f"it cannot build EP {plan.ep} from there, so expert_parallel_degree=1 is emitted (experts "
                        "replicated, sharded by FSDP: more expert memory, no all-to-all)"))
+    if plan.ep > 1 and plan.ep_from == "dp_shard" and _torchtitan_ep(plan, version) != plan.ep:
+        out.append(f"EP {plan.ep} with expert TP {_torchtitan_etp(plan, version)}: torchtitan {version} cannot borrow "
+                   "it from dp_shard x cp x tp, so expert_parallel_degree=1 is emitted")
     if plan.etp > 1 and version == "0.3.0":
         out.append(f"expert tensor parallel {plan.etp}: removed in torchtitan (PR #3167); experts run without TP")
     if plan.etp not in (1, plan.tp) and version == "0.2":
@@ -93,10 +98,19 @@ def torchtitan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
     return out
 
 
-def _torchtitan_ep(plan: Plan) -> int:
-    """The EP degree torchtitan can build: it unflattens dp_shard x cp x tp into (efsdp, ep), so EP must divide
-    that product (torchtitan.distributed.parallel_dims, 0.3.0 and 0.2.x)."""
-    return plan.ep if (plan.dp_shard * plan.cp * plan.tp) % plan.ep == 0 else 1
+def _torchtitan_etp(plan: Plan, version: str) -> int:
+    """The expert TP degree torchtitan ``version`` is given: 0.3.0 has none (experts without TP), 0.2 takes TP or 1."""
+    return 1 if version == "0.3.0" else plan.etp if plan.etp == plan.tp else 1
+
+
+def _torchtitan_ep(plan: Plan, version: str) -> int:
+    """The EP degree torchtitan can build (else 1): it borrows all of cp (and of tp when etp = 1) and some dp_shard,
+    so ``ep % (cp x tp) == 0 and (dp_shard x cp x tp) % ep == 0`` with etp 1, ``ep % cp == 0 and (dp_shard x cp) %
+    ep == 0`` with etp = tp (torchtitan.distributed.parallel_dims ``_validate``, 0.2.x and 0.3.0)."""
+    etp = _torchtitan_etp(plan, version)
+    borrowed = plan.cp * (plan.tp if etp == 1 else 1)
+    ok = plan.ep % borrowed == 0 and (plan.dp_shard * plan.cp * plan.tp) % (plan.ep * etp) == 0
+    return plan.ep if ok else 1
 
 
 def _stage_fqns(plan: Plan, spec: ModelSpec, output: str) -> list[list[str]] | None:
@@ -141,7 +155,7 @@ def _parallelism_030(plan: Plan, spec: ModelSpec) -> list[str]:
            f"tensor_parallel_degree={plan.tp}", f"enable_sequence_parallel={bool(plan.sequence_parallel)}",
            f"pipeline_parallel_degree={plan.pp}", f"pipeline_parallel_schedule={plan.pp_schedule!r}",
            f"pipeline_parallel_microbatch_size={plan.micro_batch_size}",
-           f"context_parallel_degree={plan.cp}", f"expert_parallel_degree={_torchtitan_ep(plan)}"]
+           f"context_parallel_degree={plan.cp}", f"expert_parallel_degree={_torchtitan_ep(plan, '0.3.0')}"]
     fqns = _stage_fqns(plan, spec, "lm_head")
     if fqns is not None:  # one stage per line
         par.append("module_fqns_per_model_part=[\n" + "".join(f"            {part!r},\n" for part in fqns)
@@ -247,8 +261,8 @@ def to_torchtitan_toml(plan: Plan, spec: ModelSpec, prediction: str = "") -> str
     if fqns is not None:
         lines.append("module_fqns_per_model_part = [" + ", ".join(
             "[" + ", ".join(f'"{m}"' for m in part) + "]" for part in fqns) + "]")
-    lines += [f"context_parallel_degree = {plan.cp}", f"expert_parallel_degree = {_torchtitan_ep(plan)}",
-              f"expert_tensor_parallel_degree = {plan.etp if plan.etp == plan.tp else 1}", "",
+    lines += [f"context_parallel_degree = {plan.cp}", f"expert_parallel_degree = {_torchtitan_ep(plan, '0.2')}",
+              f"expert_tensor_parallel_degree = {_torchtitan_etp(plan, '0.2')}", "",
               "[activation_checkpoint]", f'mode = "{ac_mode}"', f'selective_ac_option = "{ac_opt}"', "",
               "[compile]", f"enable = {b(plan.compile)}", 'components = ["model", "loss"]', ""]
     if plan.float8:
@@ -288,6 +302,9 @@ def megatron_gaps(plan: Plan, spec: ModelSpec) -> list[str]:
     if plan.ep > 1 and plan.ep_from == "dp_shard" and plan.tp > 1:
         gaps.append("EP borrowed from dp_shard x cp x tp (dp2ep): Megatron's EP comes from the data-parallel ranks "
                     "(and --expert-tensor-parallel-size); the EP degree is emitted")
+    if plan.ep > 1 and plan.ep_from == "dp_replicate" and plan.cp * plan.tp // plan.etp > 1:
+        gaps.append("EP inside dp_replicate (DDP-style): Megatron lays the expert mesh over tp x cp x dp, expert TP "
+                    "innermost, so its EP groups take tp and cp ranks first (ep_from folded predicts that layout)")
     if plan.pp > 1 and plan.pp_schedule == "GPipe":
         gaps.append("GPipe schedule: Megatron runs 1F1B (the same bubble, less activation memory)")
     if (plan.float8 or plan.async_tp and plan.tp > 1) and not plan.te_layers:
@@ -357,7 +374,9 @@ def _megatron_parallel_args(plan: Plan, spec: ModelSpec) -> list[str]:
         args.append(f"--num-virtual-stages-per-pipeline-rank {plan.pp_stages_per_rank}")
     if plan.ep > 1:
         args.append(f"--expert-model-parallel-size {plan.ep}")
-    if plan.etp > 1:
+    if plan.etp > 1 or plan.ep > 1 and plan.tp > 1:
+        # Megatron's expert TP defaults to the dense TP (arguments.py: "if args.expert_tensor_parallel_size is
+        # None: ... = args.tensor_model_parallel_size"): etp 1 under TP must be said
         args.append(f"--expert-tensor-parallel-size {plan.etp}")
     if mode == "full":
         args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
@@ -386,6 +405,15 @@ def _megatron_parallel_args(plan: Plan, spec: ModelSpec) -> list[str]:
     return args
 
 
+def _megatron_env(plan: Plan) -> list[str]:
+    """Environment lines Megatron's ``validate_args`` asks for: with TP or CP and without FSDP it asserts
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` on Hopper and earlier (one hardware queue keeps the TP/CP communication kernels
+    in issue order); with Megatron-FSDP it must not be 1 (megatron/training/arguments.py)."""
+    if (plan.tp > 1 or plan.cp > 1) and plan.dp_shard == 1:
+        return ["export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron asks it with TP or CP (Hopper and earlier)"]
+    return []
+
+
 def to_megatron_args(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
     """The plan as Megatron-LM ``pretrain_gpt.py`` arguments (a shell snippet): the model's size flags from its
     spec and the parallel, batch, recompute and precision flags from the plan, over Megatron's defaults.
@@ -402,5 +430,5 @@ def to_megatron_args(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
     head[-1] = ("# Megatron-LM arguments (pretrain_gpt.py); data and tokenizer flags (--data-path, --tokenizer-type "
                 "...) are yours to add.")
     lines = [*head, *(["# What Megatron cannot express of this plan:"] + [f"# - {g}" for g in gaps] if gaps else []),
-             "MEGATRON_ARGS=(", *[f"  {a}" for a in args], ")"]
+             *_megatron_env(plan), "MEGATRON_ARGS=(", *[f"  {a}" for a in args], ")"]
     return "\n".join(lines) + "\n"

@@ -118,13 +118,18 @@ def plan_from_given(given: dict) -> Plan:
     try:
         plan = build(kw)
     except RuleError as e:
-        # dp2ep cannot take EP from dp_shard x cp x tp: DDP-style EP (from dp_replicate) is picked when the user
-        # left --ep-from out and the plan is valid with it; otherwise the dp2ep refusal stands
+        # dp2ep cannot take EP from dp_shard x cp x tp: DDP-style EP (from dp_replicate), else folded EP (over
+        # dp_replicate x cp x tp) is picked when the user left --ep-from out and the plan is valid with it;
+        # otherwise the dp2ep refusal stands
         if given.get("ep_from") is not None or e.rule not in DP2EP_RULES:
             raise
-        try:
-            plan = build({**kw, "ep_from": "dp_replicate"})
-        except ParsimError:
+        for ep_from in ("dp_replicate", "folded"):
+            try:
+                plan = build({**kw, "ep_from": ep_from})
+                break
+            except ParsimError:
+                continue
+        else:
             raise e from None
     check_left_out_axes(plan.degrees, left_out)
     return plan

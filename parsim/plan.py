@@ -86,6 +86,8 @@ class _PlanValue:
         """FSDP degree of the routed experts."""
         if self.ep_from == "dp_shard":
             return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+        if self.ep_from == "folded" and self.ep > 1:
+            return 1  # Megatron DDP: experts replicated over their expert-data-parallel group, not sharded
         return self.dp_shard * self.cp
 
     @property
@@ -102,7 +104,7 @@ class _PlanValue:
         parts = [f"{a}{getattr(self, a)}" for a in self.mesh_order if getattr(self, a) > 1]
         if self.ep > 1:
             parts.append(f"ep{self.ep}" + (f"/etp{self.etp}" if self.etp > 1 else "")
-                         + ("(ddp)" if self.ep_from == "dp_replicate" else ""))
+                         + {"dp_replicate": "(ddp)", "folded": "(folded)"}.get(self.ep_from, ""))
         return "x".join(parts) or "single"
 
     # ---- identity and serialization -----------------------------------------------------------------------------

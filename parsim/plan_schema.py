@@ -25,7 +25,7 @@ DEFAULT_ORDER = WRAPPERS
 PP_SCHEDULE_NAMES = ("GPipe", "1F1B", "Interleaved1F1B")
 AC_MODE_NAMES = ("none", "full", "selective-op", "layer")
 RAF_MODES = ("default", "always", "never")
-EP_FROM = ("dp_shard", "dp_replicate")
+EP_FROM = ("dp_shard", "dp_replicate", "folded")
 # torchao float8 training recipes (torchtitan's Float8LinearConverter recipe_name; tensorwise is the original one)
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -157,7 +157,8 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
     _degree("etp"),
     PlanField("ep_from", "choice", "dp_shard", choices=EP_FROM, search="enumerated", shown_default="[dp_shard]",
               help="where EP ranks come from: dp_shard (torchtitan dp2ep: dp_shard x cp x tp == efsdp x ep x etp) | "
-                   "dp_replicate (Megatron-style DDP + EP)"),
+                   "dp_replicate (Megatron-style DDP + EP inside the data-parallel ranks) | folded (Megatron-Core MoE "
+                   "parallel folding: ep x etp over dp_replicate x cp x tp, dp_shard 1)"),
     PlanField("mesh_order", "order", AXES, choices=AXES, search="enumerated",
               help="device order, outermost first; may list only the axes > 1",
               shown_default=f"[{','.join(AXES)}]"),

@@ -19,11 +19,12 @@ WRAPPER_LETTERS = {"pp": "P", "tp": "T", "ac": "A", "compile": "C", "fsdp": "F"}
 
 def short_degrees(plan) -> str:
     """Degrees in device order (outermost first; axes of degree 1 left out, as they place no rank), short names:
-    ``pp4 dpr2 fsdp8 tp4 ep8`` (``ep8d``: EP borrowed from dp_replicate)."""
+    ``pp4 dpr2 fsdp8 tp4 ep8`` (``ep8d``: EP borrowed from dp_replicate, ``ep8f``: folded over
+    dp_replicate x cp x tp)."""
     parts = [f"{SHORT_AXES[a]}{getattr(plan, a)}" for a in plan.mesh_order if getattr(plan, a) > 1]
     if plan.ep > 1:
         parts.append(f"ep{plan.ep}" + (f"/{plan.etp}" if plan.etp > 1 else "")
-                     + ("d" if plan.ep_from == "dp_replicate" else ""))
+                     + {"dp_replicate": "d", "folded": "f"}.get(plan.ep_from, ""))
     return " ".join(parts) or "1 GPU"
 
 

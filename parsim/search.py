@@ -200,7 +200,8 @@ def _allowed(values, pin, cap):
 
 
 def _degree_combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> list[tuple]:
-    """(pp, dp_replicate, dp_shard, cp, tp, ep, etp, ep_from) of the space (pins and caps; ep_from 1: DDP-style EP)
+    """(pp, dp_replicate, dp_shard, cp, tp, ep, etp, ep_from) of the space (pins and caps; ep_from: the index in
+    plan_schema.EP_FROM)
     the rules prune later."""
     out = []
     for pp in _allowed(divisors(n_gpus), sp.pp, sp.max_pp):
@@ -217,12 +218,17 @@ def _degree_combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> list[tuple]
 
 def _ep_options(spec, dpr, dps, cp, tp, sp: SearchSpace) -> list[tuple]:
     """(ep, etp, ep_from): none for a dense model; dp2ep borrows ep x etp from dp_shard x cp x tp (etp 1 or tp),
-    DDP-style EP borrows ep from dp_replicate."""
+    DDP-style EP borrows ep from dp_replicate, folded EP (Megatron, dp_shard 1) lays ep x etp over
+    dp_replicate x cp x tp (with tp = cp = 1 that is DDP-style EP's layout: left out when both are searched)."""
     opts = [(1, 1, 0)]
     if spec.moe is not None and "dp_shard" in sp.ep_from:
         opts += [(ep, etp, 0) for ep in divisors(dps * cp * tp) if ep > 1 for etp in sorted({1, tp})]
     if spec.moe is not None and "dp_replicate" in sp.ep_from:
         opts += [(ep, 1, 1) for ep in divisors(dpr) if ep > 1]
+    same_as_ddp = cp * tp == 1 and "dp_replicate" in sp.ep_from
+    if spec.moe is not None and "folded" in sp.ep_from and dps == 1 and not same_as_ddp:
+        opts += [(ep, etp, EP_FROM.index("folded")) for etp in sorted({1, tp}) for ep in divisors(dpr * cp * tp // etp)
+                 if ep > 1]
     return [o for o in opts if (sp.ep is None or o[0] in sp.ep) and (sp.etp is None or o[1] in sp.etp)]
 
 

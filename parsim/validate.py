@@ -221,7 +221,8 @@ def published_plan(r: dict) -> tuple[ModelSpec, Plan]:
     """The (model, plan) of one published row, batch words mapped: without PP a micro batch smaller than the
     per-rank batch is gradient accumulation (parsim: local batch = micro batch, the global batch keeps the rest);
     with PP the per-rank batch is split into microbatches in one step. EP is borrowed from dp_replicate when the
-    source runs Megatron-style DDP (dp_shard 1), else torchtitan's dp2ep. Raises ParsimError with the reason when
+    source runs Megatron-style DDP (dp_shard 1; folded over dp_replicate x cp x tp where EP does not divide
+    dp_replicate), else torchtitan's dp2ep. Raises ParsimError with the reason when
     the row cannot be represented."""
     spec = _published_spec(r)
     deg = {a: int(_num(r.get(a), 1)) for a in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}
@@ -239,7 +240,10 @@ def published_plan(r: dict) -> tuple[ModelSpec, Plan]:
     if deg["pp"] == 1:
         lbs = mbs
         sched, v = "1F1B", 1
-    ep_from = "dp_replicate" if ep > 1 and deg["dp_shard"] == 1 else "dp_shard"
+    # Megatron DDP: the expert mesh inside dp_replicate where EP divides it (the same ranks as folding when
+    # tp = cp = 1), else folded over dp_replicate x cp x tp (EP larger than the data-parallel size)
+    megatron = ep > 1 and deg["dp_shard"] == 1
+    ep_from = ("dp_replicate" if deg["dp_replicate"] % ep == 0 else "folded") if megatron else "dp_shard"
     plan = Plan(**deg, ep=ep, ep_from=ep_from, **note_options(r, deg), seq_len=int(r["seq_len"]), local_batch_size=lbs,
                 micro_batch_size=mbs, global_batch_size=gbs, pp_schedule=sched, pp_stages_per_rank=v, ac=ac,
                 compile=bool(int(_num(r.get("compile"), 0))), float8=bool(int(_num(r.get("float8"), 0))),

@@ -52,6 +52,11 @@ MATRIX = {
     "ep-dp2ep-qwen3": ("qwen3-30b-a3b", dict(dp_shard=16, ep=8, ac="full", compile=True)),
     "ep-ddp-style-qwen3": ("qwen3-30b-a3b", dict(dp_replicate=8, dp_shard=2, ep=4, ep_from="dp_replicate")),
     "etp-qwen3": ("qwen3-30b-a3b", dict(dp_shard=8, tp=2, ep=4, etp=2)),
+    # Megatron-Core MoE parallel folding: EP 8 over dp_replicate 4 x tp 2 (more EP ranks than data-parallel ones)
+    "ep-folded-qwen3-distopt": ("qwen3-30b-a3b", dict(dp_replicate=4, dp_shard=1, tp=2, ep=8, ep_from="folded",
+                                                      distributed_optimizer=True, ac="full")),
+    "ep-folded-etp-cp-qwen3": ("qwen3-30b-a3b", dict(dp_replicate=2, dp_shard=1, cp=2, tp=2, ep=4, etp=2,
+                                                     ep_from="folded")),
     "ep-pp-interleaved-deepseek": ("deepseek-v3", dict(pp=8, dp_shard=32, ep=32, local_batch_size=8,
                                                        micro_batch_size=1, pp_schedule="Interleaved1F1B",
                                                        pp_stages_per_rank=2, ac="selective-op")),
@@ -60,6 +65,15 @@ MATRIX = {
     "ddp-distopt-8b-ga": ("llama3-8b", dict(dp_replicate=8, local_batch_size=2, global_batch_size=64,
                                             distributed_optimizer=True)),
 }
+
+
+def _buildable_ep(plan: Plan, etp: int) -> int:
+    """The EP torchtitan's ParallelDims accepts with expert TP ``etp`` (its own _validate), else 1."""
+    if etp == 1:
+        ok = plan.ep % (plan.cp * plan.tp) == 0 and (plan.dp_shard * plan.cp * plan.tp) % plan.ep == 0
+    else:
+        ok = plan.ep % plan.cp == 0 and (plan.dp_shard * plan.cp) % plan.ep == 0
+    return plan.ep if ok else 1
 
 
 def _plans() -> dict:
@@ -141,7 +155,7 @@ def torchtitan_030(tmp_path_factory):
 @pytest.mark.parametrize("name", list(PLANS))
 def test_torchtitan_030_builds_and_checks_the_emitted_config(name, torchtitan_030):
     spec, plan, d = _checked(torchtitan_030, name)
-    tt_ep = plan.ep if (plan.dp_shard * plan.cp * plan.tp) % plan.ep == 0 else 1
+    tt_ep = _buildable_ep(plan, 1)  # 0.3.0: experts without TP
     assert d["degrees"] == [plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, plan.cp, tt_ep]
     assert d["training"] == [plan.local_batch_size, plan.global_batch_size, plan.seq_len, plan.param_dtype,
                              plan.reduce_dtype]
@@ -186,7 +200,7 @@ def torchtitan_022(tmp_path_factory):
 @pytest.mark.parametrize("name", list(PLANS))
 def test_torchtitan_022_builds_and_checks_the_emitted_toml(name, torchtitan_022):
     spec, plan, d = _checked(torchtitan_022, name)
-    tt_ep = plan.ep if (plan.dp_shard * plan.cp * plan.tp) % plan.ep == 0 else 1
+    tt_ep = _buildable_ep(plan, plan.etp if plan.etp == plan.tp else 1)
     assert d["degrees"] == [plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, plan.cp, tt_ep,
                             plan.etp if plan.etp == plan.tp else 1]
     assert d["training"] == [plan.local_batch_size, plan.global_batch_size, plan.seq_len, plan.param_dtype,
@@ -261,6 +275,8 @@ def test_megatron_parser_and_validate_args_accept_the_emitted_arguments(name, me
     if spec.moe:
         assert [d["num_experts"], d["moe_router_topk"], d["moe_ffn_hidden_size"]] == [
             spec.moe.n_experts, spec.moe.top_k, spec.moe.d_ff_expert]
+    if plan.ep > 1:  # Megatron's expert TP defaults to the dense TP: the emitted one must be parsim's
+        assert d["expert_tensor_parallel_size"] == plan.etp
 
 
 def test_megatron_arguments_name_what_they_cannot_say():

@@ -347,7 +347,7 @@ def _fsdp_records(led: Ledger, spec, b, rv: RankView) -> None:
         led.add(f"FSDP reduce-scatter of gradients: {name}", "reduce_scatter", axis, shard * mult * rb, ga * units,
                 size, rpn, "backward", "fsdp_reduce", on)
         expert = grp == "efsdp"
-        dense_dp = on & (~b.ep_ddp if expert else True)
+        dense_dp = on & (~b.ep_megatron if expert else True)
         dist = b.zero1
         led.add(f"HSDP all-reduce of sharded gradients: {name}", "all_reduce", "dp_replicate", shard * rb,
                 ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce", dense_dp & ~dist)
@@ -361,8 +361,24 @@ def _fsdp_records(led: Ledger, spec, b, rv: RankView) -> None:
                 shard / np.maximum(b.dp_replicate, 1) * pb, units, b.dp_replicate, b.rpn["dp_replicate"],
                 "forward", "fsdp_gather", dense_dp & dist)
         if expert:
-            led.add(f"DDP-EP all-reduce of gradients: {name}", "all_reduce", "edp", shard * rb, ga * units,
-                    b.dp_replicate // np.maximum(b.ep, 1), b.rpn["edp"], "backward", "fsdp_reduce", on & b.ep_ddp)
+            _megatron_expert_records(led, b, name, shard, units, ga, pb, rb, on)
+
+
+def _megatron_expert_records(led: Ledger, b, name: str, shard, units, ga, pb, rb, on) -> None:
+    """Megatron-style EP (DDP-style or folded): the routed experts' gradients are reduced over their
+    expert-data-parallel group (``edp``, the ranks holding the same experts), not over the dense data-parallel
+    ranks; under the distributed optimizer the expert optimizer state is sharded over that group, so the reduce is a
+    reduce-scatter and the updated expert parameters are all-gathered after the step (Megatron-Core's
+    ``expert_data_parallel_group`` buffers of ``DistributedDataParallel``; ``_ParamAndGradBuffer`` per group)
+    [framework source]. ``shard``: the unit's (unsharded: efsdp 1) expert elements on the rank."""
+    meg = on & b.ep_megatron
+    dist = meg & b.distributed_optimizer.astype(bool) & (b.edp > 1)
+    led.add(f"expert-data-parallel all-reduce of gradients: {name}", "all_reduce", "edp", shard * rb, ga * units,
+            b.edp, b.rpn["edp"], "backward", "fsdp_reduce", meg & ~dist)
+    led.add(f"distributed-optimizer reduce-scatter of expert gradients: {name}", "reduce_scatter", "edp", shard * rb,
+            ga * units, b.edp, b.rpn["edp"], "backward", "fsdp_reduce", dist)
+    led.add(f"distributed-optimizer all-gather of updated expert parameters: {name}", "all_gather", "edp",
+            shard / b.edp * pb, units, b.edp, b.rpn["edp"], "forward", "fsdp_gather", dist)
 
 
 def _grad_norm_records(led: Ledger, spec, b, rv: RankView) -> None:

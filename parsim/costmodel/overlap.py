@@ -47,8 +47,9 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
             if r.overlap != "fsdp_reduce":
                 continue
             # FSDP's reduce-scatter over its shard group (dp_shard, dp_shard+cp, efsdp; not the distributed
-            # optimizer's over dp_replicate), or HSDP's all-reduce over dp_replicate (DDP-EP's over edp is not FSDP)
-            whole_unit = r.op == "reduce_scatter" and r.axis != "dp_replicate"
+            # optimizer's over dp_replicate or edp), or HSDP's all-reduce over dp_replicate (Megatron EP's over edp
+            # is not FSDP)
+            whole_unit = r.op == "reduce_scatter" and r.axis not in ("dp_replicate", "edp")
             replicate_only = r.op == "all_reduce" and r.axis == "dp_replicate"
             if not (whole_unit or replicate_only):
                 continue

@@ -405,7 +405,13 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
 
 
 def rank_params(b: PlanBatch, rv: C.RankView) -> tuple:
-    """(parameters a rank holds after FSDP sharding, those whose optimizer step it runs: 1/dp_replicate of them
-    under the distributed optimizer)."""
-    p_shard = rv.edge_shard + sum(rv.n_of[k] * (rv.pshard[k][0] + rv.pshard[k][1]) for k in rv.kinds)
-    return p_shard, p_shard / np.where(b.zero1, b.dp_replicate, 1)
+    """(parameters a rank holds after FSDP sharding, those whose optimizer step it runs). Under the distributed
+    optimizer the dense parameters' state is sharded over dp_replicate, and so are the routed experts' under
+    torchtitan-style EP; under Megatron-style EP the experts' over their expert-data-parallel group ``edp`` (with
+    ep = dp_replicate there is no second holder of an expert and its state is not sharded) [framework source:
+    Megatron-Core's distributed optimizer shards each gradient buffer over that buffer's data-parallel group]."""
+    dense = rv.edge_shard + sum(rv.n_of[k] * rv.pshard[k][0] for k in rv.kinds)
+    expert = sum((rv.n_of[k] * rv.pshard[k][1] for k in rv.kinds), np.zeros(len(b)))
+    dense_div = np.where(b.zero1, b.dp_replicate, 1)
+    expert_div = np.where(b.ep_megatron, np.where(b.distributed_optimizer.astype(bool), b.edp, 1), dense_div)
+    return dense + expert, dense / dense_div + expert / expert_div

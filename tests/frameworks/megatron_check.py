@@ -32,6 +32,16 @@ def emitted_args(path: str) -> list[str]:
     return shlex.split(body, comments=True)
 
 
+def exported_env(path: str) -> dict[str, str]:
+    """The ``export NAME=VALUE`` lines of a snippet (what a user sources before launching)."""
+    out = {}
+    for line in open(path).read().splitlines():
+        if line.startswith("export "):
+            name, _, value = shlex.split(line[len("export "):], comments=True)[0].partition("=")
+            out[name] = value
+    return out
+
+
 def main(path: str, world_size: int) -> dict:
     if not hasattr(typing, "override"):
         import typing_extensions
@@ -43,7 +53,7 @@ def main(path: str, world_size: int) -> dict:
     words = emitted_args(path)
     # checked as on an H100 (SM 9.0): validate_args asks the GPU's architecture (FSDP, grouped GEMM)
     with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *words]), \
-            mock.patch.dict(os.environ, {"WORLD_SIZE": str(world_size), "RANK": "0"}), \
+            mock.patch.dict(os.environ, {**exported_env(path), "WORLD_SIZE": str(world_size), "RANK": "0"}), \
             mock.patch.object(margs, "get_device_arch_version", return_value=9, create=True), \
             mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
         args = parse_args()
