@@ -81,6 +81,13 @@ def torchtitan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
     if mode == "layer" and version == "0.3.0":
         out.append(f"AC of one layer in {every} (layer:{every}): torchtitan 0.3.0 has FullAC, SelectiveAC (per op) and "
                    "MemoryBudgetAC only; FullAC is emitted (more recompute, less memory than planned)")
+    model = torchtitan_model(spec)
+    if version == "0.2" and plan.cp > 1 and model is not None and model[0] == "deepseek_v3":
+        # torchtitan 0.2.2 models/deepseek_v3: every flavour sets attn_type="flex", and DeepSeekV3ModelArgs.
+        # update_from_config raises NotImplementedError for CP with any attention but SDPA; the TOML cannot change it
+        out.append("CP with DeepSeek-V3 on torchtitan 0.2.x: its flavours run FlexAttention, which its CP refuses "
+                   "(NotImplementedError), so this config will not start; torchtitan 0.3.0 (--torchtitan-format "
+                   "python) runs it")
     if plan.async_tp and not plan.compile:
         out.append("async TP without compile: torchtitan's async TP needs torch.compile; enable compile")
     if plan.param_dtype != "float32" and plan.dp_shard == 1 and plan.cp == 1 and (plan.tp > 1 or plan.pp > 1):
@@ -307,6 +314,9 @@ def megatron_gaps(plan: Plan, spec: ModelSpec) -> list[str]:
                     "innermost, so its EP groups take tp and cp ranks first (ep_from folded predicts that layout)")
     if plan.pp > 1 and plan.pp_schedule == "GPipe":
         gaps.append("GPipe schedule: Megatron runs 1F1B (the same bubble, less activation memory)")
+    if plan.async_tp and plan.tp > 1 and not plan.sequence_parallel:
+        gaps.append("TP communication overlap without sequence parallel: Megatron overlaps TP communication only "
+                    "with SP (validate_args); --tp-comm-overlap is not emitted")
     if (plan.float8 or plan.async_tp and plan.tp > 1) and not plan.te_layers:
         gaps.append("float8 and TP communication overlap need Transformer Engine layers: --transformer-impl "
                     "transformer_engine is emitted, while parsim predicted its own layers (predict with --te-layers "
@@ -368,9 +378,12 @@ def _megatron_parallel_args(plan: Plan, spec: ModelSpec) -> list[str]:
             f"--global-batch-size {plan.global_batch_size}", "--bf16"]
     if plan.tp > 1 and plan.sequence_parallel:
         args.append("--sequence-parallel")
-    if plan.async_tp and plan.tp > 1:
+    if plan.async_tp and plan.tp > 1 and plan.sequence_parallel:
         args.append("--tp-comm-overlap")
-    if plan.pp > 1 and plan.pp_schedule == "Interleaved1F1B" and plan.pp_stages_per_rank > 1:
+    layout = _megatron_layout(plan, spec)
+    if layout:
+        args.append(f"--pipeline-model-parallel-layout '{layout}'")
+    elif plan.pp > 1 and plan.pp_schedule == "Interleaved1F1B" and plan.pp_stages_per_rank > 1:
         args.append(f"--num-virtual-stages-per-pipeline-rank {plan.pp_stages_per_rank}")
     if plan.ep > 1:
         args.append(f"--expert-model-parallel-size {plan.ep}")
@@ -403,6 +416,24 @@ def _megatron_parallel_args(plan: Plan, spec: ModelSpec) -> list[str]:
     if plan.reduce_dtype == "float32":
         args.append("--accumulate-allreduce-grads-in-fp32")
     return args
+
+
+def _megatron_layout(plan: Plan, spec: ModelSpec) -> str:
+    """parsim's stage split as Megatron's ``--pipeline-model-parallel-layout`` where the layers do not divide evenly
+    over the stages ('' where they do: Megatron's default split is then the same). One ``|``-separated entry per
+    (virtual) stage in model order, Megatron placing stage s on pipeline rank s mod pp as torch's schedules do;
+    ``E`` the embedding, ``t`` a decoder layer, ``L`` the loss (megatron/core/transformer/
+    pipeline_parallel_layer_layout.py). Without it Megatron refuses an uneven split ("Number of layers should be
+    divisible by the pipeline-model-parallel size")."""
+    from .costmodel.layers import stage_bounds
+
+    stages = plan.pp * plan.pp_stages_per_rank
+    if plan.pp == 1 or spec.n_layers % stages == 0:
+        return ""
+    b = stage_bounds(spec.n_layers, stages)
+    parts = [f"t*{b[i + 1] - b[i]}" if b[i + 1] > b[i] else "" for i in range(stages)]
+    parts[0], parts[-1] = "E" + parts[0], parts[-1] + "L"
+    return "|".join(parts)
 
 
 def _megatron_env(plan: Plan) -> list[str]:

@@ -62,6 +62,12 @@ MATRIX = {
                                                        pp_stages_per_rank=2, ac="selective-op")),
     "f8-rowwise-gw-hp-8b": ("llama3-8b", dict(dp_shard=8, float8=True, float8_recipe="rowwise_with_gw_hp",
                                               compile=True)),
+    # 126 layers over 4 stages: Megatron needs the split spelled out (--pipeline-model-parallel-layout)
+    "pp-uneven-1f1b-405b": ("llama3-405b", dict(pp=4, dp_shard=2, tp=8, local_batch_size=8, micro_batch_size=1,
+                                                ac="full")),
+    # DDP x TP (Megatron asks CUDA_DEVICE_MAX_CONNECTIONS=1) with async TP but no SP (no Megatron TP overlap)
+    "ddp-tp-asynctp-nosp-8b": ("llama3-8b", dict(dp_replicate=2, dp_shard=1, tp=4, async_tp=True, compile=True,
+                                                 sequence_parallel=False)),
     "ddp-distopt-8b-ga": ("llama3-8b", dict(dp_replicate=8, local_batch_size=2, global_batch_size=64,
                                             distributed_optimizer=True)),
 }
@@ -254,6 +260,10 @@ def test_megatron_parser_and_validate_args_accept_the_emitted_arguments(name, me
                                                                                plan.global_batch_size, plan.seq_len]
     vp = plan.pp_stages_per_rank if plan.pp > 1 and plan.pp_schedule == "Interleaved1F1B" else None
     assert d["virtual_pipeline_model_parallel_size"] == vp
+    stages = plan.pp * plan.pp_stages_per_rank
+    if plan.pp > 1 and spec.n_layers % stages:  # an uneven split: parsim's, as Megatron's layout
+        b = stage_bounds(spec.n_layers, stages)
+        assert d["layout_stage_layers"] == [b[i + 1] - b[i] for i in range(stages)]
     assert d["sequence_parallel"] == (plan.tp > 1 and plan.sequence_parallel)
     assert d["use_megatron_fsdp"] == (plan.dp_shard > 1) and not d["use_torch_fsdp2"]
     if plan.dp_shard > 1:
@@ -269,7 +279,8 @@ def test_megatron_parser_and_validate_args_accept_the_emitted_arguments(name, me
         assert [d["recompute_method"], d["recompute_num_layers"]] == ["uniform", 1]
     te = plan.float8 or (plan.async_tp and plan.tp > 1)
     assert d["transformer_impl"] == ("transformer_engine" if te else "local")
-    assert (d["fp8"] is not None) == plan.float8 and d["tp_comm_overlap"] == (plan.async_tp and plan.tp > 1)
+    assert (d["fp8"] is not None) == plan.float8
+    assert d["tp_comm_overlap"] == (plan.async_tp and plan.tp > 1 and plan.sequence_parallel)
     assert [d["num_layers"], d["hidden_size"], d["num_attention_heads"]] == [spec.n_layers, spec.d_model,
                                                                            spec.n_heads]
     if spec.moe:
@@ -321,3 +332,37 @@ def test_torchtitan_trains_tp_or_pp_without_fsdp_in_float32():
     assert said(tp=8) and said(pp=2, tp=4) and said(dp_replicate=2, tp=4)
     assert not said(dp_shard=2, tp=4) and not said(cp=2, tp=4) and not said(dp_replicate=8)
     assert not said(tp=8, param_dtype="float32")
+
+
+def _drawn(n: int, seed: int):
+    """(model name, plan) pairs of bench/emit_differential.py's draw (plans no test names)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "emit_differential.py"
+    mod_spec = importlib.util.spec_from_file_location("parsim_bench_emit_differential", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod, mod.draw_plans(n, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.3.0", "0.2.2"])
+def test_drawn_plans_pass_torchtitans_own_checks(version, tmp_path, tmp_path_factory, torchtitan_030,
+                                                 torchtitan_022):
+    """40 drawn plans (every torchtitan preset, 8-512 GPUs, every schedule, EP source and option) emitted and run
+    through torchtitan's own checks: each is accepted with the plan's degrees, or with the substitution (EP 1) or
+    the refusal its gap lines announce. The full draw is bench/emit_differential.py (Megatron too)."""
+    mod, drawn = _drawn(40, 2026)
+    emit, suffix, script, _ = mod.FRAMEWORKS[f"torchtitan-{version}"]
+    files, texts = [], []
+    for i, (name, plan) in enumerate(drawn):
+        path = tmp_path / f"parsim_plan_drawn_{i:03d}{suffix}"
+        texts.append(emit(plan, PRESETS[name]))
+        path.write_text(texts[-1])
+        files.append((path, plan.world_size))
+    # the venv the fixtures made (they ran the fixed matrix in it)
+    venv_py = tmp_path_factory.getbasetemp() / f"venv-torchtitan-{version}" / "bin" / "python"
+    results = mod.run_checks(venv_py, script, files)
+    failures = {drawn[i][1].describe(): mod.compare(f"torchtitan-{version}", drawn[i][1], results[p.stem], texts[i])
+                for i, (p, _) in enumerate(files)}
+    assert {k: v for k, v in failures.items() if v} == {}

@@ -58,7 +58,18 @@ def main(path: str, world_size: int) -> dict:
             mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
         args = parse_args()
         validate_args(args)
-    return {k: getattr(args, k, None) for k in FIELDS}
+    out = {k: getattr(args, k, None) for k in FIELDS}
+    if getattr(args, "pipeline_model_parallel_layout", None):
+        # what TransformerConfig checks later: the layout parses, has one E and one L and every layer once
+        from megatron.core.transformer.enums import LayerType
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        lay = PipelineParallelLayerLayout.from_str(args.pipeline_model_parallel_layout,
+                                                   args.pipeline_model_parallel_size)
+        lay.validate_layer_layout(args.num_layers, getattr(args, "mtp_num_layers", None))
+        pp, n = lay.pipeline_model_parallel_size, lay.pipeline_model_parallel_size * lay.virtual_pipeline_model_parallel_size
+        out["layout_stage_layers"] = [lay.layout[s % pp][s // pp].count(LayerType.decoder) for s in range(n)]
+    return out
 
 
 if __name__ == "__main__":
