@@ -67,7 +67,8 @@ def main(path: str, world_size: int) -> dict:
         lay = PipelineParallelLayerLayout.from_str(args.pipeline_model_parallel_layout,
                                                    args.pipeline_model_parallel_size)
         lay.validate_layer_layout(args.num_layers, getattr(args, "mtp_num_layers", None))
-        pp, n = lay.pipeline_model_parallel_size, lay.pipeline_model_parallel_size * lay.virtual_pipeline_model_parallel_size
+        pp = lay.pipeline_model_parallel_size
+        n = pp * lay.virtual_pipeline_model_parallel_size
         out["layout_stage_layers"] = [lay.layout[s % pp][s // pp].count(LayerType.decoder) for s in range(n)]
     return out
 
