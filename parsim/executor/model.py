@@ -16,10 +16,14 @@ from ..spec import ModelSpec
 
 
 def rope_cache(head_dim: int, seq_len: int, theta: float = 500000.0) -> torch.Tensor:
+    """(seq, hd/2) complex64 cos + i sin, as torchtitan's ``freqs_cis``. Complex on purpose: FSDP2 casts a unit's
+    floating-point forward inputs to param_dtype (``cast_forward_inputs``) and skips complex ones; a real-valued
+    table got a param_dtype copy per block, which non-reentrant AC then kept for its recompute (a T x head_dim
+    bf16 table per checkpointed layer that torchtitan does not have) [trace]."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32)[: head_dim // 2] / head_dim))
     t = torch.arange(seq_len, dtype=torch.float32)
     ang = torch.outer(t, freqs)
-    return torch.stack([ang.cos(), ang.sin()], dim=-1)  # (seq, hd/2, 2)
+    return torch.polar(torch.ones_like(ang), ang)
 
 
 # RoPE and RMSNorm run as custom ops (``parsim::rope``, ``parsim::rms_norm``, ``parsim::rms_norm_backward``): on
@@ -57,10 +61,12 @@ class _Rope(torch.autograd.Function):
         return _rope_op(g.contiguous(), cos, -sin), None, None
 
 
-def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """x: (b, s, h, hd) -> rotated pairs."""
-    c = cache[: x.shape[1]].to(x.dtype)
-    return _Rope.apply(x, c[..., 0][None, :, None, :], c[..., 1][None, :, None, :])
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: (b, s, h, hd) -> rotated pairs; one (s, hd/2, 2) cos / sin table in their dtype serves both (the
+    rotations save views of it)."""
+    c = torch.view_as_real(cache[: q.shape[1]]).to(q.dtype)
+    cos, sin = c[..., 0][None, :, None, :], c[..., 1][None, :, None, :]
+    return _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
 
 
 def _local(t):
@@ -178,7 +184,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = apply_rope(q, k, rope)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                            enable_gqa=q.shape[2] != k.shape[2])
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
