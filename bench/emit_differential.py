@@ -93,7 +93,8 @@ def draw_plans(n: int, seed: int) -> list[tuple[str, object]]:
 
 
 def framework_venv(base: Path, pkgs: list[str]) -> Path:
-    """A venv seeing this interpreter's packages (the pinned torch) with ``pkgs`` on top; made once."""
+    """A venv seeing this interpreter's packages (the pinned torch) with ``pkgs`` on top; made once. Raises
+    RuntimeError with pip's message when the registry cannot give them (the venv is then not kept as made)."""
     import torch
 
     py = base / "bin" / "python"
@@ -101,7 +102,11 @@ def framework_venv(base: Path, pkgs: list[str]) -> Path:
         venv.create(base, system_site_packages=True, with_pip=True)
         pin = base / "torch-pin.txt"
         pin.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(pin), *pkgs], check=True, timeout=1800)
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(pin), *pkgs], capture_output=True,
+                           text=True, timeout=1800)
+        if r.returncode:
+            py.unlink()
+            raise RuntimeError(f"cannot install {pkgs} from the package registry: {r.stderr.strip()[-300:]}")
     return py
 
 

@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import tomllib
-import venv
 from pathlib import Path
 
 import pytest
@@ -90,20 +89,23 @@ PLANS = _plans()
 
 
 def _framework_venv(base: Path, pkgs: list[str]) -> Path:
-    """A venv that sees this interpreter's packages (torch among them, pinned) with ``pkgs`` installed on top."""
-    import torch
+    """A venv that sees this interpreter's packages (torch among them, pinned) with ``pkgs`` installed on top
+    (bench/emit_differential.py makes it); skips where the package registry cannot give them."""
+    try:
+        return _emit_differential().framework_venv(base, pkgs)
+    except RuntimeError as e:
+        pytest.skip(str(e))
 
-    py = base / "bin" / "python"
-    if not py.exists():
-        venv.create(base, system_site_packages=True, with_pip=True)
-        pin = base / "torch-pin.txt"
-        pin.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
-        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(pin), *pkgs], capture_output=True,
-                           text=True, timeout=900)
-        if r.returncode:
-            py.unlink()
-            pytest.skip(f"cannot install {pkgs} from the package registry: {r.stderr.strip()[-300:]}")
-    return py
+
+def _emit_differential():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "emit_differential.py"
+    mod_spec = importlib.util.spec_from_file_location("parsim_bench_emit_differential", path)
+    assert mod_spec is not None and mod_spec.loader is not None
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
 
 
 def _run_checks(py: Path, script: str, files: dict[str, tuple[Path, int]], env=None) -> dict[str, dict]:
@@ -336,12 +338,7 @@ def test_torchtitan_trains_tp_or_pp_without_fsdp_in_float32():
 
 def _drawn(n: int, seed: int):
     """(model name, plan) pairs of bench/emit_differential.py's draw (plans no test names)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "bench" / "emit_differential.py"
-    mod_spec = importlib.util.spec_from_file_location("parsim_bench_emit_differential", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    mod = _emit_differential()
     return mod, mod.draw_plans(n, seed)
 
 
