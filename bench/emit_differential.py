@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from parsim.codec import decode, validate_plan
+from parsim.codec import decode, invalid_reasons, validate_plan
 from parsim.emit import TORCHTITAN_MODELS, to_megatron_args, to_torchtitan_python, to_torchtitan_toml
 from parsim.errors import ParsimError
 from parsim.search import SearchSpace, candidates
@@ -74,8 +74,6 @@ def draw_plans(n: int, seed: int) -> list[tuple[str, object]]:
             sp = SearchSpace(global_batch_size=gbs, seq_len=int(rng.choice([4096, 8192])),
                              pp_schedules=("GPipe", "1F1B", "Interleaved1F1B"))
             _, _, b = candidates(spec, gpus, sp)
-            from parsim.codec import invalid_reasons
-
             cache[key] = (b, np.nonzero(invalid_reasons(b, spec) == "")[0])
         b, ok = cache[key]
         if not len(ok):

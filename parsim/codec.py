@@ -168,7 +168,7 @@ class PlanBatch:
     def efsdp(self):
         """FSDP degree of the routed experts: with their block when ep == 1, else what dp2ep leaves."""
         tt = self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
-        return np.where(self.ep_megatron & self.ep_folded, 1,
+        return np.where((self.ep > 1) & self.ep_folded, 1,
                         np.where((self.ep == 1) | self.ep_ddp, self.dp_shard * self.cp, tt))
 
     @cached_property
