@@ -365,9 +365,9 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
                                                                                int(encode([c.plan], None).efsdp[0])),
      "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "
-     "cp): at the largest unit's reduce the trace holds one more fp32 "
-     "copy of its gradient (an out-of-place aten.div over the all-reduced gradient) than the model; peaks 1-8% "
-     "under on small models whose embedding dominates; where torch makes that copy is not yet found"),
+     "cp): the dense units are modelled as FSDP2 runs them (no all-gather nor prefetch, the unsharded gradients "
+     "released before the reduce's output, its out-of-place divide: memory.py ``_copy_in`` / ``_post_backward``); "
+     "routed experts with a shard group of 1 still get the prefetch of a 2+ group (MoE plans 1-6% over)"),
     ("MoE activations", lambda c: c.spec.moe is not None,
      "MoE plans without PP: peaks within about 1.5% of the trace but not 0.5%: the op-level backward steps of "
      "routed and shared experts (layers.backward_steps) do not yet match the executor's MoE autograd graph "

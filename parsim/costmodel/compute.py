@@ -114,7 +114,8 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
             t = np.where(b.float8, t_fp8, t)
             eff = np.where(b.float8, hw.float8_gemm_efficiency(kernel_flops), eff)
         mm_count += kind == "mm"
-        items.append(ComputeItem(name, "gemm", flops, eff, t, kind == "mm" and mm_count % 2 == 0))  # SAC: even mm's
+        # SAC recomputes the even mm's and every addmm (biased linears, ``layers.linear_kind``)
+        items.append(ComputeItem(name, "gemm", flops, eff, t, kind == "addmm" or (kind == "mm" and mm_count % 2 == 0)))
     items.append(_attention_item(spec, b, sh, hw, peak))
     act = activation_bytes(spec, sh, moe)
     # memory-bound kernels: every non-GEMM tensor the layer saves is written once and read about twice
@@ -269,7 +270,7 @@ def _gemm_output_bytes(spec, sh, moe):
     """Bytes of the saved tensors that GEMMs write (excluded from the memory-bound estimate)."""
     out = np.zeros_like(sh.T)
     for name, nbytes, kind in saved_tensors(spec, sh, moe):
-        if kind in ("mm", "gmm", "sdpa") and not (name.endswith("wo.out") or name.endswith("w2.out")):
+        if kind in ("mm", "addmm", "gmm", "sdpa") and not (name.endswith("wo.out") or name.endswith("w2.out")):
             out = out + nbytes
     return out
 

@@ -11,7 +11,8 @@ executor builds (Llama-style block: RMSNorm -> wq/wk/wv -> RoPE -> SDPA (flash, 
 input (full T x d), unlike Megatron's SP which saves the shard: this is what the torch code does.
 
 AC modes (torchtitan): ``full`` keeps the block input and recomputes the block; ``selective-op`` keeps the outputs
-of every other ``aten.mm`` (odd ones in forward order), SDPA outputs and reduce-scatter outputs and recomputes the
+of every other ``aten.mm`` (odd ones in forward order; a biased linear runs ``aten.addmm``, which the policy
+neither saves nor counts), SDPA outputs and reduce-scatter outputs and recomputes the
 rest; ``layer:N`` fully checkpoints every N-th layer. MLA is approximated as attention with H heads of width
 qk_nope+qk_rope for q and k and v_head_dim for v, plus the two latent projections and their norms.
 """
@@ -138,7 +139,7 @@ class Shapes:
 def gemms(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple]:
     """Forward GEMMs of one layer in execution order: (name, flops, FLOPs of one kernel (for its efficiency),
     elements read (input + weight, for float8 casts), kind). kind: mm (aten.mm, alternately saved by selective
-    AC), gmm (grouped expert GEMM)."""
+    AC), addmm (a biased linear: never saved by selective AC), gmm (grouped expert GEMM)."""
     T, t = sh.T, sh.t
     out = []
 
@@ -147,10 +148,11 @@ def gemms(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple]:
         out.append((name, f, f / n_kernels, tokens * k + k * n * n_kernels / div, kind))
 
     for name, (k, n) in spec.attention_matrices().items():
-        add(name, T, k, n, 1.0 if name in ("wq_a", "wkv_a") else t)  # MLA down-projections are not TP-sharded
+        # MLA down-projections are not TP-sharded
+        add(name, T, k, n, 1.0 if name in ("wq_a", "wkv_a") else t, linear_kind(spec, name))
     if not moe:
         for name, (k, n) in spec.mlp_matrices(spec.d_ff).items():
-            add(name, T, k, n, t)
+            add(name, T, k, n, t, linear_kind(spec, name))
         return out
     m = spec.moe
     assert m is not None  # moe layers exist only with a MoESpec
@@ -159,8 +161,18 @@ def gemms(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple]:
         add(f"experts.{name}", sh.Tr, k, n, sh.etp, "gmm", n_kernels=m.n_experts / sh.ep)
     if m.n_shared_experts:
         for name, (k, n) in spec.mlp_matrices(m.d_ff_expert * m.n_shared_experts).items():
-            add(f"shared.{name}", T, k, n, t)
+            add(f"shared.{name}", T, k, n, t, linear_kind(spec, f"shared.{name}"))
     return out
+
+
+def linear_kind(spec: ModelSpec, name: str) -> str:
+    """The aten op a dense linear runs: ``addmm`` where it has a bias, else ``mm``. ``F.linear`` with a bias
+    on a contiguous 2-D or 3-D input dispatches ``aten.addmm`` (ATen ``linear`` / ``_flatten_nd_linear``), without
+    one ``aten.mm`` (through ``matmul``). torchtitan's selective-op policy saves and counts ``aten.mm`` only, so a
+    biased linear's output is recomputed and does not advance the every-other-mm count [derived: the policy;
+    differential trace, a 4-layer model with biases on every linear under selective-op: the model kept every
+    odd mm's output and was +35% over the trace before]."""
+    return "addmm" if spec.has_bias(name) else "mm"
 
 
 def attention_flops(spec: ModelSpec, sh: Shapes) -> np.ndarray:
@@ -178,15 +190,18 @@ def _qkv_saved(spec: ModelSpec, sh: Shapes) -> list[tuple[str, np.ndarray, str]]
     if spec.mla:
         m = spec.mla
         if m.q_lora_rank:
-            out += [("wq_a.out", T * m.q_lora_rank * b2, "mm"), ("q_norm.out", T * m.q_lora_rank * b2, "other")]
-        out += [("wkv_a.out", T * (m.kv_lora_rank + m.qk_rope_head_dim) * b2, "mm"),
+            out += [("wq_a.out", T * m.q_lora_rank * b2, linear_kind(spec, "wq_a")),
+                ("q_norm.out", T * m.q_lora_rank * b2, "other")]
+        out += [("wkv_a.out", T * (m.kv_lora_rank + m.qk_rope_head_dim) * b2, linear_kind(spec, "wkv_a")),
                 ("kv_norm.out", T * m.kv_lora_rank * b2, "other")]
     for name in ("wq", "wk", "wv"):
         if name in mats:
-            out.append((f"{name}.out", T * mats[name][1] / t * b2, "mm"))
+            out.append((f"{name}.out", T * mats[name][1] / t * b2, linear_kind(spec, name)))
     if spec.mla:
-        out += [("wq_b.out" if spec.mla.q_lora_rank else "wq.out", T * spec.q_dim / t * b2, "mm"),
-                ("wkv_b.out", T * spec.n_heads * (spec.mla.qk_nope_head_dim + spec.mla.v_head_dim) / t * b2, "mm")]
+        wq = "wq_b" if spec.mla.q_lora_rank else "wq"
+        out += [(f"{wq}.out", T * spec.q_dim / t * b2, linear_kind(spec, wq)),
+                ("wkv_b.out", T * spec.n_heads * (spec.mla.qk_nope_head_dim + spec.mla.v_head_dim) / t * b2,
+                 linear_kind(spec, "wkv_b"))]
     if spec.qk_norm:
         # Qwen3: q and k are RMS-normalized per head before RoPE: the norms keep their input (the mm outputs above)
         # and a fp32 1/rms per head and token; the rotated q and k (new tensors) are what attention keeps
@@ -198,8 +213,8 @@ def _qkv_saved(spec: ModelSpec, sh: Shapes) -> list[tuple[str, np.ndarray, str]]
 
 def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.ndarray, str]]:
     """Tensors autograd keeps for one layer, in bytes: (name, bytes, kind). kind: input (the block input),
-    mm (output of an aten.mm), gmm (grouped GEMM output), sdpa (attention output / logsumexp), rs (reduce-scatter
-    output), other (elementwise / norm inputs)."""
+    mm (output of an aten.mm), addmm (of a biased linear), gmm (grouped GEMM output), sdpa (attention output /
+    logsumexp), rs (reduce-scatter output), other (elementwise / norm inputs)."""
     T, t, sd = sh.T, sh.t, sh.sp_div
     d = spec.d_model
     b2, b4 = sh.act_b, 4.0  # activations in param_dtype; norm rstd, logsumexp, router scores in fp32 [derived]
@@ -224,7 +239,7 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
         ("wo.input(float8)", np.where(te & (sh.f8b < b2), T * spec.attn_out_dim / t * sh.f8b, 0.0), "other"),
         ("wo.input(CP copy)", np.where(sh.cp_copy, T * spec.attn_out_dim / t * b2, 0.0), "other"),
         ("sdpa.logsumexp", T * spec.n_heads / t * b4, "sdpa"),
-        ("wo.out", T * d * b2, "mm"),
+        ("wo.out", T * d * b2, linear_kind(spec, "wo")),
     ]
     out += [("wo.reduce_scatter.out", np.where(sd > 1, T * d / sd * b2, 0.0), "rs"),
             ("ffn_norm.input", T * d / sd * rb, "other"), ("ffn_norm.rstd", T / sd * b4, "other"),
@@ -253,13 +268,16 @@ def _mlp_saved(spec, T, ff_local, prefix, out_bytes, b2, kind="mm", te=False, f8
     f8b = b2 if f8b is None else f8b
     act = np.where(te, 0.0, T * ff_local * b2)  # the activation's own output, kept apart only without TE
     w2_in = np.where(te, T * ff_local * f8b, T * ff_local * b2)
+    def k(w):  # dense and shared-expert linears: mm, or addmm with a bias; routed experts: gmm
+        return linear_kind(spec, f"shared.{w}" if prefix == "shared" else w) if kind == "mm" else kind
+
     if spec.mlp == "swiglu":
-        return [(f"{prefix}.w1.out", T * ff_local * b2, kind), (f"{prefix}.silu.out", act, "other"),
-                (f"{prefix}.w3.out", T * ff_local * b2, kind), (f"{prefix}.w2.input", w2_in, "other"),
-                (f"{prefix}.w2.out", out_bytes, kind)]
+        return [(f"{prefix}.w1.out", T * ff_local * b2, k("w1")), (f"{prefix}.silu.out", act, "other"),
+                (f"{prefix}.w3.out", T * ff_local * b2, k("w3")), (f"{prefix}.w2.input", w2_in, "other"),
+                (f"{prefix}.w2.out", out_bytes, k("w2"))]
     # GeLU: its output is fc2's input (float8 under TE with float8)
-    return [(f"{prefix}.w1.out", T * ff_local * b2, kind), (f"{prefix}.gelu.out", w2_in, "other"),
-            (f"{prefix}.w2.out", out_bytes, kind)]
+    return [(f"{prefix}.w1.out", T * ff_local * b2, k("w1")), (f"{prefix}.gelu.out", w2_in, "other"),
+            (f"{prefix}.w2.out", out_bytes, k("w2"))]
 
 
 def kept_by_ac_mode(items: list[tuple]) -> list[dict[str, bool]]:
@@ -271,7 +289,7 @@ def kept_by_ac_mode(items: list[tuple]) -> list[dict[str, bool]]:
     routing weights, which keeps it for the router's gradient (executor trace of mixtral-8x7b: one T x top_k x d
     tensor per MoE layer and microbatch; torchtitan's MoE multiplies its routed output by the scores too)."""
     out = []
-    mm_count = 0
+    mm_count = 0  # aten.mm only: a biased linear's addmm is neither saved nor counted (``linear_kind``)
     for name, _nbytes, kind in items:
         residual_out = name.endswith("wo.out") or (name.endswith("w2.out") and not name.startswith("experts."))
         if kind == "mm":

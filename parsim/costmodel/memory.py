@@ -310,7 +310,8 @@ def _gather(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, forward: bool,
     flat and parameters are made before the last flat goes), then in forward the previous unit's flat buffer is
     freed and this one's held, in backward this one's is freed."""
     fs = q.fsdp & on
-    tl.add("fsdp_gather_buffers", u.gathered, fs)
+    buf = fs & _copy_in(q)
+    tl.add("fsdp_gather_buffers", u.gathered, buf)
     tl.add("fsdp_unsharded_params", u.gathered, fs)
     tl.mark(phase, fs)
     if forward and held:
@@ -318,9 +319,18 @@ def _gather(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, forward: bool,
         held.clear()
     if forward:
         held.append((np.where(fs & q.flat_held, u.gathered, 0.0), fs))
-        tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), fs & ~q.flat_held)
+        tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), buf & ~q.flat_held)
     else:
-        tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), fs)
+        tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), buf)
+
+
+def _copy_in(q: RankMemory) -> np.ndarray:
+    """Where a unit's gather makes a buffer beside its unsharded parameters: a shard group of 2+ ranks (the flat
+    all-gather buffer), or of one rank in a param dtype below fp32. With one rank FSDP2 all-gathers nothing: the
+    unsharded parameters are filled from ``all_gather_inputs`` when the unit runs (``wait_for_unshard``), which is
+    a cast copy of the shard in a lower param dtype and the shard itself in fp32; nor is anything prefetched then
+    (``unshard`` only records that it ran) [derived: torch 2.13 _fsdp_param_group.unshard / wait_for_unshard]."""
+    return q.flat_held | (q.param_bytes < 4.0)
 
 
 def _forward(tl: Timeline, q: RankMemory, act_before, gathered=None, forward_units=True) -> None:
@@ -414,11 +424,23 @@ def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev
     tl.add("fsdp_grad_buffers", -(np.asarray(u.grads, dtype=float) - u.last_grad), r & ~accr & (not grads_alive))
     tl.add("fsdp_grad_buffers", -(np.asarray(u.acc, dtype=float) - u.last_acc), r & accr)
     fp32 = q.reduce_bytes == 4.0
+    # a shard group of one rank (HSDP replicating, or experts whose EP takes every dp_shard x cp rank) has no
+    # reduce-scatter: the unsharded gradients are all gone before the output is made (no reference of the
+    # autograd engine's outlives the copy-in there), and FSDP2 copies the input into the output divided by the
+    # gradient divide factor, which torchtitan (and the executor) set to 1.0 (force-sum reductions):
+    # ``reduce_output.copy_(input / factor)`` makes one more input-sized buffer for that moment [derived: torch
+    # 2.13 _fsdp_collectives.foreach_reduce; trace, allocation by allocation: the output's allocation is the
+    # gradients' release, then the "out-of-place aten.div" the differential's replicate-only gap named]
+    single = r & ~accr & (np.asarray(u.rs_in, dtype=float) > 0) & np.isclose(u.rs_out, u.rs_in)
+    tl.add("fsdp_grad_buffers", -np.asarray(u.grads if grads_alive else u.last_grad, dtype=float), single)
     tl.add("fsdp_grad_buffers", u.rs_out, r)
+    tl.add("fsdp_grad_buffers", u.rs_in, single)
+    tl.mark(phase, single)
+    tl.add("fsdp_grad_buffers", -np.asarray(u.rs_in, dtype=float), single)
     tl.add("fsdp_grad_buffers", u.shard4, r & ~fp32)  # the fp32 copy of a reduce-dtype output
     tl.mark(phase, r)
-    tl.add("fsdp_grad_buffers", -np.asarray(u.grads, dtype=float), r & grads_alive)
-    tl.add("fsdp_grad_buffers", -np.asarray(u.last_grad, dtype=float), r & ~accr & (not grads_alive))
+    tl.add("fsdp_grad_buffers", -np.asarray(u.grads, dtype=float), r & grads_alive & ~single)
+    tl.add("fsdp_grad_buffers", -np.asarray(u.last_grad, dtype=float), r & ~accr & (not grads_alive) & ~single)
     tl.add("fsdp_grad_buffers", -np.asarray(u.last_acc, dtype=float), r & accr)
     held = r & q.hsdp & (~fp32 | q.acc)
     q.held_until_end.append(np.where(held, u.rs_out, 0.0))
@@ -466,7 +488,7 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     nxt = first_blk.unit.gathered if first_blk is not None else np.where(q.has_emb, q.emb.gathered, 0.0)
     out_gather = q.has_out & (regather & (q.raf_out | q.pp))
     _gather(tl, q, q.out, out_gather, phase, False, [])
-    tl.add("fsdp_gather_buffers", nxt, q.fsdp & regather)
+    tl.add("fsdp_gather_buffers", nxt, q.fsdp & regather & q.flat_held)  # the prefetch (none with one rank)
     tl.add("fsdp_grad_buffers", q.out.grads, q.has_out & q.fsdp)
     out_def = np.where(q.deferred(mode), q.out_weight4, 0.0)
     _plain_grads(tl, q, q.out.grads, q.has_out, mode, out_def)
@@ -487,7 +509,7 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     # the embedding (first stage): its gradient reaches it; torch's embedding backward makes a dense gradient of
     # the whole vocabulary, and under TP (vocab-sharded weight) the rank's rows of it are cloned into the
     # parameter's gradient before the dense one goes; the final callback's reduce
-    _gather_in_backward(tl, q, q.emb, q.has_emb & regather, phase)
+    _gather_in_backward(tl, q, q.emb, q.has_emb & regather, phase, q.flat_held)
     tl.add("activations", -q.flow)
     # (without FSDP the parameter's gradient is a view of the dense one: that whole storage is the gradient.
     # Without gradient sync (PP) FSDP2 accumulates the gradient as autograd made it: under TP the local tensor of
@@ -559,13 +581,17 @@ def _deferred_casts(tl: Timeline, q: RankMemory, mode, phase: str) -> None:
     tl.cur["autocast_weight_grads"] = np.where(d, 0.0, tl.cur["autocast_weight_grads"])
 
 
-def _gather_in_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str) -> None:
+def _gather_in_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, prefetched=None) -> None:
     """A unit prefetched by the previous unit's pre-backward (resharded): the copy-out moment, then its flat
-    buffer freed; a unit still unsharded needs nothing."""
+    buffer freed; a unit still unsharded needs nothing. ``prefetched`` (default: everywhere): where the previous
+    unit's pre-backward prefetched it (dense units: a shard group of 2+ ranks, ``q.flat_held``)."""
     fs = q.fsdp & on
+    pref = np.ones(q.n, bool) if prefetched is None else prefetched
+    cast = fs & ~pref & _copy_in(q)  # a shard group of one: the copy-in made now, not prefetched (``_copy_in``)
+    tl.add("fsdp_gather_buffers", u.gathered, cast)
     tl.add("fsdp_unsharded_params", u.gathered, fs)
     tl.mark(phase, fs)
-    tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), fs)
+    tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), (fs & pref) | cast)
 
 
 def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list, mode, phase: str,
@@ -575,10 +601,11 @@ def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list,
     saved again), then op by op (``layers.backward_steps``): activation gradients made, weight gradients made (a
     moment each), saved tensors and consumed gradients freed; with EP the experts' own copy-out before their
     first op and their reduce after their last; the post-backward."""
-    _gather_in_backward(tl, q, blk.unit, regather, phase)
+    _gather_in_backward(tl, q, blk.unit, regather, phase, q.flat_held)
     ex = blk.experts
     # the next unit's prefetch: the experts' own unit (EP) or the next block's / the embedding's
-    tl.add("fsdp_gather_buffers", np.where(_own_unit(ex), ex.gathered, nxt) if ex is not None else nxt,
+    dense_next = np.where(q.flat_held, nxt, 0.0)  # no prefetch buffer with a shard group of one (``_copy_in``)
+    tl.add("fsdp_gather_buffers", np.where(_own_unit(ex), ex.gathered, dense_next) if ex is not None else dense_next,
            q.fsdp & regather)
     tl.add("recompute_transient", blk.transient)
     tl.mark(phase)
@@ -676,7 +703,7 @@ def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str
         if item[0] == "gather":
             assert ex is not None
             _gather_in_backward(tl, q, ex, regather, phase)
-            tl.add("fsdp_gather_buffers", np.where(_own_unit(ex), nxt, 0.0), q.fsdp & regather)
+            tl.add("fsdp_gather_buffers", np.where(_own_unit(ex), nxt, 0.0), q.fsdp & regather & q.flat_held)
             continue
         if item[0] == "post":
             assert ex is not None

@@ -255,16 +255,18 @@ def _autocast_cache(spec: ModelSpec, b: PlanBatch, rv: C.RankView, idx: np.ndarr
 
 
 def _loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: RankCompute):
-    """The loss's peak on the last stage, bytes: bf16 logits + fp32 copy + fp32 log-softmax = 10 B/logit at the
-    end of forward under loss parallel (its peak); plain cross-entropy (tp = 1) peaks in its backward with the
-    log-softmax output, the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (both read
-    off the live storages at the peak of executor traces). Plus the final norm's input and gathered output. An fp32
-    plan has no separate fp32 copy of its logits: 8 B/logit under loss parallel [derived from the bf16 case]. A
-    fused cross-entropy keeps the logits and writes one gradient of their size (param_dtype each) [derived;
-    full-scale trace of the executor's fused loss: test_trace_of_the_loss_matches_the_model]."""
+    """The loss's peak on the last stage, bytes. Plain cross-entropy (tp = 1) peaks in its backward with the
+    log-softmax output, the nll gradient and the log-softmax gradient alive (fp32 each): 12 B/logit (read off the
+    live storages at the peak of executor traces). Loss parallel (tp > 1, torch's ``loss_parallel`` handlers on the
+    local vocabulary shard, ``torch/distributed/tensor/parallel/loss.py``) peaks in its combined nll + log-softmax
+    backward: the saved fp32 log-softmax output, ``grad_input = zeros_like(x)``, ``exp(x)`` and their sum, 4 B each,
+    16 B/logit in any param dtype (its forward holds at most 14: bf16 logits, their fp32 copy, the shifted logits
+    and their exp) [derived from the handlers' code; traced since the trace counts what DTensor's handlers
+    allocate (qwen3-30b-a3b TP 2: four fp32 tensors of the local logits at the peak)]. Plus the final norm's input
+    and gathered output. A fused cross-entropy keeps the logits and writes one gradient of their size (param_dtype
+    each) [derived; full-scale trace of the executor's fused loss: test_trace_of_the_loss_matches_the_model]."""
     d = spec.d_model
-    per_logit = np.where(b.fused_loss, 2.0 * sh.act_b,
-                         np.where(b.tp > 1, sh.act_b + np.where(sh.act_b < 4, 4.0, 0.0) + 4.0, 12.0))  # [measured]
+    per_logit = np.where(b.fused_loss, 2.0 * sh.act_b, np.where(b.tp > 1, 16.0, 12.0))
     fused_chunks = np.where(b.fused_loss, _fused_loss_chunks(spec.vocab_size, np.asarray(c.logits, float)), 0.0)
     return np.where(rv.has_out, c.logits * per_logit + fused_chunks + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div),
                     0.0)

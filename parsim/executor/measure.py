@@ -298,17 +298,25 @@ class PeakTracker(TorchDispatchMode):
             self.total -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils._pytree import tree_flatten
-
         if self.events is not None and self.watched:
             self._record_resizes()
         out = func(*args, **(kwargs or {}))
+        self.observe(func, out)
+        return out
+
+    def observe(self, func, out) -> None:
+        """Count the storages of ``out``, the result of ``func``. Called by this mode for the ops it sees and, in a
+        trace, by the fake-tensor mode below every tensor subclass for every op on local tensors: a Python
+        dispatch mode is popped while DTensor handles an op, so what DTensor allocates inside its dispatch (context
+        parallel's ring attention buffers, implicit redistributions, loss parallel's temporaries) reaches this
+        mode only through the fake mode (a storage already counted is not counted twice)."""
+        from torch.utils._pytree import tree_flatten
+
         self._op = str(func)
         for t in tree_flatten(out)[0]:
             self._add(t, "step")
         if self.watched:
             self._check_peak()
-        return out
 
     def breakdown(self) -> dict[str, float]:
         names = {"step": "allocated_during_step"}
@@ -343,12 +351,13 @@ def grad_tensors(parts) -> list:
     return out
 
 
-def track_step(step, parts, opt, phase: dict | None = None, events: list | None = None):
+def track_step(step, parts, opt, phase: dict | None = None, events: list | None = None, below=None):
     """Run ``step()`` under a PeakTracker seeded with this rank's parameters, gradients and optimizer state.
     Returns (step's result, peak bytes, breakdown at the peak, the op that set the peak); with ``phase`` (a dict
     whose "now" the step keeps current) the phase at the peak is left in ``phase["at_peak"]``; with ``events`` (a
     list) the step's allocations and frees are appended to it (``PeakTracker``'s ``record_events``), after the
-    allocations of the state the step starts with."""
+    allocations of the state the step starts with. ``below``: a mode under every tensor subclass (the trace's
+    fake-tensor mode) that shows the tracker what it makes (``PeakTracker.observe``)."""
     params = [p for m in parts for p in m.parameters()]
     base = {"parameters": params,
             "gradients": [p.grad for p in params if p.grad is not None],
@@ -362,8 +371,14 @@ def track_step(step, parts, opt, phase: dict | None = None, events: list | None 
                 unsharded += [fp._unsharded_param for fp in group.fsdp_params if hasattr(fp, "_unsharded_param")]
     tracker = PeakTracker(base, resizable=unsharded, phase=phase, grads_fn=lambda: grad_tensors(parts),
                           record_events=events is not None)
-    with tracker:
-        out = step()
+    if below is not None:
+        below.tracker = tracker
+    try:
+        with tracker:
+            out = step()
+    finally:
+        if below is not None:
+            below.tracker = None
     if events is not None:
         events.extend(tracker.events or ())
     if phase is not None:

@@ -5,7 +5,9 @@ training step (tier 1 of DESIGN.md: exact, full scale, no GPU).
 The model is built and parallelized on the meta device *outside* FakeTensorMode (building inside fails: sub-mesh
 coordinates use ``nonzero``), then materialized with ``to_empty`` inside it. Step 1 runs under the collective
 counter and creates the optimizer states; step 2 runs under parsim's PeakTracker (live local storages; what was
-alive at the peak by category).
+alive at the peak by category), which the fake-tensor mode shows every tensor it makes: a Python dispatch mode is
+popped while DTensor handles an op, so without it the buffers of DTensor's own handlers (context parallel's ring
+attention, loss parallel's cross-entropy, implicit redistributions) were missing from traced peaks.
 
 Pipeline parallel: the schedule's point-to-point exchange needs real peers, so the trace replays the traced rank's
 part of the schedule itself, action by action in the order torch's schedule runs them (``torch_schedule_order``),
@@ -20,6 +22,7 @@ tensors cannot follow data-dependent token counts). compile, float8 and async TP
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import types
@@ -62,16 +65,45 @@ class _CountingFake:
                 sees. Counting here sees every collective the rank runs, wherever it is issued."""
 
                 counter = None
+                tracker = None  # a PeakTracker shown every tensor made here (``measure.track_step``'s ``below``)
 
                 def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                     if self.counter is not None and func in OPS:
                         self.counter.record(func, args, kwargs or {})
                     if func is WAIT_TENSOR:  # waits in place on a device; the fake kernel would make a new tensor
                         return args[0]
-                    return super().__torch_dispatch__(func, types, args, kwargs)
+                    out = super().__torch_dispatch__(func, types, args, kwargs)
+                    if self.tracker is not None and not self.propagating:
+                        self.tracker.observe(func, out)
+                    return out
+
+                propagating = 0  # inside DTensor's sharding propagation (``_not_tracked_in_sharding_propagation``)
 
             cls.cls = CountingFakeTensorMode
         return cls.cls
+
+
+@contextlib.contextmanager
+def _not_tracked_in_sharding_propagation(fake):
+    """DTensor's sharding propagation runs each new op once on fake tensors of the *global* shapes, under the
+    fake mode it detects (the trace's own) to learn the output's metadata: those tensors are never allocated on
+    a device, so the fake mode shows them to no tracker while propagation runs."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    orig = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self, *args, **kwargs):
+        fake.propagating += 1
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            fake.propagating -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = orig
 
 
 def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
@@ -128,7 +160,8 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
                 comm["send/pp"] = comm.get("send/pp", 0) + sends["bytes"]
             sends["bytes"] = 0
             events: list = []
-            _, peak, breakdown, peak_op = track_step(step, parts, opt, phase, events)
+            with _not_tracked_in_sharding_propagation(fake):
+                _, peak, breakdown, peak_op = track_step(step, parts, opt, phase, events, below=fake)
         prov.update(memory_source=f"parsim PeakTracker under FakeTensorMode (tensor-level, rank {rank})",
                     peak_op=peak_op, peak_phase=phase.get("at_peak", ""), pp_stage=stage_ids[0] % plan.pp,
                     comm_counts=dict(counter.counts), wall_s=time.perf_counter() - t0, **_reserved(events))
