@@ -62,10 +62,12 @@ class _CountingFake:
                 """FakeTensorMode is an infrastructure mode: it stays active inside a tensor subclass's dispatch, where
                 DTensor issues the collectives of implicit redistributions and of its custom op handlers (loss
                 parallel's all-reduces, context parallel's ring), which a Python dispatch mode above DTensor never
-                sees. Counting here sees every collective the rank runs, wherever it is issued."""
+                sees. Counting here sees every collective the rank runs, wherever it is issued; a ``tracker`` set
+                here sees every tensor it makes alike."""
 
                 counter = None
                 tracker = None  # a PeakTracker shown every tensor made here (``measure.track_step``'s ``below``)
+                propagating = 0  # inside DTensor's sharding propagation (``_not_tracked_in_sharding_propagation``)
 
                 def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                     if self.counter is not None and func in OPS:
@@ -76,8 +78,6 @@ class _CountingFake:
                     if self.tracker is not None and not self.propagating:
                         self.tracker.observe(func, out)
                     return out
-
-                propagating = 0  # inside DTensor's sharding propagation (``_not_tracked_in_sharding_propagation``)
 
             cls.cls = CountingFakeTensorMode
         return cls.cls
