@@ -224,11 +224,20 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     # the matmul saves), or, under TE layers, the local sequence shard in float8 / param_dtype, all-gathered again
     # in the backward (TE LayerNormLinear with sequence_parallel) [derived]
     norm_out = np.where(te, T * d / sd * sh.f8b, T * d * b2)
+    # under autocast (no FSDP, bf16: the residual stream and the norms' outputs fp32) each linear reading a norm's
+    # output casts it to bf16 itself (autocast caches weights, not activations) and its matmul keeps that copy:
+    # one per input projection (q, k, v) and per MLP input linear (w1, and w3 for SwiGLU), each released by its
+    # own linear's backward [derived from torch.autocast; trace of a 1-layer TP 2 model: six (T, d) bf16 casts
+    # at the end of the forward: q, k, v, w1, w3 and the output projection]. (MLA's projections: not split.)
+    cast_each = (rb > b2) & ~te
+    mats = spec.attention_matrices()
     out = [
         ("attention_norm.input", T * d / sd * rb, "input"),
         ("attention_norm.rstd", T / sd * b4, "other"),
         ("attention_norm.output(gathered)", norm_out, "other"),
     ]
+    out += [(f"attention_norm.output(cast {w})", np.where(cast_each & (not spec.mla) & (w in mats), norm_out, 0.0),
+             "other") for w in ("wk", "wv")]
     out += _qkv_saved(spec, sh)
     rope_dim = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
     out += [
@@ -243,7 +252,9 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     ]
     out += [("wo.reduce_scatter.out", np.where(sd > 1, T * d / sd * b2, 0.0), "rs"),
             ("ffn_norm.input", T * d / sd * rb, "other"), ("ffn_norm.rstd", T / sd * b4, "other"),
-            ("ffn_norm.output(gathered)", norm_out, "other")]
+            ("ffn_norm.output(gathered)", norm_out, "other"),
+            ("ffn_norm.output(cast w3)", np.where(cast_each & (not moe) & (spec.mlp == "swiglu"), norm_out, 0.0),
+             "other")]
     if not moe:
         out += _mlp_saved(spec, T, spec.d_ff / t, "mlp", T * d * b2, b2, te=te, f8b=sh.f8b)
     else:
@@ -481,20 +492,21 @@ class _BackwardSteps:
         self.steps.append({"alloc": alloc + self.z, "free": free + self.z, "saved": tuple(saved), "pgrad": pgrad,
                            "cast": cast})
 
-    def mlp(self, prefix, tokens, ff, names, expert=False, last_saved=()):
+    def mlp(self, prefix, tokens, ff, names, expert=False, last_saved=(), free_in=0.0):
         """SwiGLU: w2 (its input's gradient), mul (two), silu, w3 and w1 (the normed input's gradient, summed);
-        GeLU: w2, gelu, w1."""
+        GeLU: w2, gelu, w1. ``free_in``: the output's gradient, freed by w2's backward where the MLP owns it (the
+        routed experts' weighted pairs; a dense MLP's is the residual stream's, freed by the block)."""
         step, pg = self.step, self.pg
         hid = tokens * ff * self.b2
         tin = tokens * self.d * self.b2
         if self.spec.mlp == "swiglu":
-            step(hid, 0.0, [f"{prefix}.w2.input"], pg(names + "w2", expert=expert))
+            step(hid, free_in, [f"{prefix}.w2.input"], pg(names + "w2", expert=expert))
             step(2 * hid, hid, [f"{prefix}.silu.out", f"{prefix}.w3.out"])
             step(hid, hid, [f"{prefix}.w1.out"])
-            step(tin, hid, (), pg(names + "w3", expert=expert))
+            step(tin, hid, ["ffn_norm.output(cast w3)"] if prefix == "mlp" else (), pg(names + "w3", expert=expert))
             step(tin, hid + tin, last_saved, pg(names + "w1", expert=expert))
         else:
-            step(hid, 0.0, [f"{prefix}.gelu.out"], pg(names + "w2", expert=expert))
+            step(hid, free_in, [f"{prefix}.gelu.out"], pg(names + "w2", expert=expert))
             step(hid, hid, [f"{prefix}.w1.out"])
             step(tin, hid, last_saved, pg(names + "w1", expert=expert))
 
@@ -509,8 +521,10 @@ class _BackwardSteps:
         step(tr * d * b2)  # the combine's backward: the routed pairs' gradient
         step(tr * d * b2, tr * d * b2, ["experts.w2.out"])  # weighted by the routing weights
         step(ep_on * tr * d * b2, ep_on * tr * d * b2)  # EP: the combine's all-to-all back
+        # (the weighted pairs' gradient is consumed by the experts' w2: freed there [trace: a MoE block's backward
+        # left top_k x (T, d) behind in the model, 0.56 MiB per block of a d384 top-2 model])
         self.mlp("experts", tr, m.d_ff_expert / sh.etp, "experts.", expert=True,
-                 last_saved=["experts.input(permuted)"])
+                 last_saved=["experts.input(permuted)"], free_in=tr * d * b2)
         step(ep_on * tr * d * b2, ep_on * tr * d * b2)  # EP: the dispatch's all-to-all back
         step(t_router * d * b2, tr * d * b2)  # the token gather's backward (into the tokens' gradient)
         step(t_router * m.n_experts * 4.0, 0.0, ["router.probs"])
@@ -544,8 +558,8 @@ class _BackwardSteps:
         if spec.qk_norm:
             step(T * (q_ + kv_) * b2, T * (q_ + kv_) * b2, ["wq.out", "wk.out", "q_norm.rstd", "k_norm.rstd"],
                  pg("qk_norm"), cast=False)
-        step(T * d * b2, T * kv_ * b2, (), pg("wv"))
-        step(T * d * b2, T * kv_ * b2 + T * d * b2, (), pg("wk"))
+        step(T * d * b2, T * kv_ * b2, ["attention_norm.output(cast wv)"], pg("wv"))
+        step(T * d * b2, T * kv_ * b2 + T * d * b2, ["attention_norm.output(cast wk)"], pg("wk"))
         step(T * d * b2, T * q_ * b2 + T * d * b2, ["attention_norm.output(gathered)"], pg("wq"))
 
 

@@ -167,6 +167,8 @@ class Unit:
     # reduce is done (``layers.last_param_elems``)
     last_grad: np.ndarray | float = 0.0
     last_acc: np.ndarray | float = 0.0
+    # the unit's last parameter's unsharded gradient (param dtype), over any shard group
+    tail_grad: np.ndarray | float = 0.0
 
 
 @dataclass
@@ -282,12 +284,17 @@ def simulate(q: RankMemory) -> dict:
             tl.add("activations", act * (q.w_later - 1.0 - np.maximum(q.w - 1.0, 0.0)))
             if np.any(steady & (q.m >= 3)):
                 with tl.only(steady):
-                    _forward(tl, q, act_before=act * (q.w_later - 1.0), gathered=~q.raf)
+                    _forward(tl, q, act_before=act * (q.w_later - 1.0), gathered=~q.raf, after_backward=q.pp)
             tl.add("activations", act, ~steady)
             _backward(tl, q, ACC_LATER, BWD2, regather=q.raf & steady)
     # the last microbatch (one in flight); a forward precedes it when the schedule keeps one microbatch in flight
     if np.any(multi):
         with tl.only(multi):
+            one = q.pp & (q.w <= 1)
+            if np.any(one & multi & q.raf):  # (its units resharded after it: the backward gathers them again)
+                with tl.only(one & q.raf):
+                    tl.cur["activations"] = np.zeros(q.n)
+                    _forward(tl, q, act_before=np.zeros(q.n), gathered=~q.raf, after_backward=q.pp)
             tl.cur["activations"] = act.copy()
             _backward(tl, q, ACC_LATER, BWD2, regather=q.raf & (q.w <= 1))
     if np.any(q.pp):
@@ -298,7 +305,14 @@ def simulate(q: RankMemory) -> dict:
               "autocast_weight_cache", "activations", "recompute_transient", "logits_and_loss"):
         tl.cur[k] = np.zeros(q.n)
     tl.cur["gradients"] = np.asarray(q.all_grads4, dtype=float) * np.ones(q.n)
-    tl.add("optimizer_temporaries", q.opt_temporaries)
+    # without FSDP a vocab-sharded (TP) embedding's gradient is the whole vocabulary's (Replicate) beside its
+    # Shard(0) parameter: each AdamW foreach op that reads it redistributes it, cloning the rank's rows, and
+    # ``addcmul_(exp_avg_sq, grad, grad)`` holds two such clones at once (fp32 rows; the foreach temporaries are
+    # made by other ops, so the larger of the two is the moment) [trace: pp2 x tp4, two (V/4, d) fp32 clones at
+    # the optimizer's peak, 26 MiB above the foreach temporaries]
+    dense_emb = ~q.fsdp & q.emb_sharded & q.has_emb
+    tl.add("optimizer_temporaries", np.maximum(q.opt_temporaries, np.where(dense_emb, 2.0 * np.asarray(
+        q.emb.grads, dtype=float), 0.0)))
     tl.mark(OPT)
     return tl.phases()
 
@@ -314,11 +328,13 @@ def _gather(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, forward: bool,
     tl.add("fsdp_gather_buffers", u.gathered, buf)
     tl.add("fsdp_unsharded_params", u.gathered, fs)
     tl.mark(phase, fs)
-    if forward and held:
-        tl.add("fsdp_gather_buffers", -held[0][0], held[0][1])
-        held.clear()
     if forward:
-        held.append((np.where(fs & q.flat_held, u.gathered, 0.0), fs))
+        # (only where this unit gathers: elsewhere the previous flat buffer stays held — a MoE block's experts
+        # with ep 1 belong to the block's unit and gather nothing of their own)
+        prev_b, prev_m = held[0] if held else (0.0, np.zeros(q.n, bool))
+        tl.add("fsdp_gather_buffers", -np.asarray(prev_b, dtype=float), prev_m & fs)
+        held.clear()
+        held.append((np.where(fs, np.where(q.flat_held, u.gathered, 0.0), prev_b), fs | prev_m))
         tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), buf & ~q.flat_held)
     else:
         tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), buf)
@@ -333,28 +349,36 @@ def _copy_in(q: RankMemory) -> np.ndarray:
     return q.flat_held | (q.param_bytes < 4.0)
 
 
-def _forward(tl: Timeline, q: RankMemory, act_before, gathered=None, forward_units=True) -> None:
+def _forward(tl: Timeline, q: RankMemory, act_before, gathered=None, forward_units=True, after_backward=None) -> None:
     """One microbatch's forward with ``act_before`` already in flight. ``gathered``: where the units are still
-    unsharded from an earlier forward (they gather again only where resharded after it); the loss's peak at the
-    end (last stage), else the microbatch's stage output kept. ``forward_units`` False: only the end of the
-    forward (a later microbatch with every unit unsharded: the same moments as the first's, less the gathers)."""
+    unsharded from an earlier forward (they gather again only where resharded after it); ``after_backward``:
+    where a backward without reshard (pipelining's) left every unit unsharded: no gather, and with
+    reshard-after-forward each unit (the [norm, output] one too) is resharded after its forward all the same
+    (FSDP2's pre-forward unshard of an unsharded group is a no-op, its post-forward reshard is not). The loss's
+    peak at the end (last stage), else the microbatch's stage output kept. ``forward_units`` False: only the end
+    of the forward (a later microbatch with every unit unsharded: the same moments as the first's, less the
+    gathers)."""
     held: list = []
-    need = np.ones(q.n, bool) if gathered is None else ~np.asarray(gathered, bool)
+    after = np.zeros(q.n, bool) if after_backward is None else np.asarray(after_backward, bool)
+    need = (np.ones(q.n, bool) if gathered is None else ~np.asarray(gathered, bool)) & ~after
+    present = need | after  # where a unit resharding after its forward frees something
     if forward_units:
         _gather(tl, q, q.emb, q.has_emb & need, FWD, True, held)
-        tl.add("fsdp_unsharded_params", -np.asarray(q.emb.gathered, dtype=float), q.fsdp & q.has_emb & q.raf & need)
+        tl.add("fsdp_unsharded_params", -np.asarray(q.emb.gathered, dtype=float),
+               q.fsdp & q.has_emb & q.raf & present)
         for blk, count in q.blocks:
             def body(last: bool, blk=blk):
                 _gather(tl, q, blk.unit, need, FWD, True, held)
                 if blk.experts is not None:
-                    _gather(tl, q, blk.experts, need, FWD, True, held)
+                    _gather(tl, q, blk.experts, need & _own_unit(blk.experts), FWD, True, held)
                     tl.add("fsdp_unsharded_params", -np.asarray(blk.experts.gathered, dtype=float),
-                           q.fsdp & q.raf & need)
+                           q.fsdp & q.raf & present)
                 tl.add("activations", blk.act)
-                tl.add("fsdp_unsharded_params", -np.asarray(blk.unit.gathered, dtype=float), q.fsdp & q.raf & need)
+                tl.add("fsdp_unsharded_params", -np.asarray(blk.unit.gathered, dtype=float),
+                       q.fsdp & q.raf & present)
 
             _run(tl, count, body)
-        _gather(tl, q, q.out, q.has_out & (need | q.raf_out), FWD, True, held)
+        _gather(tl, q, q.out, q.has_out & (need | q.raf_out) & ~after, FWD, True, held)
         # ("always": the [norm, output] unit reshards after its forward, before the loss)
         tl.add("fsdp_unsharded_params", -np.asarray(q.out.gathered, dtype=float), q.fsdp & q.has_out & q.raf_out)
         if held:  # the root's post-forward frees the last flat buffer
@@ -399,16 +423,31 @@ def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev
       with gradient accumulation. HSDP all-reduces the output first and keeps that reduce-dtype buffer until the
       end of backward (FSDPParamGroup._all_reduce_state, released in finalize_backward; pytorch#140044): a buffer
       of its own unless it is the fp32 gradient itself.
-    * ACC_FIRST (PP, the pass's first backward): no sync, the unit stays gathered: the gradients are copied into
-      a reduce-dtype accumulator (a moment), then freed.
+    * ACC_FIRST (PP, the pass's first backward): no sync, the unit stays gathered: where the reduce dtype is not
+      the gradients' (param dtype), they are copied into a reduce-dtype accumulator parameter by parameter
+      (``to_accumulated_grad_if_needed`` in a loop: each copy made, then its source dropped), so the largest
+      moment is the last parameter's copy: every accumulator and the last parameter's gradient (registration
+      order ends with the MLP's weights, a large one) [trace: three fp32 copies, each followed by its bf16
+      source's release]; where it is, FSDP2 keeps them as they are on the unsharded parameters
+      (``FSDPParam.init_dtype_attrs`` clamps the reduce dtype to None, ``to_accumulated_grad_if_needed`` then
+      returns): no copy, no moment with both.
     * ACC_LATER: added into the accumulator in place, then freed."""
     fs = q.fsdp & on
     red = (mode == REDUCE) | (mode == FINAL)
     accr = mode == FINAL
     # the accumulators: made from the first microbatch's gradients, grown by the later ones
-    tl.add("gradients", u.acc, fs & (mode == ACC_FIRST))
-    tl.mark(phase, fs & (mode == ACC_FIRST))
-    tl.add("fsdp_grad_buffers", -np.asarray(u.grads, dtype=float), fs & ((mode == ACC_FIRST) | (mode == ACC_LATER)))
+    first = fs & (mode == ACC_FIRST)
+    upcast = first & (q.reduce_bytes != q.param_bytes)
+    grads = np.asarray(u.grads, dtype=float)
+    # (at the moment the last copy is being made, not yet FSDP's accumulator; without the upcast the gradients
+    # are the accumulators already: ``_kept_as_made``)
+    tail_acc = np.asarray(u.tail_grad, dtype=float) / q.param_bytes * q.reduce_bytes
+    tl.add("fsdp_grad_buffers", -(grads - u.tail_grad) + tail_acc, upcast)
+    tl.add("gradients", u.acc - tail_acc, upcast)
+    tl.mark(phase, upcast)
+    tl.add("fsdp_grad_buffers", -tail_acc, upcast)
+    tl.add("gradients", tail_acc, upcast)
+    tl.add("fsdp_grad_buffers", -np.where(upcast, u.tail_grad, grads), fs & (upcast | (mode == ACC_LATER)))
     r = fs & red
     tl.add("fsdp_unsharded_params", -np.asarray(u.gathered, dtype=float), r)
     # the previous unit's reduce-scatter input goes when this unit's reduce starts (where this unit reduces: a
@@ -431,8 +470,11 @@ def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev
     # ``reduce_output.copy_(input / factor)`` makes one more input-sized buffer for that moment [derived: torch
     # 2.13 _fsdp_collectives.foreach_reduce; trace, allocation by allocation: the output's allocation is the
     # gradients' release, then the "out-of-place aten.div" the differential's replicate-only gap named]
-    single = r & ~accr & (np.asarray(u.rs_in, dtype=float) > 0) & np.isclose(u.rs_out, u.rs_in)
-    tl.add("fsdp_grad_buffers", -np.asarray(u.grads if grads_alive else u.last_grad, dtype=float), single)
+    # (the same at pipelining's reduce: the accumulators are all gone after the copy-in, a shard group of one
+    # keeping no last one, then the output and the division's buffer [trace: chunk_cat, the accumulators'
+    # releases, empty, div, copy_])
+    single = r & (np.asarray(u.rs_in, dtype=float) > 0) & np.isclose(u.rs_out, u.rs_in)
+    tl.add("fsdp_grad_buffers", -np.asarray(u.grads if grads_alive else u.last_grad, dtype=float), single & ~accr)
     tl.add("fsdp_grad_buffers", u.rs_out, r)
     tl.add("fsdp_grad_buffers", u.rs_in, single)
     tl.mark(phase, single)
@@ -462,7 +504,17 @@ def _reduce_after(tl: Timeline, q: RankMemory) -> None:
     FINAL); the final callback then drops the last reduce-scatter input and the HSDP buffers [torch 2.13
     pipelining/stage.py; trace]."""
     rs_prev: list = []
-    q_emb = dataclasses.replace(q.emb, acc=_emb_acc(q), last_acc=_emb_acc(q))
+    # the vocab-sharded (TP) embedding's accumulator is the whole vocabulary's gradient (Replicate): FSDP2 reads
+    # it through a redistribute to the parameter's placement (``FSDPParam._get_grad_inner_tensor``) before the
+    # reshard, cloning the rank's rows with the whole one and the unsharded parameters alive, then drops the
+    # whole one: the rows are the accumulator it reduces [torch 2.13 _fsdp_param.py / _fsdp_param_group.py
+    # post_backward; trace: split + clone at the reduce, then the (vocab, d) release]
+    tp_emb = q.has_emb & q.fsdp & q.emb_sharded
+    tl.add("fsdp_grad_buffers", q.emb.acc, tp_emb)  # (the clone: FSDP's local until the reduce takes it)
+    tl.mark(BWD_END, tp_emb)
+    tl.add("gradients", -np.asarray(_emb_acc(q), dtype=float) + q.emb.acc, tp_emb)
+    tl.add("fsdp_grad_buffers", -np.asarray(q.emb.acc, dtype=float), tp_emb)
+    q_emb = dataclasses.replace(q.emb, last_acc=q.emb.acc)
     _post_backward(tl, q, q_emb, q.has_emb, BWD_END, rs_prev, False, FINAL)
     for blk, count in q.blocks:
         def body(_last, blk=blk):
@@ -480,8 +532,14 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     """One microbatch's backward. ``regather``: where its units were resharded after forward and gather again.
     Plain gradients (no FSDP) are the parameters' own, fp32."""
     rs_prev: list = []
-    # the last stage starts with the loss's backward (its peak is the forward's moment); others with the
-    # gradient their successor sends
+    # the last stage starts with the loss's backward: its peak (``q.loss``, the loss's backward peak, also
+    # recorded at the end of the forward) on top of what this backward starts with: a later microbatch's
+    # has the gradients accumulated so far and its own in-flight set [trace: the fused loss's chunk moment of
+    # each microbatch, 4.4 MiB above the model's output-projection moment, the gradients grown each time];
+    # others start with the gradient their successor sends
+    tl.add("logits_and_loss", q.loss - q.mb_extra, q.has_out)
+    tl.mark(FWD, q.has_out)
+    tl.add("logits_and_loss", -(q.loss - q.mb_extra), q.has_out)
     tl.add("activations", q.flow)
     tl.add("activations", -np.asarray(q.mb_extra, dtype=float))
     first_blk = q.blocks[-1][0] if q.blocks else None
@@ -489,7 +547,7 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     out_gather = q.has_out & (regather & (q.raf_out | q.pp))
     _gather(tl, q, q.out, out_gather, phase, False, [])
     tl.add("fsdp_gather_buffers", nxt, q.fsdp & regather & q.flat_held)  # the prefetch (none with one rank)
-    tl.add("fsdp_grad_buffers", q.out.grads, q.has_out & q.fsdp)
+    _fsdp_grads_made(tl, q, q.out.grads, q.has_out, mode)
     out_def = np.where(q.deferred(mode), q.out_weight4, 0.0)
     _plain_grads(tl, q, q.out.grads, q.has_out, mode, out_def)
     # the output projection's backward: its weight gradient is made with the logits' gradient still alive (freed
@@ -510,7 +568,9 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     # the whole vocabulary, and under TP (vocab-sharded weight) the rank's rows of it are cloned into the
     # parameter's gradient before the dense one goes; the final callback's reduce
     _gather_in_backward(tl, q, q.emb, q.has_emb & regather, phase, q.flat_held)
-    tl.add("activations", -q.flow)
+    # (the residual stream's gradient is the embedding backward's input: alive at its moment [trace: the block
+    # output gradient beside embedding_dense_backward's output]; a later stage sends it on)
+    tl.add("activations", -q.flow, ~q.has_emb)
     # (without FSDP the parameter's gradient is a view of the dense one: that whole storage is the gradient.
     # Without gradient sync (PP) FSDP2 accumulates the gradient as autograd made it: under TP the local tensor of
     # the vocab-sharded weight's gradient is the dense whole-vocabulary one, and its reduce-dtype accumulator
@@ -520,11 +580,17 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     dense_kept = np.where(rows, q.emb_dense_grad, 0.0)
     emb_grad = np.where(rows, q.emb.grads, q.emb_dense_grad)
     tl.add("fsdp_grad_buffers", dense_kept, q.has_emb)
-    tl.add("fsdp_grad_buffers", emb_grad, q.has_emb & q.fsdp)
+    # (where the rows are cloned out, that happens in FSDP's post-backward, the embedding backward's input
+    # gradient gone: the backward's own moment first)
+    clone = q.has_emb & rows
+    tl.mark(BWD_END, clone)
+    tl.add("activations", -q.flow, clone)
+    _fsdp_grads_made(tl, q, emb_grad, q.has_emb, mode)
     _plain_grads(tl, q, emb_grad, q.has_emb, mode)
     tl.mark(BWD_END, q.has_emb)
+    tl.add("activations", -q.flow, q.has_emb & ~clone)
     tl.add("fsdp_grad_buffers", -dense_kept, q.has_emb)
-    q_emb = dataclasses.replace(q.emb, grads=emb_grad, acc=_emb_acc(q), last_acc=_emb_acc(q))
+    q_emb = dataclasses.replace(q.emb, grads=emb_grad, acc=_emb_acc(q), last_acc=_emb_acc(q), tail_grad=emb_grad)
     _post_backward(tl, q, q_emb, q.has_emb, BWD_END, rs_prev, True, mode)
     _plain_grads_done(tl, q, emb_grad, q.has_emb, mode)
     _final_callback(tl, q, rs_prev)
@@ -572,12 +638,19 @@ def _deferred_casts(tl: Timeline, q: RankMemory, mode, phase: str) -> None:
     runs it only when nothing else is left: the cast weights' gradients (param dtype) wait until the end of that
     backward (after the embedding's), then are converted to fp32 and added one by one, the last cast first (the
     output projection on the last stage) [derived from torch.autograd's engine ordering and autocast's weight
-    cache; trace]. The first conversion is the largest moment; then the held gradients go."""
+    cache; trace]. Each conversion is a moment with every gradient not yet added: the first, and on the last
+    stage the second (the output projection's gone, the last block's last weight converted: larger where that
+    weight's fp32 copy outgrows the output's held and fp32 bytes together — a trace of a 1-layer d384 model:
+    +0.8 MiB over the first); later ones only shrink. Then the held gradients go."""
     d = q.deferred(mode) & ~q.fsdp
     first = np.where(q.has_out, q.out_weight4, q.last_cast4)
     tl.add("autocast_weight_grads", first, d)
     tl.mark(BWD_END, d & q.has_emb)
     tl.mark(phase, d & ~q.has_emb)
+    second = d & q.has_out & (q.last_cast4 > 0)
+    tl.add("autocast_weight_grads", q.last_cast4 - q.out_weight4 * (1.0 + q.param_bytes / 4.0), second)
+    tl.mark(BWD_END, second & q.has_emb)
+    tl.mark(phase, second & ~q.has_emb)
     tl.cur["autocast_weight_grads"] = np.where(d, 0.0, tl.cur["autocast_weight_grads"])
 
 
@@ -614,14 +687,20 @@ def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list,
     none_total = np.asarray(blk.act, dtype=float) + blk.transient
     totals = [np.asarray(blk.unit.grads, dtype=float), np.asarray(ex.grads if ex is not None else 0.0, dtype=float)]
     defer = q.deferred(mode)
-    made, deferred, freed = _steps_series(tl, q, blk, nxt, mode, phase, regather, rs_prev, totals, defer)
+    made, deferred, freed, added = _steps_series(tl, q, blk, nxt, mode, phase, regather, rs_prev, totals, defer)
     tl.add("activations", -(none_total - freed))  # what the steps do not name (e.g. MLA's latent tensors)
     rest = totals[0] - made[0]  # (what the steps do not name: MLA's projections, cast linears)
     _grads_made(tl, q, rest, mode, np.where(defer, rest, 0.0))
     deferred = deferred + np.where(defer, rest, 0.0)
     tl.mark(phase)
-    _post_backward(tl, q, blk.unit, True, phase, rs_prev, False, mode)
-    _plain_grads_done(tl, q, blk.unit.grads - deferred, True, mode)
+    _post_backward(tl, q, _less_grads(blk.unit, added[0]), True, phase, rs_prev, False, mode)
+    _plain_grads_done(tl, q, blk.unit.grads - deferred - added[0], True, mode)
+
+
+def _less_grads(u: Unit, added) -> Unit:
+    """``u`` whose post-backward finds ``added`` fewer gradient bytes in its buffers (``_added_in_place``: there
+    only where no reduce runs, so nothing else of the unit changes)."""
+    return u if not np.any(added) else dataclasses.replace(u, grads=np.asarray(u.grads, dtype=float) - added)
 
 
 def _own_unit(ex: Unit) -> np.ndarray:
@@ -689,11 +768,15 @@ def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str
     """The op steps of a block's backward (``_block_backward``), each: its allocations and weight gradients made
     (``_grads_made``), a moment, its frees. Replayed as runs of steps (``Timeline.apply_series``) split where the
     routed experts' copy-out (before their first op) and post-backward (after their last) happen.
-    Returns (gradient bytes made [unit, experts], the deferred part, activation bytes freed)."""
+    Returns (gradient bytes made [unit, experts], the deferred part, activation bytes freed, the gradient bytes
+    already added into the parameters' and freed [unit, experts]: a later backward's without FSDP)."""
     ex = blk.experts
     made = [np.zeros(q.n), np.zeros(q.n)]
+    added = [np.zeros(q.n), np.zeros(q.n)]
     deferred, freed = np.zeros(q.n), np.zeros(q.n)
     first = _first(q, mode)
+    inplace = _added_in_place(q, mode)
+    kept = _kept_as_made(q, mode)
     cache = blk.series_cache.get(id(mode))
     if cache is None or cache[0] is not mode:  # (the summaries depend on the block and the microbatch's mode)
         cache = (mode, {})
@@ -709,34 +792,61 @@ def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str
             assert ex is not None
             _grads_made(tl, q, totals[1] - made[1], mode)
             made[1] = totals[1]
-            _post_backward(tl, q, ex, _own_unit(ex), phase, rs_prev, False, mode)
-            _plain_grads_done(tl, q, ex.grads, True, mode)
+            _post_backward(tl, q, _less_grads(ex, added[1]), _own_unit(ex), phase, rs_prev, False, mode)
+            _plain_grads_done(tl, q, ex.grads - added[1], True, mode)
             continue
         r = item[1]
-        if n_item in done:
-            summary, made_, d_sum = done[n_item]
-            made = list(made_)
-            deferred = deferred + d_sum
-            freed = freed + r["saved"]
-            tl.apply_series(phase, summary)
-            continue
-        summary, made, d_sum = _run_summary(q, ex, r, made, totals, defer, first)
+        if n_item not in done:
+            summary, made_, d_sum, a_sum = _run_summary(q, ex, r, made, totals, defer, first, inplace, kept)
+            done[n_item] = (summary, tuple(made_), d_sum, a_sum)
+        summary, made_, d_sum, a_sum = done[n_item]
+        made = list(made_)
+        added = [added[0] + a_sum[0], added[1] + a_sum[1]]
         deferred = deferred + d_sum
         freed = freed + r["saved"]
-        done[n_item] = (summary, tuple(made), d_sum)
         tl.apply_series(phase, summary)
-    return made, deferred, freed
+    return made, deferred, freed, added
 
 
-def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, first) -> tuple:
+def _added_in_place(q: RankMemory, mode) -> np.ndarray:
+    """Where a backward's new weight gradients are added into existing ones as the autograd engine makes them
+    (``AccumulateGrad``: in place, the new one dropped at once), not held until a post-backward: a later
+    backward without FSDP (the parameters' ``.grad``), and a later microbatch of FSDP without sync whose reduce
+    dtype is the param dtype (FSDP2 keeps the accumulation on the unsharded parameters' ``.grad``; with an upcast
+    it moves it to ``unsharded_accumulated_grad`` and the new gradients wait for the post-backward's add)."""
+    later_nosync = (mode == ACC_LATER) & (q.reduce_bytes == q.param_bytes)
+    return (~q.fsdp & ~_first(q, mode)) | (q.fsdp & later_nosync)
+
+
+def _kept_as_made(q: RankMemory, mode) -> np.ndarray:
+    """Where FSDP's unsharded gradients are the parameters' ``.grad`` from the moment they are made and stay so:
+    a pass's first backward without sync whose reduce dtype is the param dtype (no accumulator copy,
+    ``_post_backward``): labelled gradients, not buffers (what the trace reads off the unsharded parameters)."""
+    return q.fsdp & (mode == ACC_FIRST) & (q.reduce_bytes == q.param_bytes)
+
+
+def _fsdp_grads_made(tl: Timeline, q: RankMemory, x, on, mode) -> None:
+    """FSDP's unsharded gradients ``x`` made (``on``): gradients where they are kept as made, else buffers."""
+    kept = _kept_as_made(q, mode)
+    tl.add("gradients", x, on & q.fsdp & kept)
+    tl.add("fsdp_grad_buffers", x, on & q.fsdp & ~kept)
+
+
+def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, first, inplace, kept) -> tuple:
     """One run of op steps (``r``) summarized for ``Timeline.apply_series``: its activations made and freed, the
     weight gradients it makes (capped at the unit's totals) into FSDP's buffers, the plain gradients (the first
-    microbatch without FSDP) or autocast's deferred cast-weight gradients. Returns (summary, the gradient bytes
-    made after it [unit, experts], the deferred part)."""
+    microbatch without FSDP) or autocast's deferred cast-weight gradients. A later backward's new gradient
+    without FSDP lives one step: the autograd engine's AccumulateGrad adds it into the parameter's ``.grad`` in
+    place as soon as it is made and drops it (no unit holds it until a post-backward) [derived: torch's
+    AccumulateGrad with grad mode off; trace: TP x PP, a backward's peak 15 MiB (the layer's gradients) below
+    the model's]. Returns (summary, the gradient bytes made after it [unit, experts], the deferred part, the
+    gradient bytes added and freed [unit, experts])."""
     made = list(made)
     nf = ~q.fsdp
     d_sum = 0.0
+    a_sum = [np.zeros(q.n), np.zeros(q.n)]
     gbuf: np.ndarray | float = 0.0
+    gfree: np.ndarray | float = 0.0
     grads: np.ndarray | float = 0.0
     acw: np.ndarray | float = 0.0
     ps = r["p"]
@@ -750,16 +860,21 @@ def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, fi
         d = np.where(defer & r["cast"], x, 0.0) if i == 0 else np.zeros_like(x)  # (routed experts: no cache)
         if i == 0:
             d_sum = d.sum(axis=0)  # type: ignore[assignment]
-        gbuf = gbuf + np.where(q.fsdp, x, 0.0) + np.where(nf & ~first, x - d, 0.0)
+        added = np.where(inplace, np.where(nf, x - d, x), 0.0)
+        gbuf = gbuf + np.where(q.fsdp & ~kept, x, 0.0) + np.where(nf & ~first, x - d, 0.0)
+        grads = grads + np.where(kept, x, 0.0)
+        gfree = gfree - added
+        a_sum[i] = added.sum(axis=0)
         grads = grads + np.where(nf & first, x, 0.0)
         acw = acw + np.where(nf & ~first, d * q.param_bytes / 4.0, 0.0)
     summary = series_summary(q.n, {"activations": r["alloc"], "fsdp_grad_buffers": gbuf, "gradients": grads,
-                                   "autocast_weight_grads": acw}, {"activations": -r["free"]})
-    return summary, made, d_sum
+                                   "autocast_weight_grads": acw},
+                             {"activations": -r["free"], "fsdp_grad_buffers": gfree})
+    return summary, made, d_sum, a_sum
 
 
 def _grads_made(tl: Timeline, q: RankMemory, x, mode, deferred=0.0) -> None:
     """Weight gradients produced by the backward: FSDP's unsharded gradients (a buffer until its post-backward),
     or without FSDP the parameters' own (``_plain_grads``; ``deferred``: the part held in param dtype)."""
-    tl.add("fsdp_grad_buffers", x, q.fsdp)
+    _fsdp_grads_made(tl, q, x, True, mode)
     _plain_grads(tl, q, x, True, mode, deferred)

@@ -114,11 +114,11 @@ def _block_runs(spec: ModelSpec, pp: int, v: int, rank: int, every: int, before_
 
 def _memory_unit(shard, local, s, last, pb, gb, rb) -> Unit:
     """An FSDP unit's sizes for ``memory.simulate``: gathered params, unsharded grads, the reduce-scatter's
-    input, its output, the fp32 sharded grad, and the last gradient ``foreach_reduce`` keeps (``linger``: only over a
-    shard group of 2+, the loop runs only there)."""
+    input, its output, the fp32 sharded grad, the last gradient ``foreach_reduce`` keeps (``linger``: only over a
+    shard group of 2+, the loop runs only there) and the last parameter's gradient (any shard group)."""
     linger = np.where(s > 1, last, 0.0)
     return Unit(s * shard * pb, local * gb, s * shard * rb, shard * rb, shard * 4.0, local * rb,
-                linger * gb, linger * rb)
+                linger * gb, linger * rb, last * gb)
 
 
 def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, idx: np.ndarray, moe: bool,

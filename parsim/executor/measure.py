@@ -323,16 +323,26 @@ class PeakTracker(TorchDispatchMode):
         return {names.get(k, k): float(v) for k, v in self.at_peak.items()}
 
 
-def grad_tensors(parts) -> list:
+def grad_tensors(parts, pipelined: bool = False) -> list:
     """The gradients a rank keeps: the sharded gradients of FSDP2's parameters, FSDP2's unsharded accumulated
     gradients (microbatches without sync) and ``.grad`` of the parameters FSDP does not manage. (The unsharded
     gradient an FSDP unit's backward produces is a buffer on its way to the reduce-scatter: FSDP2 swaps the module
-    parameters to the unsharded ones while gathered, so ``module.parameters()`` alone would count it too.)"""
+    parameters to the unsharded ones while gathered, so ``module.parameters()`` alone would count it too.)
+
+    Without sync (a group's ``reduce_grads`` False: pipelining's backwards before a stage's last, gradient
+    accumulation) FSDP2 keeps the accumulation on the unsharded parameter's ``.grad`` when its dtype is already the
+    reduce dtype (``FSDPParam.to_accumulated_grad_if_needed`` moves it to ``unsharded_accumulated_grad`` only to
+    upcast): those are kept gradients too, not a buffer on its way to a reduce. With an upcast the ``.grad`` is a
+    microbatch's new gradient waiting for the post-backward's add: not counted."""
     out, managed = [], set()
     for m in parts:
         for mod in m.modules():
             state = mod._get_fsdp_state() if hasattr(mod, "_get_fsdp_state") else None
             for group in (getattr(state, "_fsdp_param_groups", None) or []):
+                # the accumulation phase: a backward without sync, or (``pipelined``) pipelining's reduce after
+                # the last one (the group's own backward over: its gradients wait there for the reduce)
+                no_sync = not getattr(group, "reduce_grads", True) or pipelined and str(
+                    getattr(group, "_training_state", "")).endswith(("POST_BACKWARD", "IDLE"))
                 for fp in group.fsdp_params:
                     sharded = getattr(fp, "sharded_param", None)
                     if sharded is not None:
@@ -342,6 +352,8 @@ def grad_tensors(parts) -> list:
                     unsharded = getattr(fp, "_unsharded_param", None)
                     if unsharded is not None:
                         managed.add(id(unsharded))
+                        if no_sync and getattr(fp, "reduce_dtype", None) is None and unsharded.grad is not None:
+                            out.append(unsharded.grad)  # (with an upcast it is a new one on its way to the add)
                     acc = getattr(fp, "unsharded_accumulated_grad", None)
                     if acc is not None:
                         out.append(acc)
@@ -351,13 +363,15 @@ def grad_tensors(parts) -> list:
     return out
 
 
-def track_step(step, parts, opt, phase: dict | None = None, events: list | None = None, below=None):
+def track_step(step, parts, opt, phase: dict | None = None, events: list | None = None, below=None,
+               pipelined: bool = False):
     """Run ``step()`` under a PeakTracker seeded with this rank's parameters, gradients and optimizer state.
     Returns (step's result, peak bytes, breakdown at the peak, the op that set the peak); with ``phase`` (a dict
     whose "now" the step keeps current) the phase at the peak is left in ``phase["at_peak"]``; with ``events`` (a
     list) the step's allocations and frees are appended to it (``PeakTracker``'s ``record_events``), after the
     allocations of the state the step starts with. ``below``: a mode under every tensor subclass (the trace's
-    fake-tensor mode) that shows the tracker what it makes (``PeakTracker.observe``)."""
+    fake-tensor mode) that shows the tracker what it makes (``PeakTracker.observe``). ``pipelined``: the step runs
+    a pipeline schedule (its gradients are accumulated until a reduce after the last backward, ``grad_tensors``)."""
     params = [p for m in parts for p in m.parameters()]
     base = {"parameters": params,
             "gradients": [p.grad for p in params if p.grad is not None],
@@ -369,7 +383,7 @@ def track_step(step, parts, opt, phase: dict | None = None, events: list | None 
             state = mod._get_fsdp_state() if hasattr(mod, "_get_fsdp_state") else None
             for group in (getattr(state, "_fsdp_param_groups", None) or []):
                 unsharded += [fp._unsharded_param for fp in group.fsdp_params if hasattr(fp, "_unsharded_param")]
-    tracker = PeakTracker(base, resizable=unsharded, phase=phase, grads_fn=lambda: grad_tensors(parts),
+    tracker = PeakTracker(base, resizable=unsharded, phase=phase, grads_fn=lambda: grad_tensors(parts, pipelined),
                           record_events=events is not None)
     if below is not None:
         below.tracker = tracker

@@ -161,7 +161,8 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
             sends["bytes"] = 0
             events: list = []
             with _not_tracked_in_sharding_propagation(fake):
-                _, peak, breakdown, peak_op = track_step(step, parts, opt, phase, events, below=fake)
+                _, peak, breakdown, peak_op = track_step(step, parts, opt, phase, events, below=fake,
+                                                         pipelined=plan.pp > 1)
         prov.update(memory_source=f"parsim PeakTracker under FakeTensorMode (tensor-level, rank {rank})",
                     peak_op=peak_op, peak_phase=phase.get("at_peak", ""), pp_stage=stage_ids[0] % plan.pp,
                     comm_counts=dict(counter.counts), wall_s=time.perf_counter() - t0, **_reserved(events))
