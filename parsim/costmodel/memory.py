@@ -435,19 +435,7 @@ def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev
     fs = q.fsdp & on
     red = (mode == REDUCE) | (mode == FINAL)
     accr = mode == FINAL
-    # the accumulators: made from the first microbatch's gradients, grown by the later ones
-    first = fs & (mode == ACC_FIRST)
-    upcast = first & (q.reduce_bytes != q.param_bytes)
-    grads = np.asarray(u.grads, dtype=float)
-    # (at the moment the last copy is being made, not yet FSDP's accumulator; without the upcast the gradients
-    # are the accumulators already: ``_kept_as_made``)
-    tail_acc = np.asarray(u.tail_grad, dtype=float) / q.param_bytes * q.reduce_bytes
-    tl.add("fsdp_grad_buffers", -(grads - u.tail_grad) + tail_acc, upcast)
-    tl.add("gradients", u.acc - tail_acc, upcast)
-    tl.mark(phase, upcast)
-    tl.add("fsdp_grad_buffers", -tail_acc, upcast)
-    tl.add("gradients", tail_acc, upcast)
-    tl.add("fsdp_grad_buffers", -np.where(upcast, u.tail_grad, grads), fs & (upcast | (mode == ACC_LATER)))
+    _accumulate(tl, q, u, fs, phase, mode)
     r = fs & red
     tl.add("fsdp_unsharded_params", -np.asarray(u.gathered, dtype=float), r)
     # the previous unit's reduce-scatter input goes when this unit's reduce starts (where this unit reduces: a
@@ -490,6 +478,22 @@ def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev
     tl.add("fsdp_grad_buffers", -np.asarray(u.shard4, dtype=float), r & ~fp32)
     tl.add("gradients", u.shard4, r & ~q.acc)
     rs_prev.append((np.where(r, u.rs_in, prev[0]), r | (prev[1] & ~r)))
+
+
+def _accumulate(tl: Timeline, q: RankMemory, u: Unit, fs, phase: str, mode) -> None:
+    """The no-sync post-backward (``_post_backward``'s ACC_FIRST / ACC_LATER): the accumulators made from the first
+    microbatch's gradients (with an upcast, parameter by parameter: at the moment the last copy is being made it
+    is not yet FSDP's accumulator; without one the gradients are the accumulators already, ``_kept_as_made``), a
+    later microbatch's gradients added in and freed."""
+    upcast = fs & (mode == ACC_FIRST) & (q.reduce_bytes != q.param_bytes)
+    grads = np.asarray(u.grads, dtype=float)
+    tail_acc = np.asarray(u.tail_grad, dtype=float) / q.param_bytes * q.reduce_bytes
+    tl.add("fsdp_grad_buffers", -(grads - u.tail_grad) + tail_acc, upcast)
+    tl.add("gradients", u.acc - tail_acc, upcast)
+    tl.mark(phase, upcast)
+    tl.add("fsdp_grad_buffers", -tail_acc, upcast)
+    tl.add("gradients", tail_acc, upcast)
+    tl.add("fsdp_grad_buffers", -np.where(upcast, u.tail_grad, grads), fs & (upcast | (mode == ACC_LATER)))
 
 
 def _emb_acc(q: RankMemory):
