@@ -366,6 +366,10 @@ def _forward(tl: Timeline, q: RankMemory, act_before, gathered=None, forward_uni
         _gather(tl, q, q.emb, q.has_emb & need, FWD, True, held)
         tl.add("fsdp_unsharded_params", -np.asarray(q.emb.gathered, dtype=float),
                q.fsdp & q.has_emb & q.raf & present)
+        # the residual stream between blocks (the embedding's output or the stage's input, then each block's
+        # output): alive at every later gather and not yet a block's saved input [trace: a (T, d) fp32 tensor
+        # beside the blocks' saved ones at the output unit's gather]
+        tl.add("activations", q.flow)
         for blk, count in q.blocks:
             def body(last: bool, blk=blk):
                 _gather(tl, q, blk.unit, need, FWD, True, held)
@@ -384,7 +388,7 @@ def _forward(tl: Timeline, q: RankMemory, act_before, gathered=None, forward_uni
         if held:  # the root's post-forward frees the last flat buffer
             tl.add("fsdp_gather_buffers", -held[0][0], held[0][1])
         # the microbatch keeps its stage output (or its loss's saved tensors, below the peak)
-        tl.add("activations", q.mb_extra)
+        tl.add("activations", q.mb_extra - q.flow)
     tl.add("logits_and_loss", q.loss - q.mb_extra, q.has_out)
     tl.mark(FWD)
     tl.add("logits_and_loss", -(q.loss - q.mb_extra), q.has_out)
