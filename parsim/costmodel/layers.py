@@ -492,10 +492,11 @@ class _BackwardSteps:
         self.steps.append({"alloc": alloc + self.z, "free": free + self.z, "saved": tuple(saved), "pgrad": pgrad,
                            "cast": cast})
 
-    def mlp(self, prefix, tokens, ff, names, expert=False, last_saved=(), free_in=0.0):
+    def mlp(self, prefix, tokens, ff, names, expert=False, last_saved=(), free_in=0.0, w3_saved=()):
         """SwiGLU: w2 (its input's gradient), mul (two), silu, w3 and w1 (the normed input's gradient, summed);
         GeLU: w2, gelu, w1. ``free_in``: the output's gradient, freed by w2's backward where the MLP owns it (the
-        routed experts' weighted pairs; a dense MLP's is the residual stream's, freed by the block)."""
+        routed experts' weighted pairs; a dense MLP's is the residual stream's, freed by the block).
+        ``last_saved`` / ``w3_saved``: what w1's / w3's backward releases of the block's saved tensors."""
         step, pg = self.step, self.pg
         hid = tokens * ff * self.b2
         tin = tokens * self.d * self.b2
@@ -503,7 +504,7 @@ class _BackwardSteps:
             step(hid, free_in, [f"{prefix}.w2.input"], pg(names + "w2", expert=expert))
             step(2 * hid, hid, [f"{prefix}.silu.out", f"{prefix}.w3.out"])
             step(hid, hid, [f"{prefix}.w1.out"])
-            step(tin, hid, ["ffn_norm.output(cast w3)"] if prefix == "mlp" else (), pg(names + "w3", expert=expert))
+            step(tin, hid, w3_saved, pg(names + "w3", expert=expert))
             step(tin, hid + tin, last_saved, pg(names + "w1", expert=expert))
         else:
             step(hid, free_in, [f"{prefix}.gelu.out"], pg(names + "w2", expert=expert))
@@ -574,7 +575,8 @@ def backward_steps(spec: ModelSpec, b, sh: Shapes, moe: bool) -> list[dict]:
     bs = _BackwardSteps(spec, b, sh, moe)
     bs.step(bs.g_full)
     if not moe:
-        bs.mlp("mlp", bs.T, spec.d_ff / bs.t, "", last_saved=["ffn_norm.output(gathered)"])
+        bs.mlp("mlp", bs.T, spec.d_ff / bs.t, "", last_saved=["ffn_norm.output(gathered)"],
+               w3_saved=["ffn_norm.output(cast w3)"])
         bs.step(0.0, bs.g_full)
     else:
         bs.moe_ffn()

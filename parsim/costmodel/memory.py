@@ -243,6 +243,15 @@ class RankMemory:
     out_weight4: np.ndarray = field(default_factory=lambda: np.zeros(1))
     last_cast4: np.ndarray = field(default_factory=lambda: np.zeros(1))
 
+    def grads_kept_as_made(self) -> np.ndarray:
+        """Where FSDP2 accumulates without sync in the gradients' own dtype (reduce dtype = param dtype: FSDP2
+        clamps its reduce dtype to None) rather than in an upcast accumulator."""
+        return self.reduce_bytes == self.param_bytes
+
+    def in_reduce_dtype(self, grad_bytes) -> np.ndarray:
+        """``grad_bytes`` of param-dtype gradients, as reduce-dtype bytes (the accumulator a copy makes)."""
+        return np.asarray(grad_bytes, dtype=float) / self.param_bytes * self.reduce_bytes
+
     def deferred(self, mode) -> np.ndarray:
         """Where a backward's cast-weight gradients are deferred: autocast on and not the step's first backward."""
         return (self.autocast_cache > 0) & ~_first(self, mode)
@@ -489,9 +498,9 @@ def _accumulate(tl: Timeline, q: RankMemory, u: Unit, fs, phase: str, mode) -> N
     microbatch's gradients (with an upcast, parameter by parameter: at the moment the last copy is being made it
     is not yet FSDP's accumulator; without one the gradients are the accumulators already, ``_kept_as_made``), a
     later microbatch's gradients added in and freed."""
-    upcast = fs & (mode == ACC_FIRST) & (q.reduce_bytes != q.param_bytes)
+    upcast = fs & (mode == ACC_FIRST) & ~q.grads_kept_as_made()
     grads = np.asarray(u.grads, dtype=float)
-    tail_acc = np.asarray(u.tail_grad, dtype=float) / q.param_bytes * q.reduce_bytes
+    tail_acc = q.in_reduce_dtype(u.tail_grad)
     tl.add("fsdp_grad_buffers", -(grads - u.tail_grad) + tail_acc, upcast)
     tl.add("gradients", u.acc - tail_acc, upcast)
     tl.mark(phase, upcast)
@@ -502,7 +511,7 @@ def _accumulate(tl: Timeline, q: RankMemory, u: Unit, fs, phase: str, mode) -> N
 
 def _emb_acc(q: RankMemory):
     """The embedding's accumulator without gradient sync: the whole vocabulary's under TP (``_backward``)."""
-    return np.where(q.emb_sharded & q.fsdp, q.emb_dense_grad / q.param_bytes * q.reduce_bytes, q.emb.acc)
+    return np.where(q.emb_sharded & q.fsdp, q.in_reduce_dtype(q.emb_dense_grad), q.emb.acc)
 
 
 def _reduce_after(tl: Timeline, q: RankMemory) -> None:
@@ -822,7 +831,7 @@ def _added_in_place(q: RankMemory, mode) -> np.ndarray:
     backward without FSDP (the parameters' ``.grad``), and a later microbatch of FSDP without sync whose reduce
     dtype is the param dtype (FSDP2 keeps the accumulation on the unsharded parameters' ``.grad``; with an upcast
     it moves it to ``unsharded_accumulated_grad`` and the new gradients wait for the post-backward's add)."""
-    later_nosync = (mode == ACC_LATER) & (q.reduce_bytes == q.param_bytes)
+    later_nosync = (mode == ACC_LATER) & q.grads_kept_as_made()
     return (~q.fsdp & ~_first(q, mode)) | (q.fsdp & later_nosync)
 
 
@@ -830,7 +839,7 @@ def _kept_as_made(q: RankMemory, mode) -> np.ndarray:
     """Where FSDP's unsharded gradients are the parameters' ``.grad`` from the moment they are made and stay so:
     a pass's first backward without sync whose reduce dtype is the param dtype (no accumulator copy,
     ``_post_backward``): labelled gradients, not buffers (what the trace reads off the unsharded parameters)."""
-    return q.fsdp & (mode == ACC_FIRST) & (q.reduce_bytes == q.param_bytes)
+    return q.fsdp & (mode == ACC_FIRST) & q.grads_kept_as_made()
 
 
 def _fsdp_grads_made(tl: Timeline, q: RankMemory, x, on, mode) -> None:
