@@ -21,8 +21,9 @@ half-width is ``q = r_(k)``, the k-th smallest, ``k = ceil((n + 1)(1 - alpha))``
 ``[t e^-q, t e^q]``, which covers the measured value with probability >= 1 - alpha when rows are exchangeable. The
 coverage reported by cross-validation uses, for each fold, the q of the other folds' out-of-fold residuals (the
 fold's own residuals never size its own interval). The quantile is taken per plan family (Mondrian conformal,
-``group_halfwidths``; groups ``plan.interval_group``: EP, CP, deep PP, PP, float8, dense), so that coverage holds in
-hard families and easy ones get narrow intervals; a family with fewer than 9 rows takes the pooled quantile.
+``group_halfwidths``; groups ``plan.interval_group``: EP, CP, deep PP, PP, compile, float8, dense), so that
+coverage holds in hard families and easy ones get narrow intervals; a family with fewer than 9 rows takes the pooled
+quantile.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class Plan(_PlanValue):
     (``codec.validate_plan``)."""
 
 
-INTERVAL_GROUPS = ("ep", "cp", "pp-deep", "pp", "float8", "dense")
+INTERVAL_GROUPS = ("ep", "cp", "pp-deep", "pp", "compile", "float8", "dense")
 
 
 def interval_factor(hw, plan: "Plan") -> float:
@@ -166,9 +166,12 @@ def interval_group(plan: "Plan") -> str:
     """The plan family an interval is sized for (Mondrian conformal, ``parsim.calibrate``): the first feature in
     ``INTERVAL_GROUPS`` order that the plan has — expert parallel (all-to-all and routing the model takes as
     balanced), context parallel (ring attention), a pipeline of 4 stages or more (bubble, p2p and per-stage
-    overheads, many of them), any pipeline, float8 (its GEMM efficiency and casts), else a dense plan. These are
-    the classes whose errors differ (issue 24: published rows' error grows with PP depth and EP); the groups are
-    plan features, never sources or models."""
+    overheads, many of them), any pipeline, torch.compile (what Inductor fuses enters the model as one factor on
+    the memory-bound time, ``compile_memory_bound_factor``, while the kernels it generates and the graph breaks it
+    meets differ from graph to graph: compiled plans' errors are the widest of the dense plans, out of fold
+    -21%..+35% on the published rows), float8 (its GEMM efficiency and casts), else a dense plan. These are the
+    classes whose errors differ (issue 24: published rows' error grows with PP depth and EP); the groups are plan
+    features, never sources or models."""
     if plan.ep > 1:
         return "ep"
     if plan.cp > 1:
@@ -177,6 +180,8 @@ def interval_group(plan: "Plan") -> str:
         return "pp-deep"
     if plan.pp > 1:
         return "pp"
+    if plan.compile:
+        return "compile"
     return "float8" if plan.float8 else "dense"
 
 

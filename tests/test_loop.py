@@ -129,6 +129,21 @@ def test_mondrian_intervals_cover_each_plan_family_at_its_own_width():
     assert by_group["dense"] < pooled / 3 and np.mean(easy <= by_group["dense"]) >= 0.9
 
 
+def test_interval_group_takes_the_first_feature_a_plan_has():
+    """The Mondrian families in precedence order: EP before CP before deep PP before PP before torch.compile before
+    float8; a plan with none of them is dense; every family is one of ``INTERVAL_GROUPS``."""
+    from parsim.plan import INTERVAL_GROUPS
+
+    cases = [(dict(dp_shard=4, ep=4, cp=2, compile=True), "ep"), (dict(dp_shard=2, cp=2, pp=4, compile=True), "cp"),
+             (dict(dp_shard=2, pp=4, compile=True, float8=True), "pp-deep"),
+             (dict(dp_shard=2, pp=2, compile=True), "pp"), (dict(dp_shard=8, compile=True, float8=True), "compile"),
+             (dict(dp_shard=8, float8=True), "float8"), (dict(dp_shard=8), "dense")]
+    for kw, group in cases:
+        plan = Plan(seq_len=4096, local_batch_size=8, **kw)
+        assert interval_group(plan) == group, kw
+        assert group in INTERVAL_GROUPS
+
+
 def test_uncalibrated_profiles_give_wide_intervals():
     pred = predict(PRESETS["llama3-8b"], Plan(dp_shard=8, seq_len=4096), load_profile("h100-sxm-spec"))
     lo, hi = pred.interval_s
