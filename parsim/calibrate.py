@@ -88,6 +88,9 @@ def apply(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
     corr["layer_overhead_bwd_s"] = ov_b * f["layer_overhead"]
     if "comm_interference" in corr:
         corr["comm_interference"] = float(corr["comm_interference"]) * f["comm_interference"]
+    # the attention factor scales the FlashAttention curves; a fused kernel of another kind (Transformer Engine's
+    # cuDNN attention on Hopper, ``fused_attention_speedup``) keeps its own public figure (compute._attention_item)
+    corr["flash_attention_factor"] = float(corr.get("flash_attention_factor", 1.0)) * f["attention_eff_max"]
 
     def scaled(curve, factor):
         return None if curve is None else EfficiencyCurve(min(1.0, curve.eff_max * factor), curve.x_half)

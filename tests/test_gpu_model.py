@@ -211,3 +211,30 @@ def test_transformer_engine_attention_runs_cudnn_speed_on_hopper_only():
     att = [x for x in layer_compute_items(L70, b, Shapes(L70, b), fast, False, block_overheads(fast)[0])
            if x[0] == "attention (causal)"][0]
     assert float(att[3][0]) == pytest.approx(1.0)
+
+
+def test_the_calibrated_attention_factor_leaves_cudnn_attention_alone():
+    """``parsim calibrate``'s attention factor is fitted on FlashAttention runs: it scales the FlashAttention curves
+    (torch's SDPA plans, and TE plans on A100 where TE runs FlashAttention), while TE's cuDNN attention on Hopper
+    keeps its own figure, the spec-sheet curve times ``fused_attention_speedup``."""
+    from parsim import calibrate as C
+    from parsim.codec import encode
+    from parsim.costmodel.compute import layer_compute_items
+    from parsim.costmodel.layers import Shapes
+
+    plan = Plan(dp_replicate=2, tp=4, seq_len=8192, local_batch_size=1)
+
+    def attention_s(hw, te):
+        b = encode([dataclasses.replace(plan, te_layers=te)], 8)
+        return [float(x[4][0]) for x in layer_compute_items(L70, b, Shapes(L70, b), hw, False)
+                if x[0] == "attention (causal)"][0]
+
+    for name, cudnn in (("h100-sxm-spec", True), ("a100-sxm-80gb-spec", False)):
+        raw = load_profile(name)
+        cal = C.apply(raw, {"attention_eff_max": 0.5})
+        assert cal.corrections["flash_attention_factor"] == pytest.approx(0.5)
+        assert attention_s(cal, False) == pytest.approx(2.0 * attention_s(raw, False), rel=1e-9)
+        assert attention_s(cal, True) == pytest.approx(attention_s(raw, True) * (1.0 if cudnn else 2.0), rel=1e-9)
+    twice = C.apply(C.apply(H100, {"attention_eff_max": 0.5}), {"attention_eff_max": 0.8})  # factors compose
+    assert twice.corrections["flash_attention_factor"] == pytest.approx(0.4)
+    assert attention_s(twice, True) == pytest.approx(attention_s(H100, True), rel=1e-9)

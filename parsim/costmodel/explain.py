@@ -158,7 +158,9 @@ def _compute_factors(plan: Plan, hw: HardwareProfile) -> list[dict]:
                          _source(hw, "compile_memory_bound_factor", "compile_memory_factor")))
     if plan.te_layers:
         rows.append(_row("fused_attention_speedup", hw.fused_attention_speedup,
-                         "attention under Transformer Engine layers (efficiency x, capped at 1)",
+                         "attention under Transformer Engine layers (efficiency x, capped at 1; over the spec-sheet "
+                         "FlashAttention curve where the speedup is > 1: the calibrated attention factor is not "
+                         "applied to cuDNN's kernel)",
                          _source(hw, "fused_attention_speedup")))
     return rows
 
