@@ -128,6 +128,12 @@ def test_hung_run_is_killed_and_recorded(monkeypatch):
 
 
 def _assert_trace_matches_prediction(spec, plan, mem_tol):
+    t, p = _assert_trace_comm_matches(spec, plan)
+    assert p.peak_memory_bytes == pytest.approx(t.peak_memory_bytes, rel=mem_tol)
+    return t
+
+
+def _assert_trace_comm_matches(spec, plan):
     t = trace_plan(spec, plan)
     assert t.status == "ok", t.error
     p = predict(spec, plan, H100)
@@ -138,8 +144,7 @@ def _assert_trace_matches_prediction(spec, plan, mem_tol):
     assert pc.keys() == tc.keys()
     for k in pc:
         assert abs(pc[k] - tc[k]) <= 4, (k, pc[k], tc[k])
-    assert p.peak_memory_bytes == pytest.approx(t.peak_memory_bytes, rel=mem_tol)
-    return t
+    return t, p
 
 
 def test_trace_64_rank_fsdp_tp_matches_the_model():
@@ -223,6 +228,28 @@ def test_trace_memory_classes_found_by_the_differential(case):
 
     spec, kw, which, tol = STAGE_CASES[case]
     _stage_trace_matches(spec, Plan(**kw), FIRST if which == "first" else LAST, tol)
+
+
+_SMALL = dataclasses.replace(_TINY, n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=256,
+                             vocab_size=1001)
+COMM_CASES = {
+    # TP without SP and without data parallelism (autocast: an fp32 residual stream): the row-parallel outputs are
+    # all-reduced in bf16, the column-parallel input gradients and the edges in fp32 (the model had all in bf16)
+    "tp-no-sp-autocast": (_SMALL, dict(tp=2, sequence_parallel=False, ac="full", seq_len=64, local_batch_size=1,
+                                       global_batch_size=2)),
+    # MoE under TP: the routed outputs are combined in the block input's dtype (fp32 under autocast), so their
+    # all-reduce (no SP), reduce-scatter and its backward all-gather (SP) move fp32; EP's dispatch moves the fp32
+    # input, its combine the bf16 expert outputs
+    "moe-tp-no-sp": (dataclasses.replace(_MOE, n_layers=2), dict(tp=2, sequence_parallel=False, seq_len=64,
+                                                                  local_batch_size=1, ac="selective-op")),
+    "moe-tp-ep-sp": (dataclasses.replace(_MOE, n_layers=2), dict(tp=2, ep=2, seq_len=64, local_batch_size=1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMM_CASES))
+def test_trace_collective_dtypes_found_by_the_differential(case):
+    spec, kw = COMM_CASES[case]
+    _assert_trace_comm_matches(spec, Plan(**kw))  # every collective's bytes per (op, axis), exact
 
 
 def test_trace_sees_the_ring_attention_backward_buffers():

@@ -219,6 +219,10 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> Non
     L = rv.n_layers
     edge = np.where(rv.has_emb, 1.0, 0.0) + np.where(rv.has_out, 1.0, 0.0)
     g, r, tp_on, sp = b.tp, b.rpn["tp"], b.tp > 1, b.sequence_parallel
+    # MoE layers combine their routed outputs in the dtype of the block's input (``MoE._routed`` weights them by
+    # the router's scores cast to it): the residual stream's, fp32 under autocast, while attention's output
+    # projection reduces in param_dtype [derived: executor; trace, below]
+    L_moe = rv.n_of.get(True, 0.0) if spec.moe is not None else 0.0
     ag_res = 2.0 * L + 2.0 * (n_full + n_sac) + edge  # norm outputs (fwd + recompute), embedding/output edges
     ag_mm = 2.0 * L  # backward: gradients of the row-parallel outputs
     rs_res = 2.0 * L + edge  # backward: gradients of the gathered norm outputs; edges
@@ -226,24 +230,34 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> Non
     # tensor the backward needs exists, and the block's last op (w2's reduce-scatter, consumed by the residual add
     # alone) is never needed (trace: 81 instead of 97 reduce-scatters per microbatch for 16 fully checkpointed
     # llama3-8b layers at tp 4)
-    rs_mm = 2.0 * L + n_full
+    rs_mm = 2.0 * L + n_full - L_moe
     # TE layers all-gather the norm output in float8 when float8 is on and gather it again in the backward (the
     # local shard is what they keep, see layers.saved_tensors) [derived]
     ag_res = ag_res + np.where(sh.te, 2.0 * L, 0.0)
     led.add("TP all-gather of norm outputs before the column-parallel linears (incl. recompute)", "all_gather", "tp",
             T * d / t * np.where(sh.te, sh.f8b, sh.res_b), M * ag_res, g, r, "forward+backward", "exposed", tp_on & sp)
-    led.add("TP all-gather of row-parallel output gradients", "all_gather", "tp", T * d / t * sh.act_b, M * ag_mm,
-            g, r, "backward", "exposed", tp_on & sp)
+    led.add("TP all-gather of row-parallel output gradients", "all_gather", "tp", T * d / t * sh.act_b,
+            M * (ag_mm - L_moe), g, r, "backward", "exposed", tp_on & sp)
+    led.add("TP all-gather of MoE output gradients", "all_gather", "tp", T * d / t * sh.res_b, M * L_moe, g, r,
+            "backward", "exposed", tp_on & sp & (L_moe > 0))
     led.add("TP reduce-scatter of row-parallel outputs (incl. full-AC recompute)", "reduce_scatter", "tp",
             T * d * sh.act_b, M * rs_mm, g, r, "forward", "exposed", tp_on & sp)
+    led.add("TP reduce-scatter of MoE outputs", "reduce_scatter", "tp", T * d * sh.res_b, M * L_moe, g, r,
+            "forward", "exposed", tp_on & sp & (L_moe > 0))
     led.add("TP reduce-scatter of norm-output gradients", "reduce_scatter", "tp", T * d * sh.res_b, M * rs_res, g, r,
             "backward", "exposed", tp_on & sp)
     # recompute: early stop skips the MLP's all-reduce (consumed by the residual add alone) under full AC and
     # selective-op AC alike (which does not save all-reduce outputs): one per recomputed layer (trace: tiny,
-    # tiny-moe, llama3-405b at tp 2 without SP)
-    ar_calls = 4.0 * L + n_full + n_sac + edge
-    led.add("TP all-reduce of partial sums (no sequence parallel)", "all_reduce", "tp", T * d * sh.act_b,
-            M * ar_calls, g, r, "forward+backward", "exposed", tp_on & ~sp)
+    # tiny-moe, llama3-405b at tp 2 without SP). The row-parallel outputs are reduced in param_dtype; the
+    # gradients of the column-parallel inputs and the edges (the embedding's output in the forward, the output
+    # projection's input gradient in the backward) in the residual stream's dtype, fp32 under autocast (trace:
+    # a 4-layer model at tp 2 without data parallelism, full AC, 3 microbatches: 36 bf16 and 30 fp32 (T, d)
+    # all-reduces; the model had all 66 in bf16, 31% under) [derived]
+    led.add("TP all-reduce of row-parallel outputs (no sequence parallel; incl. recompute)", "all_reduce", "tp",
+            T * d * sh.act_b, M * (2.0 * L - L_moe + n_full + n_sac), g, r, "forward", "exposed", tp_on & ~sp)
+    led.add("TP all-reduce of MoE outputs, column-parallel input gradients and the edges (no sequence parallel)",
+            "all_reduce", "tp", T * d * sh.res_b, M * (2.0 * L + L_moe + edge), g, r, "forward+backward", "exposed",
+            tp_on & ~sp)
     # loss parallel on the last stage: torch's log_softmax / nll_loss handlers for vocab-sharded logits all-reduce
     # the row max, the sum of exponentials and the target logit, one fp32 value per token each, in the forward
     # [derived from torch.distributed.tensor.parallel.loss; trace]
@@ -294,9 +308,12 @@ def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac)
     if True in rv.kinds:
         n_moe = rv.n_of[True]
         full_moe = ac[True][0]
+        # the dispatch moves the block's input (the residual stream's dtype, fp32 under autocast), the combine the
+        # experts' outputs (param_dtype); their backwards the same pair: per call the mean of the two [derived:
+        # executor MoE._routed; trace: tp8 x ep8 without data parallelism, 1.5x the param_dtype bytes]
         led.add("EP all-to-all dispatch and combine of routed tokens (fwd, bwd, full-AC recompute)", "all_to_all",
-                "ep", sh.Tr * spec.d_model * sh.act_b, M * (4.0 * n_moe + 2.0 * full_moe), b.ep, b.rpn["ep"],
-                "forward+backward", "exposed", b.ep > 1)
+                "ep", sh.Tr * spec.d_model * (sh.act_b + sh.res_b) / 2.0, M * (4.0 * n_moe + 2.0 * full_moe), b.ep,
+                b.rpn["ep"], "forward+backward", "exposed", b.ep > 1)
 
 
 def _fsdp_units(spec, b, rv: RankView) -> list[tuple]:
