@@ -1,6 +1,7 @@
 """Executor: real multi-process runs with gloo (slow) and full-scale traces (tier 1) against the cost model."""
 
 import dataclasses
+import warnings
 
 import pytest
 
@@ -55,6 +56,17 @@ PARITY = [
 ]
 
 
+def test_a_crashed_worker_says_why():
+    """torchrun's summary names only the signal; the launcher puts the lines that say why in front of the tail."""
+    from parsim.executor.launch import _cause
+
+    log = ("step 1\nterminate called after throwing an instance of 'gloo::IoException'\n  what():  [gloo] "
+           "Connection closed by peer\n...\ntraceback : Signal 6 (SIGABRT) received by PID 1\n")
+    assert _cause(log) == ("[terminate called after throwing an instance of 'gloo::IoException'] "
+                           "[what():  [gloo] Connection closed by peer] ")
+    assert _cause("no cause here\n") == ""
+
+
 @pytest.fixture(scope="module")
 def references():
     return {m: reference_losses(PRESETS[m], G, S, STEPS, "sgd") for m in ("tiny", "tiny-moe")}
@@ -72,8 +84,17 @@ def test_loss_parity_with_single_process(model, kw, references):
     on losses near 7.7 is 20x the largest difference seen (9.5e-7) and 300x below that bug."""
     plan = Plan(seq_len=S, param_dtype="float32", **kw)
     assert plan.global_batch_size == G
-    m = run_plan(model, plan, plan.world_size, steps=STEPS - 2, warmup=2, timeout_s=400, device="cpu",
-                 optimizer="sgd")
+    def run():
+        return run_plan(model, plan, plan.world_size, steps=STEPS - 2, warmup=2, timeout_s=400, device="cpu",
+                        optimizer="sgd")
+
+    m = run()
+    if m.status == "error" and "Signal 6 (SIGABRT)" in m.error:
+        # once in a CI run (4 gloo ranks on 2 loaded cores, stop 40) a rank aborted in C++ without a Python error
+        # and did not on 10 reruns; one retry, said as a warning with the cause the launcher found. A wrong loss
+        # or a Python error is never retried.
+        warnings.warn(f"a rank aborted, retried once: {m.error[:400]}", stacklevel=1)
+        m = run()
     assert m.status == "ok", m.error
     assert len(m.losses) == STEPS
     assert m.losses == pytest.approx(references[model], abs=2e-5)

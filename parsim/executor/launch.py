@@ -55,7 +55,7 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
                             provenance=prov)
         elif not os.path.exists(res_f):
             m = Measurement(plan_id=plan.plan_id, kind="run", status="error",
-                            error=f"torchrun exited {code} without a result: {_tail(log)}",
+                            error=f"torchrun exited {code} without a result: {_cause(log)}{_tail(log)}",
                             provenance=prov)
         else:
             with open(res_f) as f:
@@ -63,6 +63,17 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
     if out:
         atomic_write_json(out, m.to_dict())
     return m
+
+
+# what a worker killed by a signal said before it died (C++ terminate, a fatal Python error): torchrun's summary,
+# which ends the log, names only the signal
+_CAUSE_MARKS = ("terminate called", "what():", "Fatal Python error", "Segmentation fault", "Aborted")
+
+
+def _cause(log: str, n: int = 3) -> str:
+    """The first ``n`` lines of ``log`` that say why a process aborted, as a prefix of the error ('' if none)."""
+    found = [ln.strip() for ln in (log or "").splitlines() if any(m in ln for m in _CAUSE_MARKS)][:n]
+    return "".join(f"[{ln[:300]}] " for ln in found)
 
 
 def _tail(log: str, n: int = 1500) -> str:
