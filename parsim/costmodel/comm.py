@@ -222,7 +222,7 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> Non
     # MoE layers combine their routed outputs in the dtype of the block's input (``MoE._routed`` weights them by
     # the router's scores cast to it): the residual stream's, fp32 under autocast, while attention's output
     # projection reduces in param_dtype [derived: executor; trace, below]
-    L_moe = rv.n_of.get(True, 0.0) if spec.moe is not None else 0.0
+    L_moe = rv.n_of[True]  # (zeros on a dense model)
     ag_res = 2.0 * L + 2.0 * (n_full + n_sac) + edge  # norm outputs (fwd + recompute), embedding/output edges
     ag_mm = 2.0 * L  # backward: gradients of the row-parallel outputs
     rs_res = 2.0 * L + edge  # backward: gradients of the gathered norm outputs; edges
