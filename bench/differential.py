@@ -359,22 +359,23 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
     ("pipeline schedule replay", lambda c: c.plan.pp > 1,
      "trace and model follow torch 2.13's pipelining protocol (every backward without gradient sync or reshard, "
      "one reduce per stage after its last backward, interleaved UNSHARD / RESHARD) and collective bytes agree; "
-     "1F1B and GPipe replay it microbatch by microbatch (reshard-after-forward 'always' with units the backward "
-     "left unsharded, in-place accumulation, the per-parameter upcast, each microbatch's loss backward, the "
-     "reduce's redistribution of a TP embedding's gradient) and mostly agree; 49 of 336 traced still fail "
-     "(median 1.6%, up to 14%): MoE stages, plans with layer:N AC under TP or CP (causes not all established: "
-     "one such case failed the same with AC off) and fp32 replicate-only reduces; interleaved schedules are "
-     "still the coarse moment model, not the timeline"),
+     "1F1B and GPipe replay it microbatch by microbatch, interleaved schedules replay torch's own action list "
+     "(memory.simulate_actions); 49 of 392 traced still fail (median 1.1%, up to 5.7%): 26 are MoE stages (the "
+     "MoE gap below, under PP), the other 23 all TP or CP plans, 17 of them with layer:N AC (causes not all "
+     "established)"),
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
                                                                                int(encode([c.plan], None).efsdp[0])),
      "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "
      "cp): the dense units are modelled as FSDP2 runs them (no all-gather nor prefetch, the unsharded gradients "
      "released before the reduce's output, its out-of-place divide: memory.py ``_copy_in`` / ``_post_backward``); "
-     "routed experts with a shard group of 1 still get the prefetch of a 2+ group (MoE plans 1-6% over)"),
+     "routed experts with a shard group of 1 still get the prefetch of a 2+ group; 5 fail (-2.1% to +2.7%)"),
     ("MoE activations", lambda c: c.spec.moe is not None,
-     "MoE plans without PP: most peaks within about 1.5% of the trace but not 0.5% (-9% to +5% at the ends): the "
-     "op-level backward steps of routed and shared experts (layers.backward_steps) do not yet match the "
-     "executor's MoE autograd graph exactly (top-k > 1 with AC, CP, EP with layer:N)"),
+     "MoE plans without PP: 26 fail, most within about 1.5% of the trace but not 0.5% (-9.3% to +2.1% at the "
+     "ends), nearly all under: the op-level backward steps of routed and shared experts (layers.backward_steps) "
+     "do not yet match the executor's MoE autograd graph exactly (top-k > 1 with AC, CP, EP with layer:N), and a "
+     "MoE block's forward has no moment of its own: under full AC its routed working set (the permuted tokens, "
+     "the experts' output, its weighted copy, the scatter buffer and the combined sum, about 4 n k d) is not "
+     "counted [trace: ep 1 x tp 8, the peak at the combine's sum, 36 MiB of such tensors]"),
 )
 
 

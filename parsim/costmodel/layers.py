@@ -380,16 +380,44 @@ def layer_tensors(spec: ModelSpec, b, moe: bool) -> list[tuple[str, np.ndarray, 
         for name, (k, n) in spec.mlp_matrices(m.d_ff_expert * m.n_shared_experts).items():
             linear(f"shared.{name}", k, n, name != "w2")
     e_local = m.n_experts / b.ep.astype(float)
+    for name, (dim1, dim2), on_dim1 in _stacked_experts(spec, b):
+        out.append((name, np.where(on_dim1, dim1, e_local), np.where(on_dim1, e_local * dim2, dim1 * dim2), True))
+    return out
+
+
+def _stacked_experts(spec: ModelSpec, b) -> list[tuple[str, tuple, np.ndarray]]:
+    """The routed experts' stacked weights on a rank: (name, (dim 1, dim 2) of one expert's, where FSDP shards dim
+    1). (experts, d, ff) for w1 / w3 and (experts, ff, d) for w2; FSDP shards dim 1 when the expert-FSDP mesh
+    (dp_replicate x efsdp) outnumbers the local experts (torchtitan: efsdp x ep > experts) and efsdp divides it,
+    else dim 0 (executor: parallelize.apply_fsdp)."""
+    m = spec.moe
+    assert m is not None
+    e_local = m.n_experts / b.ep.astype(float)
     ff = m.d_ff_expert / b.etp_eff.astype(float)
     d = float(spec.d_model)
-    # stacked (experts, d, ff) for w1 / w3 and (experts, ff, d) for w2; FSDP shards dim 1 when the expert-FSDP mesh
-    # (dp_replicate x efsdp) outnumbers the local experts (torchtitan: efsdp x ep > experts) and efsdp divides it,
-    # else dim 0 (executor: parallelize.apply_fsdp)
     by_dim1 = (b.ep > 1) & (b.dp_replicate * b.efsdp > e_local)
-    for name, dim1, dim2 in (("experts.w1", d, ff), ("experts.w3", d, ff), ("experts.w2", ff, d)):
-        dim1_ok = by_dim1 & (np.mod(dim1, np.maximum(b.efsdp, 1)) == 0)
-        out.append((name, np.where(dim1_ok, dim1, e_local), np.where(dim1_ok, e_local * dim2, dim1 * dim2), True))
-    return out
+    return [(name, (dim1, dim2), by_dim1 & (np.mod(dim1, np.maximum(b.efsdp, 1)) == 0))
+            for name, dim1, dim2 in (("experts.w1", d, ff), ("experts.w3", d, ff), ("experts.w2", ff, d))]
+
+
+def experts_off_dim0(spec: ModelSpec, b) -> tuple[np.ndarray, np.ndarray]:
+    """(elements of the rank's routed-expert weights FSDP shards on dim 1, whether the last registered one, w2, is
+    among them). FSDP2 all-gathers on dim 0: such a weight's copy-out goes through a temporary of its unsharded
+    size (``foreach_all_gather_copy_out``: ``empty_like`` per weight, then ``chunk_cat`` into the parameter), and
+    its gradient is copied into dim-0 order before the reduce (``foreach_reduce``: ``torch.cat(chunks)`` replaces
+    the list entry while the loop variable still holds the original) [derived from torch 2.13
+    torch.distributed.fsdp._fully_shard._fsdp_collectives; trace: mixtral 4 layers, ep 4 over 64 ranks, three
+    224 MiB ``empty_like`` temporaries at the copy-out moment]."""
+    zero = np.zeros(len(b.tp))
+    if spec.moe is None:
+        return zero, zero.astype(bool)
+    m = spec.moe
+    e_local = m.n_experts / b.ep.astype(float)
+    total, last = zero, zero.astype(bool)
+    for _name, (dim1, dim2), on_dim1 in _stacked_experts(spec, b):
+        total = total + np.where(on_dim1, e_local * dim1 * dim2, 0.0)
+        last = on_dim1
+    return total, last
 
 
 def last_param_elems(spec: ModelSpec, b, moe: bool) -> tuple[np.ndarray, np.ndarray]:

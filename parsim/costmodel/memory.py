@@ -169,6 +169,11 @@ class Unit:
     last_acc: np.ndarray | float = 0.0
     # the unit's last parameter's unsharded gradient (param dtype), over any shard group
     tail_grad: np.ndarray | float = 0.0
+    # parameters FSDP shards on a dim other than 0 (routed experts, ``layers.experts_off_dim0``): the copy-out's
+    # temporaries (param dtype, over a shard group of 2+), and whether the last parameter is one (its gradient's
+    # dim-0 copy then sits beside the original at the reduce)
+    copy_temp: np.ndarray | float = 0.0
+    last_off_dim0: np.ndarray | bool = False
 
 
 @dataclass
@@ -186,6 +191,8 @@ class Block:
     steps: list = field(default_factory=list)
     saved: dict = field(default_factory=dict)
     grad_elem_bytes: np.ndarray | float = 0.0
+    # the attention part of the recompute transient (what the recompute has made when it reaches the experts)
+    transient_attn: np.ndarray | float = 0.0
     _plan: list | None = None  # ``_step_plan``'s cache
     series_cache: dict = field(default_factory=dict)  # id(mode) -> (mode, {run index: summary}): ``_steps_series``
 
@@ -264,15 +271,7 @@ class RankMemory:
 def simulate(q: RankMemory) -> dict:
     """The phases of one step (the last pass of gradient accumulation: the earlier passes' gradients present),
     itemized."""
-    tl = Timeline(q.n)
-    tl.add("parameters", q.parameters)
-    tl.add("optimizer_states", q.optimizer_states)
-    tl.add("buffers", q.buffers)
-    tl.add("cp_buffers", q.cp_buffers)
-    tl.add("gradients", q.all_grads4, q.acc)
-    # autocast (no FSDP): the compute-dtype copies of the linear weights, cached from their first use until the
-    # autocast region ends after the last backward
-    tl.add("autocast_weight_cache", q.autocast_cache)
+    tl = _step_start(q)
     act = q.act_mb()
     multi = q.m >= 2
     # warm-up forwards: the first gathers every unit (a pipeline keeps them: reshard_after_forward is off by
@@ -309,6 +308,26 @@ def simulate(q: RankMemory) -> dict:
     if np.any(q.pp):
         with tl.only(q.pp):
             _reduce_after(tl, q)
+    _optimizer_step(tl, q)
+    return tl.phases()
+
+
+def _step_start(q: RankMemory) -> Timeline:
+    """A step's timeline at its start: parameters, optimizer states, buffers, CP's buffers, the earlier passes'
+    gradients (gradient accumulation) and autocast's cast weights (no FSDP: the compute-dtype copies of the linear
+    weights, cached from their first use until the autocast region ends after the last backward)."""
+    tl = Timeline(q.n)
+    tl.add("parameters", q.parameters)
+    tl.add("optimizer_states", q.optimizer_states)
+    tl.add("buffers", q.buffers)
+    tl.add("cp_buffers", q.cp_buffers)
+    tl.add("gradients", q.all_grads4, q.acc)
+    tl.add("autocast_weight_cache", q.autocast_cache)
+    return tl
+
+
+def _optimizer_step(tl: Timeline, q: RankMemory) -> None:
+    """Clipping and the optimizer: every gradient, the foreach temporaries."""
     # clipping and the optimizer: every gradient, the foreach temporaries
     for k in ("cp_buffers", "fsdp_unsharded_params", "fsdp_gather_buffers", "fsdp_grad_buffers",
               "autocast_weight_cache", "activations", "recompute_transient", "logits_and_loss"):
@@ -323,7 +342,137 @@ def simulate(q: RankMemory) -> dict:
     tl.add("optimizer_temporaries", np.maximum(q.opt_temporaries, np.where(dense_emb, 2.0 * np.asarray(
         q.emb.grads, dtype=float), 0.0)))
     tl.mark(OPT)
+
+
+def simulate_actions(q: RankMemory, chunks: list, schedules: list, pp: int) -> dict:
+    """The phases of one step of a rank that runs several pipeline stages (interleaved schedules), replaying
+    torch's own action list (``pipeline.interleaved_actions``): ``chunks[c]`` is the rank's ``c``-th stage's
+    share (stage ``c pp + rank``: its blocks, and the embedding or the [norm, output] unit where it has them;
+    every size that is the rank's whole, static or the optimizer's, stays in ``q``). Each stage is an FSDP root
+    of its own:
+
+    * F: its forward (``_forward``); its units gather unless unsharded (by an UNSHARD or a backward), and with
+      reshard-after-forward are resharded after it.
+    * B: its backward without sync or reshard (``_backward``): the stage's first of the pass makes its gradient
+      accumulators (ACC_FIRST), later ones add into them; the phase is the rank's first backward's or a later one's
+      (``executor.trace`` attributes the rank's first backward of all stages to "backward of the last layer").
+    * UNSHARD: every FSDP module of the stage unshards (an all-gather into a flat buffer, the copy-out, the buffer
+      freed, unit by unit: ``FSDPModule.unshard`` outside forward); RESHARD frees whatever of the stage is unsharded.
+    * REDUCE_GRAD: the stage's reduce after its last backward (``_reduce_after``).
+
+    The moments are the phases a trace attributes them to: F "end of forward", UNSHARD / RESHARD the phase of the
+    action before. Consecutive forwards (or backwards) of one stage change the running totals by the same amount
+    each once the first has run (its units' state settled, its accumulators made): as blocks in ``_run``, only the
+    first, second, one before the last and last are replayed, the change of one added for the others.
+    ``schedules``: (the plans it is for, the action list) pairs (the list depends on the microbatch count), each
+    replayed for its plans only, a forward's or backward's record shared (``_replayed``)."""
+    tl = _step_start(q)
+    v = len(chunks)
+    memo: dict = {}
+    for plans, actions in schedules:
+        st = {"unsharded": [np.zeros(q.n, bool) for _ in range(v)], "held": [np.zeros(q.n) for _ in range(v)],
+              "backwards": [0] * v, "phase": FWD, "memo": memo}  # held: the stage's unsharded parameter bytes
+        with tl.only(plans):
+            i = 0
+            while i < len(actions):
+                kind, stage, _mb = actions[i]
+                k = 1
+                while (kind in ("F", "B") and i + k < len(actions) and actions[i + k][0] == kind
+                       and actions[i + k][1] == stage):
+                    k += 1
+                _stage_action_run(tl, chunks[stage // pp], stage // pp, kind, k, st)
+                i += k
+    _optimizer_step(tl, q)
     return tl.phases()
+
+
+def _stage_action_run(tl: Timeline, qc: RankMemory, c: int, kind: str, k: int, st: dict) -> None:
+    """``k`` consecutive actions ``kind`` of stage ``c`` (``simulate_actions``): the first, second, one before the
+    last and the last replayed, the second's change repeated for those between."""
+    _stage_action(tl, qc, c, kind, st)
+    if k == 1:
+        return
+    if k > 2:
+        before, held0 = tl.snapshot(), st["held"][c].copy()
+        _stage_action(tl, qc, c, kind, st)
+        if k > 3:
+            tl.advance(before, k - 4)
+            st["held"][c] = st["held"][c] + (k - 4) * (st["held"][c] - held0)
+            if kind == "B":
+                st["backwards"][c] += k - 4
+            _stage_action(tl, qc, c, kind, st)
+    _stage_action(tl, qc, c, kind, st)
+
+
+def _stage_action(tl: Timeline, qc: RankMemory, c: int, kind: str, st: dict) -> None:
+    """One action of stage ``c`` (``simulate_actions``), with the stage's state in ``st``."""
+    unsharded, held, backwards = st["unsharded"], st["held"], st["backwards"]
+    before = tl.cur["fsdp_unsharded_params"].copy()
+    if kind == "F":
+        st["phase"] = FWD
+        _replayed(tl, st, (kind, c, unsharded[c].tobytes()),
+                  lambda t: _forward(t, qc, act_before=None, after_backward=unsharded[c]))
+        unsharded[c] = qc.fsdp & ~qc.raf
+    elif kind == "B":
+        st["phase"] = phase = BWD1 if sum(backwards) == 0 else BWD2
+        mode = ACC_FIRST if backwards[c] == 0 else ACC_LATER
+        regather = ~unsharded[c]
+        _replayed(tl, st, (kind, c, mode, phase, regather.tobytes()),
+                  lambda t: _backward(t, qc, mode, phase, regather=regather))
+        backwards[c] += 1
+        unsharded[c] = qc.fsdp.copy()
+        if np.any(qc.has_emb):
+            st["phase"] = BWD_END
+    elif kind == "UNSHARD":
+        _unshard_stage(tl, qc, ~unsharded[c], st["phase"])
+        unsharded[c] = qc.fsdp.copy()
+    elif kind == "RESHARD":
+        tl.add("fsdp_unsharded_params", -held[c])
+        unsharded[c] = np.zeros(qc.n, bool)
+    else:  # REDUCE_GRAD
+        st["phase"] = BWD_END
+        _reduce_after(tl, qc)
+        unsharded[c] = np.zeros(qc.n, bool)
+    held[c] = held[c] + tl.cur["fsdp_unsharded_params"] - before
+
+
+def _replayed(tl: Timeline, st: dict, key: tuple, action) -> None:
+    """``action(timeline)`` applied to ``tl``: recorded once per ``key`` on a timeline starting from zero (its
+    largest moment per phase above its start, itemized, and its change), then applied as that record. A forward
+    or backward changes the running totals by amounts that do not depend on them (every step adds or frees sizes;
+    the deferred cast gradients it clears at its end are its own), so one record serves every action with the
+    same key (``simulate_actions``: stage, kind, gradient mode, phase and unit state)."""
+    memo = st["memo"]
+    rec = memo.get(key)
+    if rec is None:
+        sub = Timeline(tl.n)
+        action(sub)
+        rec = memo[key] = (sub.best, sub.items, sub.cur)
+    best, items, end = rec
+    base = np.add.reduce(list(tl.cur.values()))
+    for ph in PHASES:
+        top = base + best[ph]
+        better = (top > tl.best[ph]) & tl.mask
+        if better.any():
+            tl.best[ph] = np.where(better, top, tl.best[ph])
+            for k in MEMORY_KEYS:
+                tl.items[ph][k] = np.where(better, tl.cur[k] + items[ph][k], tl.items[ph][k])
+    for k in MEMORY_KEYS:
+        tl.cur[k] = tl.cur[k] + end[k]
+
+
+def _unshard_stage(tl: Timeline, q: RankMemory, on, phase: str) -> None:
+    """Every FSDP unit of a stage unshards (``on``) in module order: per unit the all-gather's flat buffer, the
+    copy-out into its parameters (a moment), the buffer freed (``_gather`` outside forward). Within a run of equal
+    blocks each moment is the previous one plus one unit's parameters: only the run's last is replayed."""
+    _gather(tl, q, q.emb, on & q.has_emb, phase, False, [])
+    for blk, count in q.blocks:
+        units = [blk.unit] + ([blk.experts] if blk.experts is not None else [])
+        for u in units:
+            tl.add("fsdp_unsharded_params", np.asarray(u.gathered, dtype=float) * (count - 1), q.fsdp & on)
+        for u in units:
+            _gather(tl, q, u, on if u is blk.unit else on & _own_unit(u), phase, False, [])
+    _gather(tl, q, q.out, on & q.has_out, phase, False, [])
 
 
 def _gather(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, forward: bool, held: list) -> None:
@@ -336,7 +485,7 @@ def _gather(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, forward: bool,
     buf = fs & _copy_in(q)
     tl.add("fsdp_gather_buffers", u.gathered, buf)
     tl.add("fsdp_unsharded_params", u.gathered, fs)
-    tl.mark(phase, fs)
+    _copy_out_moment(tl, u, fs, phase)
     if forward:
         # (only where this unit gathers: elsewhere the previous flat buffer stays held — a MoE block's experts
         # with ep 1 belong to the block's unit and gather nothing of their own)
@@ -347,6 +496,14 @@ def _gather(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, forward: bool,
         tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), buf & ~q.flat_held)
     else:
         tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), buf)
+
+
+def _copy_out_moment(tl: Timeline, u: Unit, on, phase: str) -> None:
+    """The copy-out's moment: the unit's parameters allocated beside its flat buffer, and the temporaries of its
+    parameters sharded on a dim other than 0 (``Unit.copy_temp``), freed when the copy-out returns."""
+    tl.add("fsdp_gather_buffers", u.copy_temp, on)
+    tl.mark(phase, on)
+    tl.add("fsdp_gather_buffers", -np.asarray(u.copy_temp, dtype=float), on)
 
 
 def _copy_in(q: RankMemory) -> np.ndarray:
@@ -459,7 +616,11 @@ def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev
     tl.add("gradients", -np.asarray(u.acc, dtype=float), r & accr)
     tl.add("fsdp_grad_buffers", u.acc, r & accr)
     tl.add("fsdp_grad_buffers", u.rs_in, r)
+    # (a last parameter sharded on dim 1: its dim-0 copy in the list, the original in the loop variable)
+    dup = np.where(u.last_off_dim0, np.where(accr, u.last_acc, u.last_grad), 0.0)
+    tl.add("fsdp_grad_buffers", dup, r)
     tl.mark(phase, r)
+    tl.add("fsdp_grad_buffers", -dup, r)
     # after the copy-in the gradients go, but for the last one (``foreach_reduce``'s loop variable)
     tl.add("fsdp_grad_buffers", -(np.asarray(u.grads, dtype=float) - u.last_grad), r & ~accr & (not grads_alive))
     tl.add("fsdp_grad_buffers", -(np.asarray(u.acc, dtype=float) - u.last_acc), r & accr)
@@ -531,7 +692,10 @@ def _reduce_after(tl: Timeline, q: RankMemory) -> None:
     tl.mark(BWD_END, tp_emb)
     tl.add("gradients", -np.asarray(_emb_acc(q), dtype=float) + q.emb.acc, tp_emb)
     tl.add("fsdp_grad_buffers", -np.asarray(q.emb.acc, dtype=float), tp_emb)
-    q_emb = dataclasses.replace(q.emb, last_acc=q.emb.acc)
+    # (the embedding is its unit's only parameter: its accumulator is the one ``foreach_reduce``'s copy-in loop
+    # keeps, which runs only over a shard group of 2+ (``_memory_unit``'s linger) [trace: dp_replicate 4 x pp 2,
+    # fp32: the reduce of a (50257, 512) embedding holds its input, output and the divide's buffer, not a fourth])
+    q_emb = dataclasses.replace(q.emb, last_acc=np.where(q.flat_held, q.emb.acc, 0.0))
     _post_backward(tl, q, q_emb, q.has_emb, BWD_END, rs_prev, False, FINAL)
     for blk, count in q.blocks:
         def body(_last, blk=blk):
@@ -680,7 +844,7 @@ def _gather_in_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, pr
     cast = fs & ~pref & _copy_in(q)  # a shard group of one: the copy-in made now, not prefetched (``_copy_in``)
     tl.add("fsdp_gather_buffers", u.gathered, cast)
     tl.add("fsdp_unsharded_params", u.gathered, fs)
-    tl.mark(phase, fs)
+    _copy_out_moment(tl, u, fs, phase)
     tl.add("fsdp_gather_buffers", -np.asarray(u.gathered, dtype=float), (fs & pref) | cast)
 
 
@@ -697,6 +861,16 @@ def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list,
     dense_next = np.where(q.flat_held, nxt, 0.0)  # no prefetch buffer with a shard group of one (``_copy_in``)
     tl.add("fsdp_gather_buffers", np.where(_own_unit(ex), ex.gathered, dense_next) if ex is not None else dense_next,
            q.fsdp & regather)
+    # a recomputed block reruns its forward, and routed experts resharded after forward (their own unit, EP) are
+    # unsharded by their pre-forward there, after the attention's recompute: their copy-out's moment holds that
+    # part of the transient, not the whole block's [trace: full AC, ep 2 over 8 ranks, reshard always: the peak
+    # at the experts' copy-out temporaries with about the attention's recomputed tensors alive]
+    early = np.zeros(q.n, bool)
+    if ex is not None:
+        early = regather & _own_unit(ex) & (np.asarray(blk.transient, dtype=float) > 0)
+        tl.add("recompute_transient", blk.transient_attn, early)
+        _gather_in_backward(tl, q, ex, early, phase)
+        tl.add("recompute_transient", -np.asarray(blk.transient_attn, dtype=float), early)
     tl.add("recompute_transient", blk.transient)
     tl.mark(phase)
     tl.add("recompute_transient", -blk.transient)
@@ -704,7 +878,8 @@ def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list,
     none_total = np.asarray(blk.act, dtype=float) + blk.transient
     totals = [np.asarray(blk.unit.grads, dtype=float), np.asarray(ex.grads if ex is not None else 0.0, dtype=float)]
     defer = q.deferred(mode)
-    made, deferred, freed, added = _steps_series(tl, q, blk, nxt, mode, phase, regather, rs_prev, totals, defer)
+    made, deferred, freed, added = _steps_series(tl, q, blk, nxt, mode, phase, regather, rs_prev, totals, defer,
+                                                 ex_regather=regather & ~early)
     tl.add("activations", -(none_total - freed))  # what the steps do not name (e.g. MLA's latent tensors)
     rest = totals[0] - made[0]  # (what the steps do not name: MLA's projections, cast linears)
     _grads_made(tl, q, rest, mode, np.where(defer, rest, 0.0))
@@ -781,7 +956,7 @@ def series_summary(n: int, pre: dict, post: dict) -> dict:
 
 
 def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str, regather, rs_prev: list,
-                  totals: list, defer) -> tuple:
+                  totals: list, defer, ex_regather=None) -> tuple:
     """The op steps of a block's backward (``_block_backward``), each: its allocations and weight gradients made
     (``_grads_made``), a moment, its frees. Replayed as runs of steps (``Timeline.apply_series``) split where the
     routed experts' copy-out (before their first op) and post-backward (after their last) happen.
@@ -802,7 +977,7 @@ def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str
     for n_item, item in enumerate(blk.step_plan(q.n)):
         if item[0] == "gather":
             assert ex is not None
-            _gather_in_backward(tl, q, ex, regather, phase)
+            _gather_in_backward(tl, q, ex, regather if ex_regather is None else ex_regather, phase)
             tl.add("fsdp_gather_buffers", np.where(_own_unit(ex), nxt, 0.0), q.fsdp & regather & q.flat_held)
             continue
         if item[0] == "post":

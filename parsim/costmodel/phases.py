@@ -4,6 +4,7 @@ the plan is on it; the peak and its moment. See ``step``'s docstring for the mem
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from .layers import (
     FIRST,
     Shapes,
     backward_steps,
+    experts_off_dim0,
     inflight,
     kept_by_ac_mode,
     last_param_elems,
@@ -26,8 +28,8 @@ from .layers import (
     saved_tensors,
     stage_bounds,
 )
-from .memory import MEMORY_KEYS, PHASES, Block, RankMemory, Unit, simulate
-from .pipeline import SCHED_GPIPE
+from .memory import MEMORY_KEYS, PHASES, Block, RankMemory, Unit, simulate, simulate_actions
+from .pipeline import SCHED_GPIPE, interleaved_actions
 from .reserved import reserved_breakdown
 
 
@@ -49,10 +51,10 @@ def rank_memory(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.Rank
     # what FSDP2's all-gathers hold unsharded: each unit's padded shards times the shard group
     gathered = {"blocks": sum(rv.n_of[k] * (b.fsdp * rv.pshard[k][0] + b.efsdp * rv.pshard[k][1]) for k in rv.kinds),
                 "emb": b.fsdp * rv.emb_shard, "out": b.fsdp * (rv.norm_shard + rv.outw_shard)}
-    timed = (b.pp_stages_per_rank == 1) & (static_bytes(b, rv) <= above_bytes)
+    timed = static_bytes(b, rv) <= above_bytes
     if timed.all():  # the step's timeline (costmodel/memory.py)
         return _timeline_phases(spec, b, sh, rank, rv, c, p_shard, p_opt, timed), p_opt
-    # interleaved plans (and those the search screen bounds) keep the coarse moments for now
+    # plans the search screen bounds keep the coarse moments
     phases = _memory_phases(spec, b, sh, rank, rv, c, ne_local, ex_local, p_shard, p_opt, gathered)
     if timed.any():
         tl = _timeline_phases(spec, b, sh, rank, rv, c, p_shard, p_opt, timed)
@@ -82,8 +84,12 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
         idx = rows_idx[np.ravel(inv) == g]
         _, first, back = np.unique(same[idx], axis=0, return_index=True, return_inverse=True)
         runs = _block_runs(spec, int(pp), int(v), rank, int(k), bool(bp))
-        q = _rank_memory_inputs(spec, b, sh, rank, rv, c, p_shard, p_opt, idx[first], runs, steps)
-        res = simulate(q)
+        built: dict = {}
+        q = _rank_memory_inputs(spec, b, sh, rank, rv, c, p_shard, p_opt, idx[first], runs, steps, built)
+        if v == 1:
+            res = simulate(q)
+        else:
+            res = _interleaved(spec, b, rank, idx[first], q, built, (int(pp), int(v), int(k), bool(bp)))
         for ph in PHASES:
             for name in MEMORY_KEYS:
                 out[ph][name][idx] = res[ph][name][np.ravel(back)]
@@ -93,23 +99,62 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
 _NOT_MEMORY = ("mesh_idx", "compile", "async_tp", "float8", "float8_recipe")
 
 
+def _interleaved(spec: ModelSpec, b: PlanBatch, rank: int, idx: np.ndarray, q: RankMemory, built: dict,
+                 key: tuple) -> dict:
+    """``memory.simulate_actions`` for the plans ``idx`` of a rank running ``v`` stages: one ``RankMemory`` per
+    stage (its blocks; the embedding on the first rank's first stage, the [norm, output] unit and the loss on the
+    last rank's last stage) and torch's action list (``pipeline.interleaved_actions``) for each microbatch count."""
+    pp, v, every, before_pp = key
+    r = 0 if rank == FIRST else pp - 1
+    chunks = []
+    for j, runs in enumerate(_stage_runs(spec, pp, v, rank, every, before_pp)):
+        stage = j * pp + r
+        chunks.append(_stage_memory(spec, b, q, idx, runs, built, stage == 0, stage == pp * v - 1))
+    micro = b.n_micro[idx]
+    schedules = [(micro == m, interleaved_actions(pp, v, int(m), r, compress=True)) for m in np.unique(micro)]
+    return simulate_actions(q, chunks, schedules, pp)
+
+
+def _stage_memory(spec: ModelSpec, b: PlanBatch, q: RankMemory, idx: np.ndarray, runs: list, built: dict,
+                  has_emb: bool, has_out: bool) -> RankMemory:
+    """One stage's share of a rank's ``RankMemory`` (``memory.simulate_actions``): its blocks (the rank's
+    ``Block`` of each kind), the embedding's and the output's sizes only where the stage has them, its stage output
+    (or the loss's saved tensors on the last stage) kept per microbatch, the last cast weight of its last block."""
+    n = len(idx)
+    emb, out = np.full(n, has_emb), np.full(n, has_out)
+    return dataclasses.replace(
+        q, blocks=[(built[moe, ckpt], count) for moe, ckpt, count in runs], has_emb=emb & q.has_emb,
+        has_out=out & q.has_out, emb_dense_grad=np.where(emb, q.emb_dense_grad, 0.0),
+        loss=np.where(out, q.loss, 0.0), logits_grad=np.where(out, q.logits_grad, 0.0),
+        mb_extra=np.where(out, q.mb_extra, q.flow), held_until_end=[],
+        last_cast4=_last_cast_elems(spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
+
+
 def _block_runs(spec: ModelSpec, pp: int, v: int, rank: int, every: int, before_pp: bool
                 ) -> list[tuple[bool, bool, int]]:
     """The rank's blocks in forward order as runs (MoE?, checkpointed by ``layer:every``?, count); ``every`` 0: no
     ``layer:N`` AC (torchtitan's count: from 1 over this process's blocks, or over the model's when AC comes before
     the PP split, ``layers._rank_ckpt``)."""
+    return [run for runs in _stage_runs(spec, pp, v, rank, every, before_pp) for run in runs]
+
+
+def _stage_runs(spec: ModelSpec, pp: int, v: int, rank: int, every: int, before_pp: bool) -> list[list[tuple]]:
+    """``_block_runs`` of each of the rank's stages (runs do not cross stages)."""
     n_stages = pp * v
     bounds = stage_bounds(spec.n_layers, n_stages)
     r = 0 if rank == FIRST else pp - 1
-    blocks = [i for st in range(r, n_stages, pp) for i in range(bounds[st], bounds[st + 1])]
-    runs: list[list] = []
-    for j, i in enumerate(blocks):
-        item = (spec.is_moe_layer(i), every > 0 and ((i if before_pp else j) + 1) % every == 0)
-        if runs and tuple(runs[-1][:2]) == item:
-            runs[-1][2] += 1
-        else:
-            runs.append([*item, 1])
-    return [tuple(r) for r in runs]
+    out, j = [], 0
+    for st in range(r, n_stages, pp):
+        runs: list[list] = []
+        for i in range(bounds[st], bounds[st + 1]):
+            item = (spec.is_moe_layer(i), every > 0 and ((i if before_pp else j) + 1) % every == 0)
+            j += 1
+            if runs and tuple(runs[-1][:2]) == item:
+                runs[-1][2] += 1
+            else:
+                runs.append([*item, 1])
+        out.append([tuple(x) for x in runs])
+    return out
 
 
 def _memory_unit(shard, local, s, last, pb, gb, rb) -> Unit:
@@ -136,8 +181,12 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
     last_blk, last_ex = (x[idx] for x in last_param_elems(spec, b, moe))
     blk_unit = _memory_unit(ne_s + np.where(ep1, ex_s, 0.0), ne_l + np.where(ep1, ex_l, 0.0), S, last_blk, pb, gb,
                             rb)
-    experts = (_memory_unit(np.where(ep1, 0.0, ex_s), np.where(ep1, 0.0, ex_l), Se, last_ex, pb, gb, rb)
-               if moe else None)
+    experts = None
+    if moe:
+        off0, last_off0 = (x[idx] for x in experts_off_dim0(spec, b))
+        experts = dataclasses.replace(
+            _memory_unit(np.where(ep1, 0.0, ex_s), np.where(ep1, 0.0, ex_l), Se, last_ex, pb, gb, rb),
+            copy_temp=np.where(~ep1 & (Se > 1), off0 * pb, 0.0), last_off_dim0=~ep1 & last_off0)
 
     def sel(x):
         return np.broadcast_to(np.asarray(x, dtype=float), (len(b),))[idx]
@@ -147,13 +196,16 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
               "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
     keep = kept_by_ac_mode(items)
     saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
-    return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb)
+    return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb,
+                 transient_attn=a["none"][0] - act_attn)
 
 
 def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, p_shard,
-                        p_opt, idx: np.ndarray, runs: list, steps_of: dict) -> RankMemory:
+                        p_opt, idx: np.ndarray, runs: list, steps_of: dict, built: dict | None = None
+                        ) -> RankMemory:
     """The sizes ``memory.simulate`` replays, for the plans ``idx`` (bytes). ``steps_of``: per block kind, its
-    backward steps and saved tensors over the whole batch (``layers.backward_steps``, ``layers.saved_tensors``)."""
+    backward steps and saved tensors over the whole batch (``layers.backward_steps``, ``layers.saved_tensors``).
+    ``runs``: the blocks replayed; ``built`` (filled): (MoE?, checkpointed?) -> its ``Block``."""
     pb, rb = b.param_bytes[idx].astype(float), b.reduce_bytes[idx].astype(float)
     fsdp_on = (b.dp_replicate * b.dp_shard * b.cp > 1)[idx]
     gb = np.where(fsdp_on, pb, 4.0)  # unsharded gradients: param dtype under FSDP, the fp32 parameters' without
@@ -165,7 +217,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
 
     has_emb, has_out = rv.has_emb[idx], rv.has_out[idx]
     blocks = []
-    built: dict = {}  # (MoE?, checkpointed?) -> Block: runs of the same kind share one (and its replay caches)
+    built = {} if built is None else built  # runs of the same kind share one Block (and its replay caches)
     for moe, ckpt, count in runs:
         if (moe, ckpt) not in built:
             built[moe, ckpt] = _memory_block(spec, b, rv, c.costs, idx, moe, ckpt, steps_of, sizes)
@@ -202,8 +254,8 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         emb_sharded=(b.tp > 1)[idx] & ~b.te_layers[idx],
         out=unit(np.asarray(rv.norm_shard + rv.outw_shard)[idx], np.asarray(rv.out_local)[idx], S,
                  np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))),
-        loss=np.asarray(_loss_bytes(spec, b, sh, rv, c))[idx] * np.ones(len(idx)),
-        blocks=blocks, opt_temporaries=np.asarray(p_opt)[idx] * 4.0, flat_held=S > 1,
+        loss=np.where(has_out, np.asarray(_loss_bytes(spec, b, sh, rv, c))[idx], 0.0),
+        blocks=blocks, opt_temporaries=np.asarray(optimizer_temporaries(b, rv))[idx], flat_held=S > 1,
         hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
         logits_grad=np.where(has_out, np.asarray(c.logits, dtype=float)[idx] * np.asarray(sh.act_b)[idx], 0.0),
         pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
@@ -401,7 +453,7 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
                                                          np.maximum(grads_prev, p_shard * 4.0)),
                                 fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),
                                 fsdp_grad_buffers=emb_grad, activations=np.maximum(n_inflight - 1.0, 0.0) * c.act),
-        "optimizer step": dict(base, gradients=p_shard * 4.0, optimizer_temporaries=p_opt * 4.0,
+        "optimizer step": dict(base, gradients=p_shard * 4.0, optimizer_temporaries=optimizer_temporaries(b, rv),
                                fsdp_unsharded_params=np.where(dist, keep_all, 0.0)),
     }
 
@@ -412,8 +464,25 @@ def rank_params(b: PlanBatch, rv: C.RankView) -> tuple:
     torchtitan-style EP; under Megatron-style EP the experts' over their expert-data-parallel group ``edp`` (with
     ep = dp_replicate there is no second holder of an expert and its state is not sharded) [framework source:
     Megatron-Core's distributed optimizer shards each gradient buffer over that buffer's data-parallel group]."""
+    dense, expert, (dense_opt, expert_opt) = _param_split(b, rv)
+    return dense + expert, dense_opt + expert_opt
+
+
+def _param_split(b: PlanBatch, rv: C.RankView) -> tuple:
+    """(dense parameters a rank holds, routed-expert ones, (those of each whose optimizer step it runs))."""
     dense = rv.edge_shard + sum(rv.n_of[k] * rv.pshard[k][0] for k in rv.kinds)
     expert = sum((rv.n_of[k] * rv.pshard[k][1] for k in rv.kinds), np.zeros(len(b)))
     dense_div = np.where(b.zero1, b.dp_replicate, 1)
     expert_div = np.where(b.ep_megatron, np.where(b.distributed_optimizer.astype(bool), b.edp, 1), dense_div)
-    return dense + expert, dense / dense_div + expert / expert_div
+    return dense, expert, (dense / dense_div, expert / expert_div)
+
+
+def optimizer_temporaries(b: PlanBatch, rv: C.RankView) -> np.ndarray:
+    """Bytes of the foreach AdamW step's temporaries: one fp32 tensor per parameter of a param group
+    (``_foreach_sqrt`` of the second moments), freed before the next group. The executor makes one group per
+    device mesh (``executor.worker.make_optimizer``): routed experts under EP live on their own mesh, so the
+    step peaks with the larger of the two groups, not both [derived from torch.optim.AdamW's per-group
+    ``_multi_tensor_adamw``; trace: qwen3-30b-a3b 4 layers, dp_shard 4 x ep 2: 2304 MiB of ``_foreach_sqrt``
+    outputs at the peak, the experts' alone, not the 2970 MiB of every parameter]."""
+    _, _, (dense_opt, expert_opt) = _param_split(b, rv)
+    return np.where(b.ep > 1, np.maximum(dense_opt, expert_opt), dense_opt + expert_opt) * 4.0

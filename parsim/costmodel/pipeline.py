@@ -22,3 +22,91 @@ def bubble(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb):
     full_speed_mb = t_mb - compute_mb + compute_mb / s  # exposed comm per microbatch is not stretched by s
     bubble1 = ga * (b.pp - 1) / b.pp_stages_per_rank * full_speed_mb
     return np.maximum(0.0, M * compute_mb / s + bubble1 - M * compute_mb)
+
+
+def interleaved_actions(pp: int, v: int, m: int, rank: int, compress: bool = False) -> list[tuple[str, int, int]]:
+    """The actions torch's ``ScheduleInterleaved1F1B`` runs on pipeline rank ``rank`` with FSDP stages, in order:
+    ("F" | "B", stage, microbatch), ("UNSHARD" | "RESHARD" | "REDUCE_GRAD", stage, -1); stage = chunk x pp + rank.
+
+    [derived from torch 2.13 ``torch.distributed.pipelining.schedules``: ``_get_warmup_ops`` (the last rank warms
+    up ``(v - 1) x microbatches_per_round`` forwards, two more per rank before it, at most ``v m``), then a forward
+    and a backward each step, then the remaining backwards; forwards take chunks in rounds of
+    ``microbatches_per_round = m // max(1, m // pp)``, backwards the reverse chunk order; ``_add_unshard_reshard``
+    keeps at most 3 stages unsharded, unsharding each the first time one of the next 3 distinct stages to compute
+    needs it and resharding those no longer among them; ``_add_reduce_grad`` reduces a stage after its m-th
+    backward. ``tests/test_executor.py::test_interleaved_action_list_is_torchs_own`` checks this against the
+    schedule class itself.]
+
+    ``compress``: the steady 1F1B steps repeat with a period of ``v x microbatches_per_round`` steps (each stage
+    one round of forwards and of backwards: the same stages in the same order, so the same UNSHARD / RESHARD, and
+    every stage's in-flight count back where it was): the same memory moments each period once every stage has
+    run its first backward (in the first period), and the same state at each period's start from the second on.
+    The whole periods after the second are left out (a memory replay of 128 microbatches on 8 ranks runs 2 of the
+    15) [derived]."""
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    total = v * m
+    nxt_f: dict[int, int] = {}
+    nxt_b: dict[int, int] = {}
+
+    def take(counter: dict, stage: int) -> int:
+        counter[stage] = counter.get(stage, 0) + 1
+        return counter[stage] - 1
+
+    compute: list[tuple[str, int, int]] = []
+    step_of: list[int] = []  # the schedule step each compute action belongs to
+    steady = total - warmup
+    for op in range(warmup + steady + warmup):
+        if op < warmup + steady:  # warm-up, then 1F1B: a forward ...
+            s = ((op // per_round) % v) * pp + rank
+            compute.append(("F", s, take(nxt_f, s)))
+            step_of.append(op)
+        if op >= warmup:  # ... and from the 1F1B steps on a backward
+            s = (v - 1 - ((op - warmup) // per_round) % v) * pp + rank
+            compute.append(("B", s, take(nxt_b, s)))
+            step_of.append(op)
+    actions, steps = _with_fsdp_actions(compute, step_of, m)
+    period = v * per_round
+    repeats = steady // period - 2  # whole periods after the second
+    if not compress or repeats <= 0:
+        return actions
+    lo, hi = warmup + 2 * period, warmup + (2 + repeats) * period
+    return [a for a, op in zip(actions, steps, strict=True) if not lo <= op < hi]
+
+
+def _with_fsdp_actions(compute: list[tuple[str, int, int]], step_of: list[int], m: int, max_active: int = 3
+                       ) -> tuple[list[tuple[str, int, int]], list[int]]:
+    """``compute`` with torch's UNSHARD / RESHARD (``_add_unshard_reshard``) and REDUCE_GRAD (``_add_reduce_grad``)
+    actions added (see ``interleaved_actions``), and the schedule step of each (an FSDP action: the step of the
+    compute action it comes with)."""
+    out: list[tuple[tuple[str, int, int], int]] = []
+    active: list[int] = []
+    for i, act in enumerate(compute):
+        upcoming: list[int] = []
+        for _k, s, _mb in compute[i:]:
+            if s not in upcoming:
+                upcoming.append(s)
+                if len(upcoming) == max_active:
+                    break
+        for s in [s for s in active if s not in upcoming]:
+            active.remove(s)
+            out.append((("RESHARD", s, -1), step_of[i]))
+        for s in [s for s in upcoming if s not in active]:
+            active.append(s)
+            out.append((("UNSHARD", s, -1), step_of[i]))
+        out.append((act, step_of[i]))
+    end = step_of[-1] + 1 if step_of else 0
+    out += [(("RESHARD", s, -1), end) for s in active]
+    done: dict[int, int] = {}
+    final: list[tuple[str, int, int]] = []
+    steps: list[int] = []
+    for act, op in out:
+        final.append(act)
+        steps.append(op)
+        if act[0] == "B":
+            done[act[1]] = done.get(act[1], 0) + 1
+            if done[act[1]] == m:
+                final.append(("REDUCE_GRAD", act[1], -1))
+                steps.append(op)
+    return final, steps
