@@ -135,7 +135,7 @@ class _Rows:
         for idx, spec, b, hw in self.groups:
             if subset is not None and not np.isin(idx, subset).any():
                 continue
-            out[idx] = evaluate(spec, b, apply(hw, factors))["step_time_s"]
+            out[idx] = evaluate(spec, b, apply(hw, factors), time_only=True)["step_time_s"]
         return out
 
 

@@ -29,6 +29,10 @@ EP_FROM = ("dp_shard", "dp_replicate", "folded")
 # torchao float8 training recipes (torchtitan's Float8LinearConverter recipe_name; tensorwise is the original one)
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 DTYPES = ("float32", "bfloat16", "float16")
+# the attention kernel a run uses: flash (FlashAttention-2 class: torch SDPA's flash / cuDNN backends, flash-attn 2,
+# what torchtitan and parsim's executor run) | triton (the Triton FlashAttention kernel: llm-foundry's MPT
+# ``attn_impl: triton``)
+ATTENTION_KERNELS = ("flash", "triton")
 # absurd sizes, refused before anything is enumerated (and int64 / float arithmetic stays far from overflow)
 MAX_GPUS = 2**20  # 1,048,576: beyond every cluster built so far
 MAX_SEQ_LEN = 2**24  # 16,777,216 tokens
@@ -204,6 +208,14 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
                                "Transformer Engine runs on CUDA only, the executor has no such layers",
               torchtitan_gap="TE layers (Megatron-Core's Transformer Engine spec): not a torchtitan option; "
                              "torchtitan runs its own layers (more activation memory under SP: see --emit-megatron)"),
+    PlanField("attention_kernel", "choice", "flash", choices=ATTENTION_KERNELS, late=True, label="Triton attention",
+              letters="TrA", shown_default="[flash]",
+              help="the attention kernel: flash (FlashAttention-2 class: torch SDPA, flash-attn 2) | triton (the "
+                   "Triton FlashAttention kernel, llm-foundry's attn_impl triton; cost model only)",
+              executor_refusal="attention_kernel triton is a cost-model option: the executor runs torch's SDPA",
+              torchtitan_gap="Triton attention: torchtitan runs torch's SDPA (FlashAttention-2 / cuDNN kernels)",
+              megatron_gap="Triton attention: Megatron-Core runs Transformer Engine's attention (cuDNN / "
+                           "FlashAttention)"),
     PlanField("fused_loss", "bool", False, late=True, label="fused loss", letters="FL", shown_default="[no]",
               help="fused cross-entropy (flash-attn xentropy, Megatron cross_entropy_loss_fusion): no fp32 copy of "
                    "the logits, one logits-sized gradient",

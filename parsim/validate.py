@@ -324,9 +324,12 @@ FRAMEWORKS = (
     (("megatron", "nemo"), "Megatron-Core", {"te_layers": True},
      "Megatron-Core's default layer spec is Transformer Engine's (transformer_impl='transformer_engine'), "
      "which NeMo and Megatron-Bridge use"),
-    (("llm-foundry", "llmfoundry", "mosaicml"), "llm-foundry", {"fused_loss": True},
+    (("llm-foundry", "llmfoundry", "mosaicml"), "llm-foundry", {"fused_loss": True, "attention_kernel": "triton"},
      "MPT's loss_fn defaults to 'fused_crossentropy' (flash-attn's xentropy CrossEntropyLoss) [assumed from "
-     "llm-foundry's MPT code; the tables do not print it]"),
+     "llm-foundry's MPT code; the tables do not print it]; the benchmark tables were run by "
+     "scripts/train/benchmarking/submit_benchmarks.py, whose --attn_impl defaults to 'triton' (the Triton "
+     "FlashAttention kernel) at the commits that wrote them (b2a43a1, 2023-10, and 5e85bd6, 2024-01) "
+     "[framework source]"),
 )
 
 

@@ -4,9 +4,11 @@ keys, compute/communication interference, hardware variants and what the publish
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from parsim import validate as V
+from parsim.codec import encode
 from parsim.costmodel import predict
 from parsim.hardware import load_profile
 from parsim.plan import Plan
@@ -154,12 +156,31 @@ def test_te_layers_keep_what_megatron_core_keeps():
 def test_published_rows_carry_their_framework():
     assert V.framework_options({"source": "megatron-bridge", "table": "x"}) == {"te_layers": True}
     assert V.framework_options({"source": "nemo-24.07", "table": "x"}) == {"te_layers": True}
-    assert V.framework_options({"source": "llm-foundry", "table": "x"}) == {"fused_loss": True}
+    assert V.framework_options({"source": "llm-foundry", "table": "x"}) == {"fused_loss": True,
+                                                                        "attention_kernel": "triton"}
     assert V.framework_options({"source": "torchtitan", "table": "x"}) == {}
     spec, plan = V.published_plan({"id": "r", "source": "megatron-bridge", "model": "llama3-8b", "gpus": 8,
                                    "dp_replicate": 2, "dp_shard": 1, "tp": 4, "ac": "none", "local_batch_size": 4,
                                    "micro_batch_size": 1, "global_batch_size": 8, "seq_len": 4096, "float8": 1})
     assert plan.te_layers and not plan.fused_loss
+
+
+def test_triton_attention_kernel_runs_at_flashattention2s_time_times_the_published_ratio():
+    # llm-foundry's tables ran the Triton FlashAttention kernel (attn_impl triton); FA2 is 1.3-2.5x faster than it
+    # (arXiv 2307.08691): the attention item's time x TRITON_ATTENTION_SLOWDOWN, nothing else changes
+    from parsim.costmodel.compute import TRITON_ATTENTION_SLOWDOWN, layer_compute_items
+    from parsim.costmodel.layers import Shapes
+
+    spec = PRESETS["llama3-8b"]
+    hw = load_profile("a100-sxm-80gb-spec")
+    plans = [Plan(dp_shard=8, seq_len=8192), Plan(dp_shard=8, seq_len=8192, attention_kernel="triton")]
+    b = encode(plans, 8)
+    items = {i.name: i for i in layer_compute_items(spec, b, Shapes(spec, b), hw, False)}
+    att = items["attention (causal)"].seconds
+    assert att[1] == pytest.approx(att[0] * TRITON_ATTENTION_SLOWDOWN)
+    assert all(np.allclose(i.seconds[0], i.seconds[1]) for n, i in items.items() if n != "attention (causal)")
+    slow, fast = (predict(spec, p, hw).step_time_s for p in plans[::-1])
+    assert slow > fast
 
 
 def test_interleaved_rows_without_a_virtual_stage_count_are_predicted_with_the_frameworks_default():

@@ -16,6 +16,7 @@ from ..codec import DTYPES, PlanBatch, encode
 from ..hardware import HardwareProfile
 from ..ordering import ac_wraps_compile_recompute_factor
 from ..plan import Plan
+from ..plan_schema import ATTENTION_KERNELS
 from ..spec import ModelSpec
 from . import comm as C
 from .layers import (
@@ -42,6 +43,11 @@ MEMORY_BWD_PER_FWD = 2.0
 # [public benchmark] float8 rowwise GEMMs run at 90-100% of tensorwise speed on most shapes, with a tail down to 50%
 # (pytorch/pytorch#147971): the low end of the common range
 ROWWISE_KERNEL_SPEED = 0.9
+# [public benchmark] FlashAttention-2 runs 1.3-2.5x faster than the Triton FlashAttention kernel, forward +
+# backward on A100 (Dao 2023, arXiv:2307.08691, sec. 4.1); the geometric middle of that range [assumed]. The
+# spec-sheet attention curves are FlashAttention-2's
+TRITON_ATTENTION_SLOWDOWN = 1.8
+ATTENTION_KERNEL_CODES = {name: i for i, name in enumerate(ATTENTION_KERNELS)}
 # [derived] the loss's fp32 traffic per logit: read bf16 logits, write / read the fp32 copy and log-softmax (16 B)
 LOSS_BYTES_PER_LOGIT = 16.0
 
@@ -145,7 +151,9 @@ def _attention_item(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfi
     fell short of FlashAttention's own benchmark, and cuDNN's kernel has a public figure of its own (the
     FlashAttention-3 paper's cuDNN measurements) that the factor was not fitted on [derived; issue 24: the factor,
     0.55, slowed Megatron-Bridge's TE rows by 15% of their step time]. Where the speedup is 1 (A100: TE runs
-    FlashAttention there) the kernel is the same and the factor stays."""
+    FlashAttention there) the kernel is the same and the factor stays. Plans on the Triton FlashAttention kernel
+    (``attention_kernel`` triton: llm-foundry's MPT runs) take FlashAttention-2's time x TRITON_ATTENTION_SLOWDOWN
+    (the FlashAttention-2 paper's comparison of the two kernels)."""
     a_flops = attention_flops(spec, sh)
     if hw.attention_keys_efficiency is None:
         eff, t = hw.attention_efficiency(a_flops), hw.attention_efficiency.time_s(a_flops, peak)
@@ -156,6 +164,8 @@ def _attention_item(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfi
     if speedup > 1.0:
         speedup = speedup / float(hw.corrections.get("flash_attention_factor", 1.0))
     boost = np.where(b.te_layers, np.minimum(speedup, 1.0 / np.maximum(eff, 1e-12)), 1.0)
+    # the Triton FlashAttention kernel (``attention_kernel`` triton) at FlashAttention-2's speed / 1.8
+    boost = boost / np.where(b.attention_kernel == ATTENTION_KERNEL_CODES["triton"], TRITON_ATTENTION_SLOWDOWN, 1.0)
     return ComputeItem("attention (causal)", "attention", a_flops, eff * boost, t / boost, False)
 
 
@@ -250,7 +260,8 @@ def measured_block_times(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, moe
         if m:
             sel = inv == i
             fwd[sel], bwd[sel], have[sel] = m["fwd_s"], m["bwd_s"], True
-    return fwd, bwd, have
+    # (blocks are measured with torch's SDPA: a plan on another attention kernel keeps the curves)
+    return fwd, bwd, have & (b.attention_kernel == ATTENTION_KERNEL_CODES["flash"])
 
 
 def measured_head_times(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile) -> dict | None:

@@ -424,14 +424,15 @@ def _stage_action(tl: Timeline, qc: RankMemory, c: int, kind: str, st: dict) -> 
         if np.any(qc.has_emb):
             st["phase"] = BWD_END
     elif kind == "UNSHARD":
-        _unshard_stage(tl, qc, ~unsharded[c], st["phase"])
+        on, phase = ~unsharded[c], st["phase"]
+        _replayed(tl, st, (kind, c, phase, on.tobytes()), lambda t: _unshard_stage(t, qc, on, phase))
         unsharded[c] = qc.fsdp.copy()
     elif kind == "RESHARD":
         tl.add("fsdp_unsharded_params", -held[c])
         unsharded[c] = np.zeros(qc.n, bool)
     else:  # REDUCE_GRAD
         st["phase"] = BWD_END
-        _reduce_after(tl, qc)
+        _replayed(tl, st, (kind, c), lambda t: _reduce_after(t, qc))
         unsharded[c] = np.zeros(qc.n, bool)
     held[c] = held[c] + tl.cur["fsdp_unsharded_params"] - before
 
@@ -441,7 +442,8 @@ def _replayed(tl: Timeline, st: dict, key: tuple, action) -> None:
     largest moment per phase above its start, itemized, and its change), then applied as that record. A forward
     or backward changes the running totals by amounts that do not depend on them (every step adds or frees sizes;
     the deferred cast gradients it clears at its end are its own), so one record serves every action with the
-    same key (``simulate_actions``: stage, kind, gradient mode, phase and unit state)."""
+    same key (``simulate_actions``: stage, kind, gradient mode, phase and unit state; a stage's unshard and its
+    reduce likewise)."""
     memo = st["memo"]
     rec = memo.get(key)
     if rec is None:

@@ -32,13 +32,17 @@ end of forward (activations of the in-flight microbatches, logits and loss), bac
 unsharded params of two blocks and one block's gradient buffers, the recompute transient), with PP the backward
 of a later microbatch (beside the gradients the first one accumulated), end of backward (the
 embedding's dense full-vocabulary gradient on the first stage) and the optimizer step (one fp32 temporary per
-parameter, foreach AdamW). All hold the sharded fp32 params and AdamW states.
+parameter of the larger param group, foreach AdamW). All hold the sharded fp32 params and AdamW states. The moments
+come from a replay of the step (``memory.simulate``; interleaved schedules replay torch's own action list,
+``memory.simulate_actions``).
 
 What the framework's kernels keep is a plan option, not a factor: ``fused_loss`` (a fused cross-entropy: the
 logits and one gradient of their size, 2 x param_dtype bytes per logit, against torch's 12 B/logit on an fp32 copy)
 and ``te_layers`` (Megatron-Core's Transformer Engine layers: sequence-parallel norm outputs kept as local shards,
 in float8 when float8 is on, and all-gathered again in the backward; fused SwiGLU / RoPE keeping their inputs only;
-a vocab-parallel embedding whose gradient is its shard; see ``layers.saved_tensors``).
+a vocab-parallel embedding whose gradient is its shard; see ``layers.saved_tensors``); so is the attention kernel
+(``attention_kernel``: FlashAttention-2 class, or the Triton FlashAttention kernel at a public benchmark's ratio,
+``compute._attention_item``).
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ TIME_KEYS = ("compute_forward", "compute_backward", "recompute", "pp_bubble", "o
 
 
 def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = False,
-             memory_only: bool = False, time_bound: bool = False, above_bytes: float = math.inf) -> dict:
+             memory_only: bool = False, time_bound: bool = False, above_bytes: float = math.inf,
+             time_only: bool = False) -> dict:
     """Evaluate every plan of ``b``. Returns arrays: step_time_s, peak_memory_bytes, fits, tokens_per_s_per_gpu,
     mfu, peak_rank (0 = first stage, 1 = last), and with ``detail`` the breakdowns, comm bytes and times, and the
     two ranks' ledgers. ``memory_only``: only peak_memory_bytes, without the collectives and step time (what
@@ -82,7 +87,8 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
     ``memory_only``): a plan whose parameters, optimizer states and gradients alone (``static_bytes``, a lower
     bound of its peak) exceed it is not replayed on the timeline, its peak given as at least that bound (it does
     not fit either way). ``time_bound``: only ``step_time_lower_bound_s`` (``_time_lower_bound``), without the
-    collectives and memory."""
+    collectives and memory. ``time_only``: only ``step_time_s`` (the same as the full evaluation's; step time does
+    not depend on memory), without replaying memory (what calibration's fits need)."""
     sh = Shapes(spec, b)
     layers = rank_layers(spec, b.pp, b.pp_stages_per_rank)
     kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
@@ -95,6 +101,8 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
         if time_bound:
             c = rank_compute(spec, b, sh, hw, rv, costs)
             per_rank.append(_time_lower_bound(b, hw, c, rank_params(b, rv)[1], rv.n_tensors))
+        elif time_only:
+            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs, with_memory=False).step_s)
         elif memory_only:
             c = rank_compute(spec, b, sh, hw, rv, costs)
             phases, _ = rank_memory(spec, b, sh, rank, rv, c, above_bytes)
@@ -106,6 +114,8 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
             per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
     if time_bound:
         return {"step_time_lower_bound_s": np.maximum(per_rank[0], per_rank[1])}
+    if time_only:  # the slowest rank's, as ``_combine``
+        return {"step_time_s": np.maximum(per_rank[0], per_rank[1])}
     if memory_only:  # per rank: (allocated peak, reserved) with the static bound
         return {"peak_memory_bytes": np.maximum(per_rank[0][0], per_rank[1][0]),
                 "reserved_memory_bytes": np.maximum(per_rank[0][1], per_rank[1][1])}
@@ -186,14 +196,15 @@ class RankStep:
     step_s: np.ndarray
     time_breakdown_s: dict  # component -> seconds
     ledger: C.Ledger
-    peak: RankPeak
+    peak: RankPeak | None
 
 
 def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rank: int, rv: C.RankView,
-                   costs: dict) -> RankStep:
-    """Step time (itemized) and peak memory (itemized, the largest of five moments) of one rank."""
+                   costs: dict, with_memory: bool = True) -> RankStep:
+    """Step time (itemized) and peak memory (itemized, the largest of five moments; None without
+    ``with_memory``) of one rank."""
     c = rank_compute(spec, b, sh, hw, rv, costs)
-    phases, p_opt = rank_memory(spec, b, sh, rank, rv, c)
+    phases, p_opt = rank_memory(spec, b, sh, rank, rv, c) if with_memory else (None, rank_params(b, rv)[1])
     ga = b.grad_accum.astype(float)
     M = ga * b.n_micro  # microbatches per step per rank
     cm = C.rank_comm(spec, b, sh, hw, rv)
@@ -211,7 +222,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     tb["comm_interference"] = interference(hw, cm.ledger)
     tb.update(framework_overheads(spec, b, hw, cm.ledger, rv.n_layers, M))
     return RankStep(step_s=sum(tb.values()), time_breakdown_s=tb, ledger=cm.ledger,
-                    peak=rank_peak(b, sh, hw, rv, c, phases))
+                    peak=rank_peak(b, sh, hw, rv, c, phases) if phases is not None else None)
 
 
 def _combine(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, per_rank: list, detail: bool) -> dict:
