@@ -387,21 +387,14 @@ def simulate_actions(q: RankMemory, chunks: list, schedules: list, pp: int) -> d
 
 
 def _stage_action_run(tl: Timeline, qc: RankMemory, c: int, kind: str, k: int, st: dict) -> None:
-    """``k`` consecutive actions ``kind`` of stage ``c`` (``simulate_actions``): the first, second, one before the
-    last and the last replayed, the second's change repeated for those between."""
-    _stage_action(tl, qc, c, kind, st)
-    if k == 1:
-        return
-    if k > 2:
-        before, held0 = tl.snapshot(), st["held"][c].copy()
-        _stage_action(tl, qc, c, kind, st)
-        if k > 3:
-            tl.advance(before, k - 4)
-            st["held"][c] = st["held"][c] + (k - 4) * (st["held"][c] - held0)
-            if kind == "B":
-                st["backwards"][c] += k - 4
-            _stage_action(tl, qc, c, kind, st)
-    _stage_action(tl, qc, c, kind, st)
+    """``k`` consecutive actions ``kind`` of stage ``c`` (``simulate_actions``), as blocks in ``_run``; the stage's
+    state advances with the running totals (its unsharded bytes by the last action's change, its backward count)."""
+    def repeated(times: float) -> None:
+        st["held"][c] = st["held"][c] + times * st["held_change"]
+        if kind == "B":
+            st["backwards"][c] += int(times)
+
+    _run(tl, k, lambda _last: _stage_action(tl, qc, c, kind, st), repeated)
 
 
 def _stage_action(tl: Timeline, qc: RankMemory, c: int, kind: str, st: dict) -> None:
@@ -434,7 +427,8 @@ def _stage_action(tl: Timeline, qc: RankMemory, c: int, kind: str, st: dict) -> 
         st["phase"] = BWD_END
         _replayed(tl, st, (kind, c), lambda t: _reduce_after(t, qc))
         unsharded[c] = np.zeros(qc.n, bool)
-    held[c] = held[c] + tl.cur["fsdp_unsharded_params"] - before
+    st["held_change"] = tl.cur["fsdp_unsharded_params"] - before
+    held[c] = held[c] + st["held_change"]
 
 
 def _replayed(tl: Timeline, st: dict, key: tuple, action) -> None:
@@ -451,16 +445,8 @@ def _replayed(tl: Timeline, st: dict, key: tuple, action) -> None:
         action(sub)
         rec = memo[key] = (sub.best, sub.items, sub.cur)
     best, items, end = rec
-    base = np.add.reduce(list(tl.cur.values()))
-    for ph in PHASES:
-        top = base + best[ph]
-        better = (top > tl.best[ph]) & tl.mask
-        if better.any():
-            tl.best[ph] = np.where(better, top, tl.best[ph])
-            for k in MEMORY_KEYS:
-                tl.items[ph][k] = np.where(better, tl.cur[k] + items[ph][k], tl.items[ph][k])
-    for k in MEMORY_KEYS:
-        tl.cur[k] = tl.cur[k] + end[k]
+    for ph in PHASES:  # (each phase's record applied as a one-moment series; the change after the last)
+        tl.apply_series(ph, {"top": best[ph], "at": items[ph], "end": end if ph == PHASES[-1] else {}})
 
 
 def _unshard_stage(tl: Timeline, q: RankMemory, on, phase: str) -> None:
@@ -563,7 +549,7 @@ def _forward(tl: Timeline, q: RankMemory, act_before, gathered=None, forward_uni
     tl.mark(FWD)
 
 
-def _run(tl: Timeline, count: int, body) -> None:
+def _run(tl: Timeline, count: int, body, repeated=None) -> None:
     """``count`` blocks of one kind in a row: the first, the second (a typical one: the same kind before it), the
     change it made repeated for the blocks up to the one before the last, that one replayed (the running totals
     grown over all before it; its successor is a block of the same size), and the last (its successor differs).
@@ -578,6 +564,8 @@ def _run(tl: Timeline, count: int, body) -> None:
         body(False)
         if count > 3:
             tl.advance(before, count - 4)
+            if repeated is not None:  # (state kept beside the running totals advances with them)
+                repeated(count - 4)
             body(False)
     body(True)
 

@@ -254,7 +254,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         emb_sharded=(b.tp > 1)[idx] & ~b.te_layers[idx],
         out=unit(np.asarray(rv.norm_shard + rv.outw_shard)[idx], np.asarray(rv.out_local)[idx], S,
                  np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))),
-        loss=np.where(has_out, np.asarray(_loss_bytes(spec, b, sh, rv, c))[idx], 0.0),
+        loss=np.asarray(_loss_bytes(spec, b, sh, rv, c))[idx] * np.ones(len(idx)),
         blocks=blocks, opt_temporaries=np.asarray(optimizer_temporaries(b, rv))[idx], flat_held=S > 1,
         hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
         logits_grad=np.where(has_out, np.asarray(c.logits, dtype=float)[idx] * np.asarray(sh.act_b)[idx], 0.0),
