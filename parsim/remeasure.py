@@ -45,7 +45,8 @@ def block_forward_flops(shape: BlockShape) -> float:
     sdpa = 2 * shape.micro_batch * shape.n_heads * shape.seq_len ** 2 * shape.head_dim  # QK^T + PV, causal half
     mats = 3 if shape.mlp == "swiglu" else 2
     if shape.moe:
-        mlp = 2 * tokens * shape.d_model * mats * (shape.top_k * shape.d_ff_expert + shape.d_ff_shared)
+        # (routed experts are SwiGLU whatever the model's MLP: ``ModelSpec.routed_expert_matrices``)
+        mlp = 2 * tokens * shape.d_model * (3 * shape.top_k * shape.d_ff_expert + mats * shape.d_ff_shared)
         mlp += 2 * tokens * shape.d_model * shape.n_experts
     else:
         mlp = 2 * tokens * shape.d_model * mats * shape.d_ff

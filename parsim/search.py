@@ -647,7 +647,10 @@ def _search_bounded(spec, hw, base, opts, sp, res, found, chunk, times, progress
         if len(keep):
             reps = counts[pr[keep]]
             gid = _ranges(starts[pr[keep]], reps) * no + np.repeat(po[keep], reps)
-            r = evaluate(spec, _batch_at(base, opts, gid, sp, gpn), hw)
+            # step times in full; memory is the screen's (the same numbers; it depends on neither the device
+            # order nor the options outside the memory class)
+            r = evaluate(spec, _batch_at(base, opts, gid, sp, gpn), hw, time_only=True)
+            r["reserved_memory_bytes"] = np.repeat(pair_mem[keep], reps)
             res.evaluated += len(gid)
             found.add(gid, r, r["reserved_memory_bytes"] <= res.usable_memory_bytes)
         if progress:

@@ -256,9 +256,21 @@ class ModelSpec:
         return sum(i * o for i, o in mats.values()) + sum(o for name, (_, o) in mats.items() if self.has_bias(name))
 
     def expert_params(self) -> int:
-        """Parameters of one routed expert."""
+        """Parameters of one shared expert (an MLP of the model's kind, ``mlp``, with its biases)."""
         assert self.moe is not None
         return self.mlp_params(self.moe.d_ff_expert)
+
+    def routed_expert_matrices(self, d_ff: int) -> dict[str, tuple[int, int]]:
+        """One routed expert's weights: SwiGLU (w1, w3, w2) without biases whatever ``mlp`` says — the stacked
+        grouped experts torchtitan builds (``GroupedExperts``) and the executor runs; Mixtral, Qwen3-MoE and
+        DeepSeek's experts are SwiGLU too. A GeLU model's routed experts are therefore SwiGLU here [derived]."""
+        d = self.d_model
+        return {"w1": (d, d_ff), "w3": (d, d_ff), "w2": (d_ff, d)}
+
+    def routed_expert_params(self) -> int:
+        """Parameters of one routed expert (``routed_expert_matrices``)."""
+        assert self.moe is not None
+        return sum(i * o for i, o in self.routed_expert_matrices(self.moe.d_ff_expert).values())
 
     def layer_params(self, i: int) -> dict[str, int]:
         """Parameters of layer ``i`` split into what is replicated per expert rank and what is not."""
@@ -268,7 +280,7 @@ class ModelSpec:
             assert m is not None  # is_moe_layer is False without one
             out["router"] = self.d_model * m.n_experts
             out["shared_experts"] = m.n_shared_experts * self.expert_params()
-            out["routed_experts"] = m.n_experts * self.expert_params()
+            out["routed_experts"] = m.n_experts * self.routed_expert_params()
         else:
             out["mlp"] = self.mlp_params(self.d_ff)
         return out
@@ -300,7 +312,7 @@ class ModelSpec:
         """Parameters touched by one token: routed experts count top_k of n_experts."""
         n = self.n_params
         if self.moe:
-            n -= self.n_moe_layers * (self.moe.n_experts - self.moe.top_k) * self.expert_params()
+            n -= self.n_moe_layers * (self.moe.n_experts - self.moe.top_k) * self.routed_expert_params()
         return n
 
     def flops_per_token(self, seq_len: int, causal: bool = False) -> float:

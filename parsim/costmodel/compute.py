@@ -28,6 +28,7 @@ from .layers import (
     gemms,
     saved_tensors,
 )
+from .rows import unique_rows
 
 # [derived] AdamW reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq (fp32: 7 x 4 B),
 # plus the gradient-norm read (4 B)
@@ -250,7 +251,7 @@ def measured_block_times(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, moe
         return None
     cols = np.stack([b.tp, b.ep, b.etp_eff, b.micro_batch_size, b.seq_len, b.cp, b.param_bytes,
                      b.compile, b.float8], axis=1).astype(np.int64)
-    uniq, inv = np.unique(cols, axis=0, return_inverse=True)
+    uniq, inv = unique_rows(cols)
     inv = inv.reshape(-1)
     fwd, bwd, have = np.zeros(len(cols)), np.zeros(len(cols)), np.zeros(len(cols), dtype=bool)
     for i, (tp, ep, etp, mb, seq, cp, pbytes, comp, f8) in enumerate(uniq.tolist()):
@@ -271,7 +272,7 @@ def measured_head_times(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile) -> d
     if not any(k.startswith("head|") for k in hw.measured_blocks):
         return None
     cols = np.stack([b.tp, b.micro_batch_size, b.seq_len, b.cp, b.param_dtype, b.fused_loss], axis=1).astype(np.int64)
-    uniq, inv = np.unique(cols, axis=0, return_inverse=True)
+    uniq, inv = unique_rows(cols)
     inv = inv.reshape(-1)
     out = {k: np.zeros(len(cols)) for k in ("emb_fwd", "emb_bwd", "out_fwd", "out_bwd")}
     out["have"] = np.zeros(len(cols), dtype=bool)

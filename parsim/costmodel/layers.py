@@ -27,6 +27,7 @@ import numpy as np
 from ..plan import AC_MODES, PP_SCHEDULES
 from ..spec import ModelSpec
 from .ring import ring_backward_extra_bytes
+from .rows import unique_rows
 
 if TYPE_CHECKING:
     from ..codec import PlanBatch
@@ -85,7 +86,7 @@ def rank_ckpt(spec: ModelSpec, b) -> dict:
     before = np.array([o.index("ac") < o.index("pp") for o in b.wrapper_orders] or [False])[b.wrapper_idx]
     every = np.maximum(b.ac_every, 1)
     keys = np.stack([b.pp, b.pp_stages_per_rank, every, before.astype(np.int64)], axis=1)
-    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    uniq, inv = unique_rows(keys)
     table = np.array([_rank_ckpt(spec, int(p), int(v), int(e), bool(bp)) for p, v, e, bp in uniq], dtype=np.int64)
     t = table[np.ravel(inv)]
     return {False: (t[:, 0, 0], t[:, 1, 0]), True: (t[:, 0, 1], t[:, 1, 1])}
@@ -157,7 +158,7 @@ def gemms(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple]:
     m = spec.moe
     assert m is not None  # moe layers exist only with a MoESpec
     add("router", sh.Tr / (m.top_k * m.capacity_factor), spec.d_model, m.n_experts, 1.0)
-    for name, (k, n) in spec.mlp_matrices(m.d_ff_expert).items():
+    for name, (k, n) in spec.routed_expert_matrices(m.d_ff_expert).items():
         add(f"experts.{name}", sh.Tr, k, n, sh.etp, "gmm", n_kernels=m.n_experts / sh.ep)
     if m.n_shared_experts:
         for name, (k, n) in spec.mlp_matrices(m.d_ff_expert * m.n_shared_experts).items():
@@ -264,14 +265,15 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
         out += [("router.logits", t_router * mo.n_experts * b4, "mm"),
                 ("router.probs", t_router * mo.n_experts * b4, "other"),
                 ("experts.input(permuted)", sh.Tr * d * b2, "other")]
-        out += _mlp_saved(spec, sh.Tr, mo.d_ff_expert / sh.etp, "experts", sh.Tr * d * b2, b2, kind="gmm")
+        out += _mlp_saved(spec, sh.Tr, mo.d_ff_expert / sh.etp, "experts", sh.Tr * d * b2, b2, kind="gmm",
+                          mlp="swiglu")  # (routed experts: SwiGLU whatever the model's MLP, ``routed_expert_matrices``)
         if mo.n_shared_experts:
             out += _mlp_saved(spec, T, mo.d_ff_expert * mo.n_shared_experts / t, "shared", T * d * b2, b2)
     out.append(("mlp.reduce_scatter.out", np.where(sd > 1, T * d / sd * b2, 0.0), "rs"))
     return out
 
 
-def _mlp_saved(spec, T, ff_local, prefix, out_bytes, b2, kind="mm", te=False, f8b=None):
+def _mlp_saved(spec, T, ff_local, prefix, out_bytes, b2, kind="mm", te=False, f8b=None, mlp=None):
     """The MLP's saved tensors. Under TE layers (Megatron-Core) the fused bias-SwiGLU / GeLU keeps only its
     input (the fc1 output) and recomputes the activation in its backward, and fc2 keeps its input in float8 when
     float8 is on [derived: megatron.core.fusions.fused_bias_swiglu saves its input; TE Linear the quantized
@@ -282,7 +284,7 @@ def _mlp_saved(spec, T, ff_local, prefix, out_bytes, b2, kind="mm", te=False, f8
     def k(w):  # dense and shared-expert linears: mm, or addmm with a bias; routed experts: gmm
         return linear_kind(spec, f"shared.{w}" if prefix == "shared" else w) if kind == "mm" else kind
 
-    if spec.mlp == "swiglu":
+    if (mlp or spec.mlp) == "swiglu":
         return [(f"{prefix}.w1.out", T * ff_local * b2, k("w1")), (f"{prefix}.silu.out", act, "other"),
                 (f"{prefix}.w3.out", T * ff_local * b2, k("w3")), (f"{prefix}.w2.input", w2_in, "other"),
                 (f"{prefix}.w2.out", out_bytes, k("w2"))]
@@ -308,6 +310,45 @@ def kept_by_ac_mode(items: list[tuple]) -> list[dict[str, bool]]:
         out.append({"none": not residual_out and kind != "rs", "full": kind == "input",
                     "sac": kind in ("input", "gmm", "sdpa", "rs") or (kind == "mm" and mm_count % 2 == 1)})
     return out
+
+
+def moe_forward_working_bytes(spec: ModelSpec, sh: Shapes, b) -> np.ndarray:
+    """Bytes a MoE block's forward holds above its input at its largest moment when it saves nothing for backward
+    (a checkpointed block: its forward runs without keeping tensors, so each intermediate lives only while the
+    code holds it) [derived from ``executor.model.MoE``, the torchtitan layout it follows; trace: dp_shard8 x cp4 x
+    tp8, full AC, top-2 over 8 experts, 512 tokens of d 2304: at the combine's sum the routed tokens, the experts'
+    output, the weighted copy and the scatter target, (1024, 2304) each, the sum (512, 2304), the gathered input,
+    the attention residual and the FFN norm's output alive]. With n the block's tokens on the rank after TP's
+    gather, n_r those it routes (n / tp with EP under TP), nk = n_r x top_k routed pairs, ff the expert width
+    after etp, always present: the attention residual and the FFN norm's output (sequence shards under SP) and,
+    under TP, the gathered input (n x d); then the largest of
+      * the combine's sum: routed tokens, experts' output, weighted copy, scatter target (4 nk x d) and the
+        sum (n_r x d);
+      * the experts' SwiGLU product: routed tokens (with EP also the received tokens and their regrouped copy,
+        2 nk x d more), silu output, w3 output and their product (3 nk x ff);
+      * with EP, the combine's all-to-all back: routed tokens, received tokens, experts' output, its regrouped
+        copy, the returned tokens (5 nk x d);
+      * the shared experts (after the routed ones): the routed output (n x d) and their MLP's largest moment
+        (3 hidden tensors for SwiGLU, 2 for GeLU, n x ff_shared / tp).
+    Router scores and indices (n x experts in fp32 and less) are left out."""
+    m = spec.moe
+    if m is None:
+        return np.zeros_like(sh.T)
+    d, b2 = float(spec.d_model), sh.act_b
+    n, n_loc = sh.T, sh.T / sh.sp_div
+    nk = sh.Tr
+    n_r = nk / (m.top_k * m.capacity_factor)
+    ff = m.d_ff_expert / sh.etp
+    ep_on = np.where(b.ep > 1, 1.0, 0.0)
+    base = n_loc * d * (sh.res_b + b2) + np.where(sh.t > 1, n * d * b2, 0.0)
+    combine = (4.0 * nk + n_r) * d * b2
+    experts = (nk * (1.0 + 2.0 * ep_on) * d + 3.0 * nk * ff) * b2
+    ep_back = 5.0 * nk * d * b2 * ep_on
+    shared = 0.0
+    if m.n_shared_experts:
+        hidden = 3.0 if spec.mlp == "swiglu" else 2.0
+        shared = (n * d + hidden * n * m.d_ff_expert * m.n_shared_experts / sh.t) * b2
+    return base + np.maximum(np.maximum(combine, experts), np.maximum(ep_back, shared))
 
 
 def activation_bytes(spec: ModelSpec, sh: Shapes, moe: bool) -> dict[str, np.ndarray]:
@@ -520,7 +561,7 @@ class _BackwardSteps:
         self.steps.append({"alloc": alloc + self.z, "free": free + self.z, "saved": tuple(saved), "pgrad": pgrad,
                            "cast": cast})
 
-    def mlp(self, prefix, tokens, ff, names, expert=False, last_saved=(), free_in=0.0, w3_saved=()):
+    def mlp(self, prefix, tokens, ff, names, expert=False, last_saved=(), free_in=0.0, w3_saved=(), kind=None):
         """SwiGLU: w2 (its input's gradient), mul (two), silu, w3 and w1 (the normed input's gradient, summed);
         GeLU: w2, gelu, w1. ``free_in``: the output's gradient, freed by w2's backward where the MLP owns it (the
         routed experts' weighted pairs; a dense MLP's is the residual stream's, freed by the block).
@@ -528,7 +569,7 @@ class _BackwardSteps:
         step, pg = self.step, self.pg
         hid = tokens * ff * self.b2
         tin = tokens * self.d * self.b2
-        if self.spec.mlp == "swiglu":
+        if (kind or self.spec.mlp) == "swiglu":
             step(hid, free_in, [f"{prefix}.w2.input"], pg(names + "w2", expert=expert))
             step(2 * hid, hid, [f"{prefix}.silu.out", f"{prefix}.w3.out"])
             step(hid, hid, [f"{prefix}.w1.out"])
@@ -553,7 +594,7 @@ class _BackwardSteps:
         # (the weighted pairs' gradient is consumed by the experts' w2: freed there [trace: a MoE block's backward
         # left top_k x (T, d) behind in the model, 0.56 MiB per block of a d384 top-2 model])
         self.mlp("experts", tr, m.d_ff_expert / sh.etp, "experts.", expert=True,
-                 last_saved=["experts.input(permuted)"], free_in=tr * d * b2)
+                 last_saved=["experts.input(permuted)"], free_in=tr * d * b2, kind="swiglu")
         step(ep_on * tr * d * b2, ep_on * tr * d * b2)  # EP: the dispatch's all-to-all back
         step(t_router * d * b2, tr * d * b2)  # the token gather's backward (into the tokens' gradient)
         step(t_router * m.n_experts * 4.0, 0.0, ["router.probs"])

@@ -63,15 +63,37 @@ REDUCE, ACC_FIRST, ACC_LATER = "reduce", "acc_first", "acc_later"
 FINAL = "final"
 
 
+_KEY = {k: i for i, k in enumerate(MEMORY_KEYS)}
+_PHASE = {p: i for i, p in enumerate(PHASES)}
+
+
+class _Totals:
+    """The running totals by key (``Timeline.cur``): reads are copies, writes replace a key's row."""
+
+    def __init__(self, arr: np.ndarray):
+        self._arr = arr
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._arr[_KEY[key]].copy()
+
+    def __setitem__(self, key: str, value) -> None:
+        self._arr[_KEY[key]] = value
+
+    def items(self):
+        return ((k, self._arr[i].copy()) for k, i in _KEY.items())
+
+
 class Timeline:
     """Running itemized totals of a batch of plans and, per phase, the largest moment seen (itemized). Moments
-    are recorded only for the plans ``mask`` selects (``only``)."""
+    are recorded only for the plans ``mask`` selects (``only``). Stored stacked: totals (keys x plans), per phase
+    the largest total (plans) and its items (keys x plans)."""
 
     def __init__(self, n: int):
         self.n = n
-        self.cur = {k: np.zeros(n) for k in MEMORY_KEYS}
-        self.best = {p: np.full(n, -np.inf) for p in PHASES}
-        self.items = {p: {k: np.zeros(n) for k in MEMORY_KEYS} for p in PHASES}
+        self.arr = np.zeros((len(MEMORY_KEYS), n))
+        self.cur = _Totals(self.arr)
+        self.best = np.full((len(PHASES), n), -np.inf)
+        self.items = np.zeros((len(PHASES), len(MEMORY_KEYS), n))
         self.mask = np.ones(n, bool)
 
     def add(self, key: str, x, mask=None) -> None:
@@ -81,54 +103,49 @@ class Timeline:
             x = np.where(mask, x, 0.0)
         elif isinstance(x, (int, float)) and x == 0:
             return
-        self.cur[key] = self.cur[key] + x  # (x: a scalar or one value per plan)
+        self.arr[_KEY[key]] += x  # (x: a scalar or one value per plan)
 
     def mark(self, phase: str, mask=None) -> None:
-        total = np.add.reduce(list(self.cur.values()))
+        total = self.arr.sum(axis=0)
         if _DEBUG:  # PARSIM_MEM_DEBUG=1: every moment of plan 0, MiB
             import inspect
 
             where = inspect.stack()[1].function
             print(f"MEM {phase[:22]:22s} {where:22s} total {total[0] / 2**20:10.3f} " + " ".join(
                 f"{k[:12]}={v[0] / 2**20:.3f}" for k, v in self.cur.items() if v[0]))
-        better = (total > self.best[phase]) & self.mask
+        p = _PHASE[phase]
+        better = (total > self.best[p]) & self.mask
         if mask is not None:
             better = better & mask
         if not better.any():
             return
-        self.best[phase] = np.where(better, total, self.best[phase])
-        items = self.items[phase]
-        for k in MEMORY_KEYS:
-            items[k] = np.where(better, self.cur[k], items[k])
+        self.best[p] = np.where(better, total, self.best[p])
+        self.items[p] = np.where(better, self.arr, self.items[p])
 
     def apply_series(self, phase: str, series: dict) -> None:
         """S moments in a row (rounds of: add, a moment, add) from their summary (``series_summary``): the
-        rounds' largest moment above the running totals (``top``), the changes of every key at that moment (``at``)
-        and after the last (``end``)."""
-        base = np.add.reduce(list(self.cur.values()))
-        top = base + series["top"]
+        rounds' largest moment above the running totals (``top``), the changes of every key at that moment (``at``,
+        keys x plans) and after the last (``end``, keys x plans, or None: no change)."""
+        top = self.arr.sum(axis=0) + series["top"]
         if _DEBUG:  # PARSIM_MEM_DEBUG=1: the series' largest moment of plan 0, MiB
+            at0 = self.arr[:, 0] + series["at"][:, 0]
             print(f"MEM {phase[:22]:22s} {'series':22s} total {top[0] / 2**20:10.3f} " + " ".join(
-                f"{k[:12]}={(v[0] + series['at'].get(k, np.zeros(1))[0]) / 2**20:.3f}" for k, v in self.cur.items()
-                if v[0] or k in series["at"]))
-        better = (top > self.best[phase]) & self.mask
+                f"{k[:12]}={at0[i] / 2**20:.3f}" for k, i in _KEY.items() if at0[i]))
+        p = _PHASE[phase]
+        better = (top > self.best[p]) & self.mask
         if better.any():
-            self.best[phase] = np.where(better, top, self.best[phase])
-            items = self.items[phase]
-            for k in MEMORY_KEYS:
-                items[k] = np.where(better, self.cur[k] + series["at"][k] if k in series["at"] else self.cur[k],
-                                    items[k])
-        for k, v in series["end"].items():
-            self.cur[k] = self.cur[k] + v
+            self.best[p] = np.where(better, top, self.best[p])
+            self.items[p] = np.where(better, self.arr + series["at"], self.items[p])
+        if series["end"] is not None:
+            self.arr += series["end"]
 
-    def snapshot(self) -> dict:
-        return {k: v.copy() for k, v in self.cur.items()}
+    def snapshot(self) -> np.ndarray:
+        return self.arr.copy()
 
-    def advance(self, before: dict, times: float) -> None:
+    def advance(self, before: np.ndarray, times: float) -> None:
         """Repeat ``times`` more the change since ``before`` (blocks of a run between its second and last)."""
         if times > 0:
-            for k in MEMORY_KEYS:
-                self.cur[k] = self.cur[k] + times * (self.cur[k] - before[k])
+            self.arr += times * (self.arr - before)
 
     @contextlib.contextmanager
     def only(self, mask):
@@ -141,13 +158,12 @@ class Timeline:
             yield
         finally:
             self.mask = saved
-            for k in MEMORY_KEYS:
-                self.cur[k] = np.where(mask, self.cur[k], before[k])
+            self.arr[...] = np.where(mask, self.arr, before)
 
     def phases(self) -> dict:
         """phase -> itemized largest moment (zeros for a phase never reached)."""
-        return {p: {k: np.where(np.isfinite(self.best[p]), v, 0.0) for k, v in self.items[p].items()}
-                for p in PHASES}
+        return {p: {k: np.where(np.isfinite(self.best[j]), self.items[j, i], 0.0) for k, i in _KEY.items()}
+                for j, p in enumerate(PHASES)}
 
 
 @dataclass
@@ -193,6 +209,18 @@ class Block:
     grad_elem_bytes: np.ndarray | float = 0.0
     # the attention part of the recompute transient (what the recompute has made when it reaches the experts)
     transient_attn: np.ndarray | float = 0.0
+    # a checkpointed MoE block's forward: what it holds above its input at its largest moment
+    # (``layers.moe_forward_working_bytes``; 0 where the block saves its tensors or is dense)
+    fwd_working: np.ndarray | float = 0.0
+    # a recomputed MoE block (AC): its backward starts with the combine's sum, whose backward saves nothing and
+    # makes the routed pairs' gradient (nk x d); the next op (the scatter's) unpacks a saved tensor, which runs the
+    # recompute with that gradient alive, and the recompute's combine holds its weighted copy and scatter target
+    # (2 nk x d) before the shared experts (computed after the routed ones) are recomputed: bytes above the whole
+    # recompute set at that moment (3 nk x d less the shared experts' recomputed tensors; 0 without recompute)
+    # [derived: torch.utils.checkpoint's non-reentrant recompute on the first unpack; trace: tp2 x dp_shard2, full
+    # AC, top-4 of 8 experts, 1024 tokens of d 512: at the recompute's scatter target the pairs' gradient, the
+    # routed tokens, the experts' output, the weighted copy and the target, (4096, 512) each, alive (-8.1% before)]
+    recompute_combine: np.ndarray | float = 0.0
     _plan: list | None = None  # ``_step_plan``'s cache
     series_cache: dict = field(default_factory=dict)  # id(mode) -> (mode, {run index: summary}): ``_steps_series``
 
@@ -403,50 +431,56 @@ def _stage_action(tl: Timeline, qc: RankMemory, c: int, kind: str, st: dict) -> 
     before = tl.cur["fsdp_unsharded_params"].copy()
     if kind == "F":
         st["phase"] = FWD
-        _replayed(tl, st, (kind, c, unsharded[c].tobytes()),
-                  lambda t: _forward(t, qc, act_before=None, after_backward=unsharded[c]))
+        _replayed(tl, st, (kind, id(qc), unsharded[c].tobytes()),
+                  lambda t, _p: _forward(t, qc, act_before=None, after_backward=unsharded[c]))
         unsharded[c] = qc.fsdp & ~qc.raf
     elif kind == "B":
         st["phase"] = phase = BWD1 if sum(backwards) == 0 else BWD2
         mode = ACC_FIRST if backwards[c] == 0 else ACC_LATER
         regather = ~unsharded[c]
-        _replayed(tl, st, (kind, c, mode, phase, regather.tobytes()),
-                  lambda t: _backward(t, qc, mode, phase, regather=regather))
+        _replayed(tl, st, (kind, id(qc), mode, regather.tobytes()),
+                  lambda t, p: _backward(t, qc, mode, p, regather=regather), phase)
         backwards[c] += 1
         unsharded[c] = qc.fsdp.copy()
         if np.any(qc.has_emb):
             st["phase"] = BWD_END
     elif kind == "UNSHARD":
-        on, phase = ~unsharded[c], st["phase"]
-        _replayed(tl, st, (kind, c, phase, on.tobytes()), lambda t: _unshard_stage(t, qc, on, phase))
+        on = ~unsharded[c]
+        _replayed(tl, st, (kind, id(qc), on.tobytes()), lambda t, p: _unshard_stage(t, qc, on, p), st["phase"])
         unsharded[c] = qc.fsdp.copy()
     elif kind == "RESHARD":
         tl.add("fsdp_unsharded_params", -held[c])
         unsharded[c] = np.zeros(qc.n, bool)
     else:  # REDUCE_GRAD
         st["phase"] = BWD_END
-        _replayed(tl, st, (kind, c), lambda t: _reduce_after(t, qc))
+        _replayed(tl, st, (kind, id(qc)), lambda t, _p: _reduce_after(t, qc))
         unsharded[c] = np.zeros(qc.n, bool)
     st["held_change"] = tl.cur["fsdp_unsharded_params"] - before
     held[c] = held[c] + st["held_change"]
 
 
-def _replayed(tl: Timeline, st: dict, key: tuple, action) -> None:
-    """``action(timeline)`` applied to ``tl``: recorded once per ``key`` on a timeline starting from zero (its
-    largest moment per phase above its start, itemized, and its change), then applied as that record. A forward
-    or backward changes the running totals by amounts that do not depend on them (every step adds or frees sizes;
-    the deferred cast gradients it clears at its end are its own), so one record serves every action with the
-    same key (``simulate_actions``: stage, kind, gradient mode, phase and unit state; a stage's unshard and its
-    reduce likewise)."""
+def _replayed(tl: Timeline, st: dict, key: tuple, action, phase: str = BWD1) -> None:
+    """``action(timeline, phase)`` applied to ``tl``: recorded once per ``key`` on a timeline starting from zero
+    (its largest moment per phase above its start, itemized, and its change), then applied as that record. A
+    forward or backward changes the running totals by amounts that do not depend on them (every step adds or
+    frees sizes; the deferred cast gradients it clears at its end are its own), so one record serves every action
+    with the same key (``simulate_actions``: the stage's contents, kind, gradient mode and unit state; a stage's
+    unshard and its reduce likewise). ``phase`` only names the moments the action attributes to the phase it is
+    given (the backward's and the unshard's; no branch depends on it): the record is made under BWD1 and its
+    BWD1 moments applied under ``phase``. Each recorded moment is applied relative to the start (two under one
+    phase are two moments), the change after the last."""
     memo = st["memo"]
     rec = memo.get(key)
     if rec is None:
         sub = Timeline(tl.n)
-        action(sub)
-        rec = memo[key] = (sub.best, sub.items, sub.cur)
-    best, items, end = rec
-    for ph in PHASES:  # (each phase's record applied as a one-moment series; the change after the last)
-        tl.apply_series(ph, {"top": best[ph], "at": items[ph], "end": end if ph == PHASES[-1] else {}})
+        action(sub, BWD1)
+        rec = memo[key] = ([(ph, {"top": sub.best[j], "at": sub.items[j], "end": None})
+                            for j, ph in enumerate(PHASES) if np.isfinite(sub.best[j]).any()],  # (reached ones)
+                           sub.arr)
+    moments, end = rec
+    for ph, series in moments:
+        tl.apply_series(phase if ph == BWD1 else ph, series)
+    tl.arr += end
 
 
 def _unshard_stage(tl: Timeline, q: RankMemory, on, phase: str) -> None:
@@ -531,6 +565,10 @@ def _forward(tl: Timeline, q: RankMemory, act_before, gathered=None, forward_uni
                     _gather(tl, q, blk.experts, need & _own_unit(blk.experts), FWD, True, held)
                     tl.add("fsdp_unsharded_params", -np.asarray(blk.experts.gathered, dtype=float),
                            q.fsdp & q.raf & present)
+                if np.any(blk.fwd_working):  # (the block's input is already counted: the stream before it)
+                    tl.add("activations", blk.fwd_working)
+                    tl.mark(FWD)
+                    tl.add("activations", -np.asarray(blk.fwd_working, dtype=float))
                 tl.add("activations", blk.act)
                 tl.add("fsdp_unsharded_params", -np.asarray(blk.unit.gathered, dtype=float),
                        q.fsdp & q.raf & present)
@@ -863,6 +901,10 @@ def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list,
         tl.add("recompute_transient", -np.asarray(blk.transient_attn, dtype=float), early)
     tl.add("recompute_transient", blk.transient)
     tl.mark(phase)
+    if np.any(blk.recompute_combine):  # (a MoE block's recompute reaches its combine: ``Block.recompute_combine``)
+        tl.add("recompute_transient", blk.recompute_combine)
+        tl.mark(phase)
+        tl.add("recompute_transient", -np.asarray(blk.recompute_combine, dtype=float))
     tl.add("recompute_transient", -blk.transient)
     tl.add("activations", blk.transient)
     none_total = np.asarray(blk.act, dtype=float) + blk.transient
@@ -942,7 +984,11 @@ def series_summary(n: int, pre: dict, post: dict) -> dict:
     total = np.add.reduce(list(at.values()))
     j = np.argmax(total, axis=0)
     cols = np.arange(n)
-    return {"top": total[j, cols], "at": {k: v[j, cols] for k, v in at.items()}, "end": end}
+    at_top, change = np.zeros((len(MEMORY_KEYS), n)), np.zeros((len(MEMORY_KEYS), n))
+    for k, v in at.items():
+        at_top[_KEY[k]] = v[j, cols]
+        change[_KEY[k]] = end[k]
+    return {"top": total[j, cols], "at": at_top, "end": change}
 
 
 def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str, regather, rs_prev: list,

@@ -25,12 +25,14 @@ from .layers import (
     kept_by_ac_mode,
     last_param_elems,
     layer_tensors,
+    moe_forward_working_bytes,
     saved_tensors,
     stage_bounds,
 )
 from .memory import MEMORY_KEYS, PHASES, Block, RankMemory, Unit, simulate, simulate_actions
 from .pipeline import SCHED_GPIPE, interleaved_actions
 from .reserved import reserved_breakdown
+from .rows import row_ids, unique_rows
 
 
 def static_bytes(b: PlanBatch, rv: C.RankView) -> np.ndarray:
@@ -73,23 +75,25 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
     every = np.where(layer_mode, np.maximum(b.ac_every, 1), 0)
     before = np.array([o.index("ac") < o.index("pp") for o in b.wrapper_orders] or [False])[b.wrapper_idx]
     keys = np.stack([b.pp, b.pp_stages_per_rank, every, before & layer_mode], axis=1)
-    uniq, inv = np.unique(keys[rows], axis=0, return_inverse=True)
+    uniq, inv = unique_rows(keys[rows])
     rows_idx = np.nonzero(rows)[0]
     # memory does not depend on the device order, compile, async TP, or float8 outside TE layers (its recipe not
     # at all): one simulation per plan that differs in anything else
-    same = np.stack([np.asarray(getattr(b, c), dtype=float) for c in COLUMN_NAMES if c not in _NOT_MEMORY]
-                    + [np.asarray(b.float8 & b.te_layers, dtype=float)], axis=1)
-    steps = {moe: (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe)) for moe in rv.kinds}
+    same = row_ids(np.stack([np.asarray(getattr(b, c), dtype=float) for c in COLUMN_NAMES if c not in _NOT_MEMORY]
+                            + [np.asarray(b.float8 & b.te_layers, dtype=float)], axis=1))
+    steps = Whole({moe: (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe)) for moe in rv.kinds})
+    steps.moe_fwd = moe_forward_working_bytes(spec, sh, b)
+    steps.pair_bytes = sh.Tr * spec.d_model * sh.act_b if spec.moe is not None else 0.0
     for g, (pp, v, k, bp) in enumerate(uniq):
         idx = rows_idx[np.ravel(inv) == g]
-        _, first, back = np.unique(same[idx], axis=0, return_index=True, return_inverse=True)
+        _, first, back = np.unique(same[idx], return_index=True, return_inverse=True)
         runs = _block_runs(spec, int(pp), int(v), rank, int(k), bool(bp))
         built: dict = {}
         q = _rank_memory_inputs(spec, b, sh, rank, rv, c, p_shard, p_opt, idx[first], runs, steps, built)
         if v == 1:
             res = simulate(q)
         else:
-            res = _interleaved(spec, b, rank, idx[first], q, built, (int(pp), int(v), int(k), bool(bp)))
+            res = _interleaved(spec, b, rank, idx[first], q, built, (int(pp), int(v), int(k), bool(bp)), steps)
         for ph in PHASES:
             for name in MEMORY_KEYS:
                 out[ph][name][idx] = res[ph][name][np.ravel(back)]
@@ -99,24 +103,46 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
 _NOT_MEMORY = ("mesh_idx", "compile", "async_tp", "float8", "float8_recipe")
 
 
+class Whole(dict):
+    """Per block kind its backward steps and saved tensors over the whole batch (``layers.backward_steps``,
+    ``layers.saved_tensors``), and whole-batch sizes computed once for all the groups of one ``rank_memory``
+    (``once``: the groups index them)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._memo: dict = {}
+        self.moe_fwd: np.ndarray | float = 0.0  # ``layers.moe_forward_working_bytes``
+        self.pair_bytes: np.ndarray | float = 0.0  # one routed (token, expert) pair tensor, nk x d
+
+    def once(self, fn, *args):
+        key = (fn, *(a if isinstance(a, (bool, int, str)) else id(a) for a in args))
+        if key not in self._memo:
+            self._memo[key] = fn(*args)
+        return self._memo[key]
+
+
+
 def _interleaved(spec: ModelSpec, b: PlanBatch, rank: int, idx: np.ndarray, q: RankMemory, built: dict,
-                 key: tuple) -> dict:
+                 key: tuple, whole: Whole) -> dict:
     """``memory.simulate_actions`` for the plans ``idx`` of a rank running ``v`` stages: one ``RankMemory`` per
     stage (its blocks; the embedding on the first rank's first stage, the [norm, output] unit and the loss on the
     last rank's last stage) and torch's action list (``pipeline.interleaved_actions``) for each microbatch count."""
     pp, v, every, before_pp = key
     r = 0 if rank == FIRST else pp - 1
-    chunks = []
+    chunks, made = [], {}  # (stages with the same contents share one RankMemory: their records are shared)
     for j, runs in enumerate(_stage_runs(spec, pp, v, rank, every, before_pp)):
         stage = j * pp + r
-        chunks.append(_stage_memory(spec, b, q, idx, runs, built, stage == 0, stage == pp * v - 1))
+        key = (tuple(runs), stage == 0, stage == pp * v - 1)
+        if key not in made:
+            made[key] = _stage_memory(spec, b, q, idx, runs, built, *key[1:], whole)
+        chunks.append(made[key])
     micro = b.n_micro[idx]
     schedules = [(micro == m, interleaved_actions(pp, v, int(m), r, compress=True)) for m in np.unique(micro)]
     return simulate_actions(q, chunks, schedules, pp)
 
 
 def _stage_memory(spec: ModelSpec, b: PlanBatch, q: RankMemory, idx: np.ndarray, runs: list, built: dict,
-                  has_emb: bool, has_out: bool) -> RankMemory:
+                  has_emb: bool, has_out: bool, whole: Whole) -> RankMemory:
     """One stage's share of a rank's ``RankMemory`` (``memory.simulate_actions``): its blocks (the rank's
     ``Block`` of each kind), the embedding's and the output's sizes only where the stage has them, its stage output
     (or the loss's saved tensors on the last stage) kept per microbatch, the last cast weight of its last block."""
@@ -127,7 +153,7 @@ def _stage_memory(spec: ModelSpec, b: PlanBatch, q: RankMemory, idx: np.ndarray,
         has_out=out & q.has_out, emb_dense_grad=np.where(emb, q.emb_dense_grad, 0.0),
         loss=np.where(out, q.loss, 0.0), logits_grad=np.where(out, q.logits_grad, 0.0),
         mb_extra=np.where(out, q.mb_extra, q.flow), held_until_end=[],
-        last_cast4=_last_cast_elems(spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
+        last_cast4=whole.once(_last_cast_elems, spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
 
 
 def _block_runs(spec: ModelSpec, pp: int, v: int, rank: int, every: int, before_pp: bool
@@ -167,7 +193,7 @@ def _memory_unit(shard, local, s, last, pb, gb, rb) -> Unit:
 
 
 def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, idx: np.ndarray, moe: bool,
-                  ckpt: bool, steps_of: dict, sizes: tuple) -> Block:
+                  ckpt: bool, steps_of: Whole, sizes: tuple) -> Block:
     """One block kind (dense or MoE; checkpointed by ``layer:N`` or not) of the plans ``idx``: its FSDP units,
     the activations each AC mode keeps, the transient of its recompute, its backward steps and saved tensors."""
     pb, gb, rb, S, Se, ep1 = sizes
@@ -178,12 +204,12 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
     sac = b.ac[idx] == AC_MODES["selective-op"]
     act_attn, act_ffn = (np.where(full, a["full"][k], np.where(sac, a["sac"][k], a["none"][k])) for k in (0, 1))
     transient = a["none"][0] + a["none"][1] - act_attn - act_ffn
-    last_blk, last_ex = (x[idx] for x in last_param_elems(spec, b, moe))
+    last_blk, last_ex = (x[idx] for x in steps_of.once(last_param_elems, spec, b, moe))
     blk_unit = _memory_unit(ne_s + np.where(ep1, ex_s, 0.0), ne_l + np.where(ep1, ex_l, 0.0), S, last_blk, pb, gb,
                             rb)
     experts = None
     if moe:
-        off0, last_off0 = (x[idx] for x in experts_off_dim0(spec, b))
+        off0, last_off0 = (x[idx] for x in steps_of.once(experts_off_dim0, spec, b))
         experts = dataclasses.replace(
             _memory_unit(np.where(ep1, 0.0, ex_s), np.where(ep1, 0.0, ex_l), Se, last_ex, pb, gb, rb),
             copy_temp=np.where(~ep1 & (Se > 1), off0 * pb, 0.0), last_off_dim0=~ep1 & last_off0)
@@ -196,12 +222,20 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
               "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
     keep = kept_by_ac_mode(items)
     saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
+    combine: np.ndarray | float = 0.0
+    if moe:  # ``memory.Block.recompute_combine``: the shared experts' recomputed tensors come after the combine
+        shared = [(np.asarray(nb, dtype=float)[idx] if np.ndim(nb) else float(nb), kk) for (name, nb, _), kk
+                  in zip(items, keep, strict=True) if name.startswith("shared.") and kk["none"]]
+        later = sum((np.where(full, x, np.where(sac & ~kk["sac"], x, 0.0)) for x, kk in shared), np.zeros(len(idx)))
+        combine = np.where(transient > 0, 3.0 * np.asarray(steps_of.pair_bytes)[idx] - later, 0.0)
     return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb,
-                 transient_attn=a["none"][0] - act_attn)
+                 transient_attn=a["none"][0] - act_attn,
+                 fwd_working=np.where(full, np.asarray(steps_of.moe_fwd)[idx], 0.0) if moe else 0.0,
+                 recompute_combine=combine)
 
 
 def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, p_shard,
-                        p_opt, idx: np.ndarray, runs: list, steps_of: dict, built: dict | None = None
+                        p_opt, idx: np.ndarray, runs: list, steps_of: Whole, built: dict | None = None
                         ) -> RankMemory:
     """The sizes ``memory.simulate`` replays, for the plans ``idx`` (bytes). ``steps_of``: per block kind, its
     backward steps and saved tensors over the whole batch (``layers.backward_steps``, ``layers.saved_tensors``).
@@ -239,7 +273,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     loss_saved = (np.asarray(c.logits)[idx] * per_logit_saved
                   + np.asarray(sh.T)[idx] * spec.d_model * act_b * (1.0 + 1.0 / np.asarray(sh.sp_div)[idx]))
     m = b.n_micro[idx].astype(float)
-    w = np.asarray(inflight(b, rank))[idx] * np.where(b.pp[idx] > 1, 1.0, 0.0) + np.where(b.pp[idx] > 1, 0.0, 1.0)
+    w = np.where(b.pp[idx] > 1, np.asarray(steps_of.once(inflight, b, rank))[idx], 1.0)
     m = np.where(b.pp[idx] > 1, m, 1.0)
     # without FSDP a vocab-sharded (TP) embedding's gradient is a view of the dense whole-vocabulary gradient its
     # backward made: that storage stays (with FSDP, FSDP2 copies the rank's rows out)
@@ -254,15 +288,15 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         emb_sharded=(b.tp > 1)[idx] & ~b.te_layers[idx],
         out=unit(np.asarray(rv.norm_shard + rv.outw_shard)[idx], np.asarray(rv.out_local)[idx], S,
                  np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))),
-        loss=np.asarray(_loss_bytes(spec, b, sh, rv, c))[idx] * np.ones(len(idx)),
-        blocks=blocks, opt_temporaries=np.asarray(optimizer_temporaries(b, rv))[idx], flat_held=S > 1,
+        loss=np.asarray(steps_of.once(_loss_bytes, spec, b, sh, rv, c))[idx] * np.ones(len(idx)),
+        blocks=blocks, opt_temporaries=np.asarray(steps_of.once(optimizer_temporaries, b, rv))[idx], flat_held=S > 1,
         hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
         logits_grad=np.where(has_out, np.asarray(c.logits, dtype=float)[idx] * np.asarray(sh.act_b)[idx], 0.0),
         pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
         mb_extra=np.where(has_out, loss_saved, np.where((b.pp > 1)[idx], stage_out, 0.0)),
-        autocast_cache=_autocast_cache(spec, b, rv, idx, fsdp_on),
+        autocast_cache=_autocast_cache(b, idx, fsdp_on, steps_of.once(_linear_weight_elems, spec, b, rv), rv),
         param_bytes=pb, out_weight4=np.asarray(rv.out_local - rv.norm_local)[idx] * 4.0 * np.ones(len(idx)),
-        last_cast4=_last_cast_elems(spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
+        last_cast4=steps_of.once(_last_cast_elems, spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
 
 
 def _cp_buffers(b: PlanBatch, idx: np.ndarray, rope: float, has_emb, has_out) -> np.ndarray:
@@ -290,18 +324,25 @@ def _last_cast_elems(spec: ModelSpec, b: PlanBatch, moe: bool) -> np.ndarray:
     return (by_name["shared.w2"] if spec.moe.n_shared_experts else by_name["router"]) * np.ones(len(b))
 
 
-def _autocast_cache(spec: ModelSpec, b: PlanBatch, rv: C.RankView, idx: np.ndarray, fsdp_on) -> np.ndarray:
+def _linear_weight_elems(spec: ModelSpec, b: PlanBatch, rv: C.RankView) -> np.ndarray:
+    """Elements of the linear weights (and biases) of the rank's blocks, routed experts and norms left out
+    (``_autocast_cache``), over the whole batch."""
+    total = np.zeros(len(b))
+    for k in rv.kinds:
+        lin = sum((rows * per_row for name, rows, per_row, expert in layer_tensors(spec, b, k)
+                   if not expert and "norm" not in name), np.zeros(len(b)))
+        total = total + rv.n_of[k] * lin
+    return total
+
+
+def _autocast_cache(b: PlanBatch, idx: np.ndarray, fsdp_on, linear_elems, rv: C.RankView) -> np.ndarray:
     """Without FSDP a bf16 / fp16 plan runs under torch.autocast (as torchtitan does), which caches the cast copy
     of every linear weight (and bias) it multiplies — attention and MLP linears, the router, the shared experts, the
     output projection; not norms, the embedding or the stacked experts (views, not leaves) — from its first use to
     the end of the region [derived from torch's autocast weight cache; trace]."""
     pb = b.param_bytes[idx].astype(float)
     on = ~fsdp_on & (pb < 4.0)
-    total = np.zeros(len(idx))
-    for k in rv.kinds:
-        lin = sum((rows * per_row for name, rows, per_row, expert in layer_tensors(spec, b, k)
-                   if not expert and "norm" not in name), np.zeros(len(b)))
-        total = total + (rv.n_of[k] * lin)[idx]
+    total = np.asarray(linear_elems)[idx]
     outw = np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))
     return np.where(on, (total + outw) * pb, 0.0)
 

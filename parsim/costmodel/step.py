@@ -87,8 +87,9 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
     ``memory_only``): a plan whose parameters, optimizer states and gradients alone (``static_bytes``, a lower
     bound of its peak) exceed it is not replayed on the timeline, its peak given as at least that bound (it does
     not fit either way). ``time_bound``: only ``step_time_lower_bound_s`` (``_time_lower_bound``), without the
-    collectives and memory. ``time_only``: only ``step_time_s`` (the same as the full evaluation's; step time does
-    not depend on memory), without replaying memory (what calibration's fits need)."""
+    collectives and memory. ``time_only``: the step time (the same as the full evaluation's; step time does
+    not depend on memory) with tokens/s, MFU and the dominant cost, without replaying memory (what calibration's
+    fits and the search's full evaluations need: the search has every plan's memory from its screen)."""
     sh = Shapes(spec, b)
     layers = rank_layers(spec, b.pp, b.pp_stages_per_rank)
     kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
@@ -102,7 +103,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
             c = rank_compute(spec, b, sh, hw, rv, costs)
             per_rank.append(_time_lower_bound(b, hw, c, rank_params(b, rv)[1], rv.n_tensors))
         elif time_only:
-            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs, with_memory=False).step_s)
+            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs, with_memory=False))
         elif memory_only:
             c = rank_compute(spec, b, sh, hw, rv, costs)
             phases, _ = rank_memory(spec, b, sh, rank, rv, c, above_bytes)
@@ -114,8 +115,8 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
             per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
     if time_bound:
         return {"step_time_lower_bound_s": np.maximum(per_rank[0], per_rank[1])}
-    if time_only:  # the slowest rank's, as ``_combine``
-        return {"step_time_s": np.maximum(per_rank[0], per_rank[1])}
+    if time_only:
+        return _combine_time(spec, b, hw, per_rank)
     if memory_only:  # per rank: (allocated peak, reserved) with the static bound
         return {"peak_memory_bytes": np.maximum(per_rank[0][0], per_rank[1][0]),
                 "reserved_memory_bytes": np.maximum(per_rank[0][1], per_rank[1][1])}
@@ -227,41 +228,51 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
 
 def _combine(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, per_rank: list, detail: bool) -> dict:
     """The plan's step time is its slowest rank's, its memory the larger peak; comm_bytes are rank 0's."""
-    n = len(b)
     first, last = per_rank
-    time_rank = np.where(last.step_s > first.step_s, LAST, FIRST)
+    out = _combine_time(spec, b, hw, per_rank)
     mem_rank = np.where(last.peak.memory_bytes > first.peak.memory_bytes, LAST, FIRST)
-    step = np.where(time_rank == LAST, last.step_s, first.step_s)
     peak_mem = np.where(mem_rank == LAST, last.peak.memory_bytes, first.peak.memory_bytes)
     # what must fit is what the allocator reserves (its rank can differ from the allocated peak's)
     rsv_rank = np.where(last.peak.reserved_bytes > first.peak.reserved_bytes, LAST, FIRST)
     reserved = np.where(rsv_rank == LAST, last.peak.reserved_bytes, first.peak.reserved_bytes)
-    tps = b.global_batch_size * b.seq_len / step / b.world
-    mfu = _model_flops_per_token(spec, b) * tps / hw.peak("bfloat16")
-    out = {"step_time_s": step, "peak_memory_bytes": peak_mem, "fits": reserved <= hw.usable_memory_bytes,
-           "reserved_memory_bytes": reserved, "tokens_per_s_per_gpu": tps, "mfu": mfu, "peak_rank": mem_rank,
-           "time_rank": time_rank}
-
-    def pick(of_first: dict, of_last: dict, rank_sel) -> dict:
-        keys = sorted(set(of_first) | set(of_last))
-        return {k: np.where(rank_sel == LAST, _g(of_last, k, n), _g(of_first, k, n)) for k in keys}
-
-    tb = pick(first.time_breakdown_s, last.time_breakdown_s, time_rank)
-    if not detail:  # the dominant cost, cheaply: the largest breakdown entry of the time-critical rank
-        out["dominant"] = np.array(list(tb))[np.argmax(np.stack(list(tb.values())), axis=0)]
+    out.update({"peak_memory_bytes": peak_mem, "fits": reserved <= hw.usable_memory_bytes,
+                "reserved_memory_bytes": reserved, "peak_rank": mem_rank})
+    tb = out.pop("time_breakdown_s")
+    if not detail:
         return out
     out["time_breakdown_s"] = tb
+    time_rank = out["time_rank"]
     out["memory_breakdown_bytes"] = {k: np.where(mem_rank == LAST, last.peak.breakdown_bytes[k],
                                                  first.peak.breakdown_bytes[k]) for k in MEMORY_KEYS}
     out["reserved_breakdown_bytes"] = {k: np.where(rsv_rank == LAST, last.peak.reserved_breakdown_bytes[k],
                                                    first.peak.reserved_breakdown_bytes[k]) for k in RESERVED_KEYS}
     out["comm_bytes"] = first.ledger.bytes_by_key()
     out["peak_phase"] = np.where(mem_rank == LAST, last.peak.phase, first.peak.phase)
-    out["comm_time_s"] = pick(first.ledger.time_by_key(), last.ledger.time_by_key(), time_rank)
-    out["exposed_comm_time_s"] = pick(first.ledger.exposed_by_key(), last.ledger.exposed_by_key(), time_rank)
+    out["comm_time_s"] = pick(first.ledger.time_by_key(), last.ledger.time_by_key(), time_rank, len(b))
+    out["exposed_comm_time_s"] = pick(first.ledger.exposed_by_key(), last.ledger.exposed_by_key(), time_rank, len(b))
     out["ledgers"] = (first.ledger, last.ledger)
     out["ranks"] = per_rank
     return out
+
+
+def _combine_time(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, per_rank: list) -> dict:
+    """The step time (the slowest rank's, itemized), tokens/s per GPU, MFU and the dominant cost (the largest
+    breakdown entry of the time-critical rank); the ranks' memory is not needed."""
+    first, last = per_rank
+    time_rank = np.where(last.step_s > first.step_s, LAST, FIRST)
+    step = np.where(time_rank == LAST, last.step_s, first.step_s)
+    tps = b.global_batch_size * b.seq_len / step / b.world
+    tb = pick(first.time_breakdown_s, last.time_breakdown_s, time_rank, len(b))
+    return {"step_time_s": step, "tokens_per_s_per_gpu": tps,
+            "mfu": _model_flops_per_token(spec, b) * tps / hw.peak("bfloat16"), "time_rank": time_rank,
+            "time_breakdown_s": tb,
+            "dominant": np.array(list(tb))[np.argmax(np.stack(list(tb.values())), axis=0)]}
+
+
+def pick(of_first: dict, of_last: dict, rank_sel, n: int) -> dict:
+    """Per key the first rank's or the last rank's value, as ``rank_sel`` says."""
+    keys = sorted(set(of_first) | set(of_last))
+    return {k: np.where(rank_sel == LAST, _g(of_last, k, n), _g(of_first, k, n)) for k in keys}
 
 
 def _g(d, k, n):
