@@ -117,10 +117,15 @@ class Timeline:
         better = (total > self.best[p]) & self.mask
         if mask is not None:
             better = better & mask
-        if not better.any():
+        cols = np.flatnonzero(better)
+        if not len(cols):
             return
-        self.best[p] = np.where(better, total, self.best[p])
-        self.items[p] = np.where(better, self.arr, self.items[p])
+        if 4 * len(cols) < self.n:  # (few plans gain: only their columns are written)
+            self.best[p, cols] = total[cols]
+            self.items[p][:, cols] = self.arr[:, cols]
+        else:
+            self.best[p] = np.where(better, total, self.best[p])
+            self.items[p] = np.where(better, self.arr, self.items[p])
 
     def apply_series(self, phase: str, series: dict) -> None:
         """S moments in a row (rounds of: add, a moment, add) from their summary (``series_summary``): the
@@ -133,9 +138,13 @@ class Timeline:
                 f"{k[:12]}={at0[i] / 2**20:.3f}" for k, i in _KEY.items() if at0[i]))
         p = _PHASE[phase]
         better = (top > self.best[p]) & self.mask
-        if better.any():
+        cols = np.flatnonzero(better)
+        if 4 * len(cols) >= self.n:
             self.best[p] = np.where(better, top, self.best[p])
             self.items[p] = np.where(better, self.arr + series["at"], self.items[p])
+        elif len(cols):  # (few plans gain: only their columns are written)
+            self.best[p, cols] = top[cols]
+            self.items[p][:, cols] = self.arr[:, cols] + series["at"][:, cols]
         if series["end"] is not None:
             self.arr += series["end"]
 
