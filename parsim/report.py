@@ -132,14 +132,14 @@ def print_explain(d: dict) -> None:
             ct.add_column(col, justify="left" if col in ("item", "kind") else "right")
         for it in lay["compute_forward"]:
             ct.add_row(it["name"], it["kind"], f"{it['work']:.3g}", f"{it['efficiency']:.3f}",
-                      f"{it['seconds'] / MS:.4f}", "y" if it["recomputed_by_selective_ac"] else "")
+                      f"{it['seconds'] / MS:.4f}", _share(it["recomputed_by_selective_ac"]))
         s = Table(title=f"tensors one {kind} layer saves per microbatch, and which each AC mode keeps")
         for col in ("tensor", "kind", "MiB", "none", "selective-op", "full"):
             s.add_column(col, justify="left" if col in ("tensor", "kind") else "right")
         for it in lay["saved_tensors"]:
-            s.add_row(it["name"], it["kind"], f"{it['bytes'] / 2**20:.2f}", *("y" if it[f"kept_{m}"] else ""
+            s.add_row(it["name"], it["kind"], f"{it['bytes'] / 2**20:.2f}", *(_share(it[f"kept_{m}"])
                                                                               for m in ("none", "sac", "full")))
-        totals = {m: sum(it["bytes"] for it in lay["saved_tensors"] if it[f"kept_{m}"]) / 2**20
+        totals = {m: sum(it["bytes"] * float(it[f"kept_{m}"]) for it in lay["saved_tensors"]) / 2**20
                   for m in ("none", "sac", "full")}
         s.add_row("[bold]kept[/bold]", "", "", *(f"{totals[m]:.1f}" for m in ("none", "sac", "full")))
         blk = lay.get("block", {})
@@ -177,3 +177,10 @@ def print_factors(con, rows: list) -> None:
             str(v) if isinstance(v, bool) else f"{v:.4g}")
         t.add_row(escape(f["name"]), shown, escape(f["applies_to"]), escape(f["source"]))
     con.print(t)
+
+
+def _share(v) -> str:
+    """A flag ("y" or blank) or a fraction (selective AC on a grouped expert GEMM: its share, as a percentage)."""
+    if isinstance(v, bool) or float(v) in (0.0, 1.0):
+        return "y" if v else ""
+    return f"{float(v):.0%}"

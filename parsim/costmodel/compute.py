@@ -26,6 +26,8 @@ from .layers import (
     activation_bytes_split,
     attention_flops,
     gemms,
+    grouped_mm_kept,
+    local_experts,
     saved_tensors,
 )
 from .rows import unique_rows
@@ -92,7 +94,7 @@ class ComputeItem(NamedTuple):
     work: Any  # FLOPs (gemm, attention) or bytes (memory)
     efficiency: Any  # fraction of peak (or of bandwidth) reached
     seconds: Any
-    recomputed_by_sac: bool  # selective AC recomputes it
+    recomputed_by_sac: Any  # the fraction selective AC recomputes (a bool, or per plan for grouped GEMMs)
 
 
 def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, moe: bool,
@@ -105,7 +107,7 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
     fp8_peak = hw.peak_flops.get("float8")
     mem_bw = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency
     items: list[ComputeItem] = []
-    mm_count = 0
+    odd = 0  # parity of the aten.mm's so far: selective AC keeps the odd ones (``layers.kept_by_ac_mode``)
     wgrad_hp = np.zeros_like(sh.T)  # rowwise_with_gw_hp: extra backward seconds of weight gradients in bf16
     for name, flops, kernel_flops, io_elems, kind in gemms(spec, sh, moe):
         t = (flops / kernel_flops) * hw.gemm_efficiency.time_s(kernel_flops, peak)
@@ -120,9 +122,17 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
             wgrad_hp = wgrad_hp + np.where(b.float8 & (b.float8_recipe == 2), np.maximum(t - t_fp8, 0.0), 0.0)
             t = np.where(b.float8, t_fp8, t)
             eff = np.where(b.float8, hw.float8_gemm_efficiency(kernel_flops), eff)
-        mm_count += kind == "mm"
-        # SAC recomputes the even mm's and every addmm (biased linears, ``layers.linear_kind``)
-        items.append(ComputeItem(name, "gemm", flops, eff, t, kind == "addmm" or (kind == "mm" and mm_count % 2 == 0)))
+        # SAC recomputes the even mm's, every addmm (biased linears, ``layers.linear_kind``) and a grouped GEMM's
+        # even per-expert mm's (the fraction it does not keep)
+        if kind == "mm":
+            odd = 1 - odd
+            rec: object = odd == 0
+        elif kind == "gmm":
+            kept, odd = grouped_mm_kept(local_experts(spec, sh), odd)
+            rec = 1.0 - kept
+        else:
+            rec = kind == "addmm"
+        items.append(ComputeItem(name, "gemm", flops, eff, t, rec))
     items.append(_attention_item(spec, b, sh, hw, peak))
     act = activation_bytes(spec, sh, moe)
     # memory-bound kernels: every non-GEMM tensor the layer saves is written once and read about twice
@@ -225,7 +235,8 @@ def layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, 
     items = layer_compute_items(spec, b, sh, hw, moe, overheads[0])
     by_kind = {k: sum((it.seconds for it in items if it.kind == k), np.zeros_like(sh.T))
                for k in ("gemm", "attention", "memory", "overhead", "wgrad_hp")}
-    sac_t = sum((it.seconds for it in items if it.recomputed_by_sac and it.kind == "gemm"), np.zeros_like(sh.T))
+    sac_t = sum((it.seconds * np.asarray(it.recomputed_by_sac, dtype=float) for it in items if it.kind == "gemm"),
+                np.zeros_like(sh.T))
     ovb = overheads[1]
     fwd = (by_kind["gemm"] + by_kind["attention"] + by_kind["memory"] + by_kind["overhead"]) * compute_scale
     bwd = (GEMM_BWD_PER_FWD * by_kind["gemm"] + by_kind["wgrad_hp"] + ATTENTION_BWD_PER_FWD * by_kind["attention"]

@@ -6,6 +6,8 @@ printed number can be traced from the output alone. Used by ``parsim predict --e
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..blockshape import plan_block_shapes, plan_head_shape
 from ..codec import canonical_axes, canonical_key
 from ..hardware import EfficiencyCurve, HardwareProfile
@@ -14,7 +16,7 @@ from ..results import Prediction
 from ..spec import ModelSpec
 from .comm import AXIS_CLASS, axis_class_scale
 from .compute import ADAMW_BYTES_PER_PARAM, block_overheads, layer_compute_items
-from .layers import FIRST, LAST, Shapes, inflight, kept_by_ac_mode, saved_tensors
+from .layers import FIRST, LAST, Shapes, inflight, kept_by_ac_mode, local_experts, saved_tensors
 from .step import evaluate_one, prediction_from, stage_rank
 
 
@@ -73,16 +75,16 @@ def _explain(spec: ModelSpec, plan: Plan, hw: HardwareProfile, b, r: dict) -> di
     for moe in kinds:
         items = layer_compute_items(spec, b, sh, hw, moe, block_overheads(hw)[0])
         saved = saved_tensors(spec, sh, moe)
-        keep = kept_by_ac_mode(saved)
+        keep = kept_by_ac_mode(saved, local_experts(spec, sh) if moe else None)
         layers["moe" if moe else "dense"] = {
             "tokens_per_microbatch": float(sh.T[0]),
             "compute_forward": [{"name": n, "kind": k, "work": float(w[0]), "efficiency": float(e[0]),
-                                 "seconds": float(t[0]), "recomputed_by_selective_ac": bool(sac)}
+                                 "seconds": float(t[0]), "recomputed_by_selective_ac": _first(sac)}
                                 for n, k, w, e, t, sac in items],
             "compute_scale": float(hw.corrections.get("compute_scale", 1.0)),
             "block": _block_source(shapes.get("moe" if moe else "dense"), hw),
             "saved_tensors": [{"name": n, "bytes": float(nb[0]) if hasattr(nb, "__len__") else float(nb),
-                               "kind": k, **{f"kept_{m}": kk[m] for m in ("none", "full", "sac")}}
+                               "kind": k, **{f"kept_{m}": _first(kk[m]) for m in ("none", "full", "sac")}}
                               for (n, nb, k), kk in zip(saved, keep, strict=True)],
         }
     return {"rank": f"pp stage {plan.pp - 1 if rank == LAST else 0}" if rank in (FIRST, LAST) else str(rank),
@@ -229,3 +231,10 @@ def factors(plan: Plan, hw: HardwareProfile, b, r: dict, ledger: list[dict]) -> 
     """Every factor the model applied to this plan's prediction (``b``, ``r``: its batch and evaluation), with what
     it multiplies and where it comes from."""
     return _compute_factors(plan, hw) + _comm_factors(hw, r, ledger) + _schedule_factors(plan, hw, b)
+
+
+def _first(x):
+    """A flag or a fraction (grouped GEMMs under selective AC) of the one plan explained, as JSON has it: a bool
+    where it is one, else the fraction."""
+    v = np.asarray(x).ravel()[0] if np.ndim(x) else x
+    return bool(v) if isinstance(v, (bool, np.bool_)) or float(v) in (0.0, 1.0) else float(v)

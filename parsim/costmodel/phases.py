@@ -25,6 +25,7 @@ from .layers import (
     kept_by_ac_mode,
     last_param_elems,
     layer_tensors,
+    local_experts,
     moe_forward_working_bytes,
     saved_tensors,
     stage_bounds,
@@ -84,6 +85,7 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
     steps = Whole({moe: (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe)) for moe in rv.kinds})
     steps.moe_fwd = moe_forward_working_bytes(spec, sh, b)
     steps.pair_bytes = sh.Tr * spec.d_model * sh.act_b if spec.moe is not None else 0.0
+    steps.e_local = local_experts(spec, sh) if spec.moe is not None else 1.0
     for g, (pp, v, k, bp) in enumerate(uniq):
         idx = rows_idx[np.ravel(inv) == g]
         _, first, back = np.unique(same[idx], return_index=True, return_inverse=True)
@@ -113,6 +115,7 @@ class Whole(dict):
         self._memo: dict = {}
         self.moe_fwd: np.ndarray | float = 0.0  # ``layers.moe_forward_working_bytes``
         self.pair_bytes: np.ndarray | float = 0.0  # one routed (token, expert) pair tensor, nk x d
+        self.e_local: np.ndarray | float = 1.0  # ``layers.local_experts``
 
     def once(self, fn, *args):
         key = (fn, *(a if isinstance(a, (bool, int, str)) else id(a) for a in args))
@@ -220,13 +223,15 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
     all_steps, items = steps_of[moe]
     steps = [{"alloc": sel(st["alloc"]), "free": sel(st["free"]), "saved": st["saved"], "cast": st["cast"],
               "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
-    keep = kept_by_ac_mode(items)
+    keep = kept_by_ac_mode(items, steps_of.e_local if moe else None)
     saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
     combine: np.ndarray | float = 0.0
     if moe:  # ``memory.Block.recompute_combine``: the shared experts' recomputed tensors come after the combine
         shared = [(np.asarray(nb, dtype=float)[idx] if np.ndim(nb) else float(nb), kk) for (name, nb, _), kk
                   in zip(items, keep, strict=True) if name.startswith("shared.") and kk["none"]]
-        later = sum((np.where(full, x, np.where(sac & ~kk["sac"], x, 0.0)) for x, kk in shared), np.zeros(len(idx)))
+        later = sum((np.where(full, x, np.where(sac, x * (1.0 - np.broadcast_to(np.asarray(kk["sac"], dtype=float),
+                                                                                   (len(b),))[idx]), 0.0))
+                     for x, kk in shared), np.zeros(len(idx)))
         combine = np.where(transient > 0, 3.0 * np.asarray(steps_of.pair_bytes)[idx] - later, 0.0)
     return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb,
                  transient_attn=a["none"][0] - act_attn,
