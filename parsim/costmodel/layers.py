@@ -583,20 +583,40 @@ class _BackwardSteps:
         self.steps.append({"alloc": alloc + self.z, "free": free + self.z, "saved": tuple(saved), "pgrad": pgrad,
                            "cast": cast})
 
+    def _gmm_temp(self, w_elems, x_bytes):
+        """One local expert's matmul output in a grouped GEMM's backward, the larger of its rows of the input
+        gradient and its weight gradient (the weight's dtype: param_dtype under FSDP, fp32 without), made one after
+        the other into the whole gradients allocated first [derived from
+        ``_GroupedMM.backward``: ``gw[e] = x_e.t() @ g_e``, ``gx[rows_e] = g_e @ w[e].t()``; trace: 2 local experts,
+        a (1024, 768) fp32 matmul output beside the whole weight gradient at the experts' backward]."""
+        b = self.b
+        fsdp = (b.dp_replicate * b.dp_shard * b.cp) > 1
+        grad_b = np.where(fsdp, b.param_bytes, 4.0)
+        e = np.maximum(local_experts(self.spec, self.sh), 1.0)
+        return np.maximum(w_elems * grad_b, x_bytes) / e  # (one after the other: the larger one counts)
+
     def mlp(self, prefix, tokens, ff, names, expert=False, last_saved=(), free_in=0.0, w3_saved=(), kind=None):
         """SwiGLU: w2 (its input's gradient), mul (two), silu, w3 and w1 (the normed input's gradient, summed);
         GeLU: w2, gelu, w1. ``free_in``: the output's gradient, freed by w2's backward where the MLP owns it (the
         routed experts' weighted pairs; a dense MLP's is the residual stream's, freed by the block).
-        ``last_saved`` / ``w3_saved``: what w1's / w3's backward releases of the block's saved tensors."""
+        ``last_saved`` / ``w3_saved``: what w1's / w3's backward releases of the block's saved tensors. The routed
+        experts' grouped GEMM backward (``executor.model._GroupedMM``) fills its input and weight gradients expert
+        by expert through one matmul output each, alive while it is copied in: at its moment one expert's share
+        of one of them more (``_gmm_temp``)."""
         step, pg = self.step, self.pg
         hid = tokens * ff * self.b2
         tin = tokens * self.d * self.b2
+
+        def temp(w, x_bytes):
+            return self._gmm_temp(pg(names + w, expert=True)[1], x_bytes) if expert else 0.0
+
         if (kind or self.spec.mlp) == "swiglu":
-            step(hid, free_in, [f"{prefix}.w2.input"], pg(names + "w2", expert=expert))
+            t2, t3, t1 = temp("w2", hid), temp("w3", tin), temp("w1", tin)
+            step(hid + t2, free_in + t2, [f"{prefix}.w2.input"], pg(names + "w2", expert=expert))
             step(2 * hid, hid, [f"{prefix}.silu.out", f"{prefix}.w3.out"])
             step(hid, hid, [f"{prefix}.w1.out"])
-            step(tin, hid, w3_saved, pg(names + "w3", expert=expert))
-            step(tin, hid + tin, last_saved, pg(names + "w1", expert=expert))
+            step(tin + t3, hid + t3, w3_saved, pg(names + "w3", expert=expert))
+            step(tin + t1, hid + tin + t1, last_saved, pg(names + "w1", expert=expert))
         else:
             step(hid, free_in, [f"{prefix}.gelu.out"], pg(names + "w2", expert=expert))
             step(hid, hid, [f"{prefix}.w1.out"])
