@@ -124,7 +124,6 @@ class Whole(dict):
         return self._memo[key]
 
 
-
 def _interleaved(spec: ModelSpec, b: PlanBatch, rank: int, idx: np.ndarray, q: RankMemory, built: dict,
                  key: tuple, whole: Whole) -> dict:
     """``memory.simulate_actions`` for the plans ``idx`` of a rank running ``v`` stages: one ``RankMemory`` per
@@ -225,18 +224,27 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
               "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
     keep = kept_by_ac_mode(items, steps_of.e_local if moe else None)
     saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
-    combine: np.ndarray | float = 0.0
-    if moe:  # ``memory.Block.recompute_combine``: the shared experts' recomputed tensors come after the combine
-        shared = [(np.asarray(nb, dtype=float)[idx] if np.ndim(nb) else float(nb), kk) for (name, nb, _), kk
-                  in zip(items, keep, strict=True) if name.startswith("shared.") and kk["none"]]
-        later = sum((np.where(full, x, np.where(sac, x * (1.0 - np.broadcast_to(np.asarray(kk["sac"], dtype=float),
-                                                                                   (len(b),))[idx]), 0.0))
-                     for x, kk in shared), np.zeros(len(idx)))
-        combine = np.where(transient > 0, 3.0 * np.asarray(steps_of.pair_bytes)[idx] - later, 0.0)
+    combine = _recompute_combine(items, keep, idx, len(b), full, sac, transient, steps_of.pair_bytes) if moe else 0.0
     return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb,
                  transient_attn=a["none"][0] - act_attn,
                  fwd_working=np.where(full, np.asarray(steps_of.moe_fwd)[idx], 0.0) if moe else 0.0,
                  recompute_combine=combine)
+
+
+def _recompute_combine(items: list, keep: list, idx: np.ndarray, n_batch: int, full, sac, transient,
+                       pair_bytes) -> np.ndarray:
+    """``memory.Block.recompute_combine`` of the plans ``idx`` (of a batch of ``n_batch``): 3 nk x d above the
+    recompute set (the pairs' gradient, the weighted copy, the scatter target), less the shared experts' tensors
+    the recompute makes only after the combine; 0 where the block recomputes nothing."""
+    def of_batch(x):
+        return np.broadcast_to(np.asarray(x, dtype=float), (n_batch,))[idx]
+
+    later = np.zeros(len(idx))
+    for (name, nbytes, _), kk in zip(items, keep, strict=True):
+        if name.startswith("shared.") and kk["none"]:
+            x = of_batch(nbytes)
+            later = later + np.where(full, x, np.where(sac, x * (1.0 - of_batch(kk["sac"])), 0.0))
+    return np.where(transient > 0, 3.0 * of_batch(pair_bytes) - later, 0.0)
 
 
 def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, p_shard,
