@@ -360,7 +360,7 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "trace and model follow torch 2.13's pipelining protocol (every backward without gradient sync or reshard, "
      "one reduce per stage after its last backward, interleaved UNSHARD / RESHARD) and collective bytes agree; "
      "1F1B and GPipe replay it microbatch by microbatch, interleaved schedules replay torch's own action list "
-     "(memory.simulate_actions); 43 of 392 traced still fail (median 1.0%, -2.7% to +5.3%): 20 are MoE stages "
+     "(memory.simulate_actions); 42 of 392 traced still fail (median 1.0%, -2.7% to +5.3%): 19 are MoE stages "
      "(the MoE gap below, under PP), the other 23 all TP or CP plans, 17 of them with layer:N AC (causes not all "
      "established)"),
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
@@ -370,16 +370,16 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "released before the reduce's output, its out-of-place divide: memory.py ``_copy_in`` / ``_post_backward``); "
      "routed experts with a shard group of 1 still get the prefetch of a 2+ group; 5 fail (-2.1% to +2.7%)"),
     ("MoE activations", lambda c: c.spec.moe is not None,
-     "MoE plans without PP: 16 fail, most within about 1.5% of the trace but not 0.5% (-4.7% to +2.1% at the "
-     "ends), 12 of them under: the op-level backward steps of routed and shared experts (layers.backward_steps) "
-     "do not yet match the executor's MoE autograd graph exactly (top-k > 1 with AC, CP, EP with layer:N; one "
-     "selective-op TP case -3.3% at its last layer's backward, hidden before by selective AC's grouped GEMMs "
-     "counted whole; outside this CSV, EP with one local expert, top-2, full AC at 2k tokens: -8.9%, the EP "
-     "all-to-alls' backward buffers). Modelled since stop 42: a checkpointed MoE block's forward working set "
-     "(layers.moe_forward_working_bytes), the recompute's combine beside the pairs' gradient "
-     "(memory.Block.recompute_combine), SwiGLU routed experts for GeLU models (spec.routed_expert_matrices), "
-     "the share of a grouped GEMM's per-expert mm outputs selective AC keeps (layers.kept_by_ac_mode) and the "
-     "grouped GEMM backward's per-expert matmul output (layers._BackwardSteps._gmm_temp)"),
+     "MoE plans without PP: 15 fail, most within about 1.5% of the trace but not 0.5% (-4.7% to +2.1% at the "
+     "ends), 7 of them under, 8 over (three TP cases +1.0% and one EP case +1.0% since the weighting's backward "
+     "holds three routed-size tensors): the op-level backward steps of routed and shared experts "
+     "(layers.backward_steps) do not yet match the executor's MoE autograd graph exactly (top-k > 1 with AC, CP, "
+     "EP with layer:N). Modelled since stop 42: a checkpointed MoE block's forward working set "
+     "(layers.moe_forward_working_bytes), the recompute's combine beside the pairs' gradient, and with EP its "
+     "combine all-to-all (phases._recompute_combine), SwiGLU routed experts for GeLU models "
+     "(spec.routed_expert_matrices), the share of a grouped GEMM's per-expert mm outputs selective AC keeps "
+     "(layers.kept_by_ac_mode), the grouped GEMM backward's per-expert matmul output "
+     "(layers._BackwardSteps._gmm_temp) and the weighting's backward (the routing weights' gradient product)"),
 )
 
 

@@ -630,8 +630,12 @@ class _BackwardSteps:
         assert m is not None
         tr, t_router = sh.Tr, sh.Tr / (m.top_k * m.capacity_factor)
         ep_on = np.where(self.b.ep > 1, 1.0, 0.0)
-        step(tr * d * b2)  # the combine's backward: the routed pairs' gradient
-        step(tr * d * b2, tr * d * b2, ["experts.w2.out"])  # weighted by the routing weights
+        step(tr * d * b2)  # the combine's sum backward: the routed pairs' gradient
+        step(tr * d * b2, tr * d * b2)  # the scatter's backward: the weighted pairs' gradient, the pairs' freed
+        # the weighting's backward: the experts' output gradient and, for the routing weights' gradient, the product
+        # of the incoming gradient and the saved output (summed over d, then freed) [trace: three (T k, d) tensors
+        # at the mul's backward, tiny-moe d 384 top-4]
+        step(2.0 * tr * d * b2, 2.0 * tr * d * b2, ["experts.w2.out"])
         step(ep_on * tr * d * b2, ep_on * tr * d * b2)  # EP: the combine's all-to-all back
         # (the weighted pairs' gradient is consumed by the experts' w2: freed there [trace: a MoE block's backward
         # left top_k x (T, d) behind in the model, 0.56 MiB per block of a d384 top-2 model])

@@ -221,11 +221,13 @@ class Block:
     # a checkpointed MoE block's forward: what it holds above its input at its largest moment
     # (``layers.moe_forward_working_bytes``; 0 where the block saves its tensors or is dense)
     fwd_working: np.ndarray | float = 0.0
-    # a recomputed MoE block (AC): its backward starts with the combine's sum, whose backward saves nothing and
-    # makes the routed pairs' gradient (nk x d); the next op (the scatter's) unpacks a saved tensor, which runs the
-    # recompute with that gradient alive, and the recompute's combine holds its weighted copy and scatter target
-    # (2 nk x d) before the shared experts (computed after the routed ones) are recomputed: bytes above the whole
-    # recompute set at that moment (3 nk x d less the shared experts' recomputed tensors; 0 without recompute)
+    # a recomputed MoE block (AC): without shared experts its backward starts with the combine's sum, whose backward
+    # saves nothing and makes the routed pairs' gradient (nk x d); the next op (the scatter's) unpacks a saved
+    # tensor, which runs the recompute with that gradient alive (with shared experts, their backward runs it first,
+    # before that gradient), and the recompute's combine holds its weighted copy and scatter target (2 nk x d;
+    # with EP its combine all-to-all is larger: routed and received tokens, experts' output and its regrouped copy,
+    # 4 nk x d) before the shared experts (computed after the routed ones) are recomputed: bytes above the whole
+    # recompute set at that moment (``phases._recompute_combine``; 0 without recompute)
     # [derived: torch.utils.checkpoint's non-reentrant recompute on the first unpack; trace: tp2 x dp_shard2, full
     # AC, top-4 of 8 experts, 1024 tokens of d 512: at the recompute's scatter target the pairs' gradient, the
     # routed tokens, the experts' output, the weighted copy and the target, (4096, 512) each, alive (-8.1% before)]
