@@ -360,7 +360,7 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "trace and model follow torch 2.13's pipelining protocol (every backward without gradient sync or reshard, "
      "one reduce per stage after its last backward, interleaved UNSHARD / RESHARD) and collective bytes agree; "
      "1F1B and GPipe replay it microbatch by microbatch, interleaved schedules replay torch's own action list "
-     "(memory.simulate_actions); 42 of 392 traced still fail (median 1.0%, -2.7% to +5.3%): 19 are MoE stages "
+     "(memory.simulate_actions); 37 of 392 traced still fail (median 0.8%, -2.7% to +5.3%): 14 are MoE stages "
      "(the MoE gap below, under PP), the other 23 all TP or CP plans, 17 of them with layer:N AC (causes not all "
      "established)"),
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
@@ -368,18 +368,17 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "
      "cp): the dense units are modelled as FSDP2 runs them (no all-gather nor prefetch, the unsharded gradients "
      "released before the reduce's output, its out-of-place divide: memory.py ``_copy_in`` / ``_post_backward``); "
-     "routed experts with a shard group of 1 still get the prefetch of a 2+ group; 5 fail (-2.1% to +2.7%)"),
+     "routed experts with a shard group of 1 still get the prefetch of a 2+ group; 2 fail (-2.1%)"),
     ("MoE activations", lambda c: c.spec.moe is not None,
-     "MoE plans without PP: 15 fail, most within about 1.5% of the trace but not 0.5% (-4.7% to +2.1% at the "
-     "ends), 7 of them under, 8 over (three TP cases +1.0% and one EP case +1.0% since the weighting's backward "
-     "holds three routed-size tensors): the op-level backward steps of routed and shared experts "
-     "(layers.backward_steps) do not yet match the executor's MoE autograd graph exactly (top-k > 1 with AC, CP, "
-     "EP with layer:N). Modelled since stop 42: a checkpointed MoE block's forward working set "
-     "(layers.moe_forward_working_bytes), the recompute's combine beside the pairs' gradient, and with EP its "
-     "combine all-to-all (phases._recompute_combine), SwiGLU routed experts for GeLU models "
+     "MoE plans without PP: 4 fail (-3.0% to +2.1%), 3 of them under: the op-level backward steps of routed and "
+     "shared experts (layers.backward_steps) do not yet match the executor's MoE autograd graph in every case "
+     "(tp2 x ep4 with layer:N and reshard always: -3.0%). Modelled since stop 42: a checkpointed MoE block's "
+     "forward working set (layers.moe_forward_working_bytes), the recompute's combine beside the pairs' gradient, "
+     "and with EP its combine all-to-all (phases._recompute_combine), SwiGLU routed experts for GeLU models "
      "(spec.routed_expert_matrices), the share of a grouped GEMM's per-expert mm outputs selective AC keeps "
      "(layers.kept_by_ac_mode), the grouped GEMM backward's per-expert matmul output "
-     "(layers._BackwardSteps._gmm_temp) and the weighting's backward (the routing weights' gradient product)"),
+     "(layers._BackwardSteps._gmm_temp), the weighting's backward (the routing weights' gradient product) and "
+     "the shared experts' backward first, the incoming gradient freed at the combine's (_BackwardSteps.moe_ffn)"),
 )
 
 

@@ -623,14 +623,18 @@ class _BackwardSteps:
             step(tin, hid, last_saved, pg(names + "w1", expert=expert))
 
     def moe_ffn(self):
-        """The MoE FFN: combine, EP all-to-alls, the routed experts' MLP, the token gather, the router, the shared
-        experts."""
+        """The MoE FFN: the shared experts (their nodes are the newest: autograd runs them first), then the
+        combine (whose sum's backward is the last use of the incoming gradient: gathered under SP, freed there), EP
+        all-to-alls, the routed experts' MLP, the token gather, the router [trace: tp4 SP, the shared experts'
+        backward before the pairs' gradient, the gathered (T, d) gradient freed right after it]."""
         step, sh, d, b2, T = self.step, self.sh, self.d, self.b2, self.T
         m = self.spec.moe
         assert m is not None
         tr, t_router = sh.Tr, sh.Tr / (m.top_k * m.capacity_factor)
         ep_on = np.where(self.b.ep > 1, 1.0, 0.0)
-        step(tr * d * b2)  # the combine's sum backward: the routed pairs' gradient
+        if m.n_shared_experts:
+            self.mlp("shared", T, m.d_ff_expert * m.n_shared_experts / self.t, "shared.")
+        step(tr * d * b2, self.g_full)  # the combine's sum backward: the routed pairs' gradient
         step(tr * d * b2, tr * d * b2)  # the scatter's backward: the weighted pairs' gradient, the pairs' freed
         # the weighting's backward: the experts' output gradient and, for the routing weights' gradient, the product
         # of the incoming gradient and the saved output (summed over d, then freed) [trace: three (T k, d) tensors
@@ -646,10 +650,7 @@ class _BackwardSteps:
         step(t_router * m.n_experts * 4.0, 0.0, ["router.probs"])
         step(t_router * d * b2, t_router * m.n_experts * 4.0 + t_router * d * b2, ["router.logits"],
              self.pg("router"))
-        if m.n_shared_experts:
-            self.mlp("shared", T, m.d_ff_expert * m.n_shared_experts / self.t, "shared.")
-        step(0.0, self.g_full + T * d * b2 * np.where(m.n_shared_experts > 0, 1.0, 0.0),
-             ["ffn_norm.output(gathered)"])
+        step(0.0, T * d * b2 * np.where(m.n_shared_experts > 0, 1.0, 0.0), ["ffn_norm.output(gathered)"])
 
     def norm(self, name: str):
         """A norm: its output's gradient reduce-scattered (SP), its backward, summed into the residual gradient."""
