@@ -320,6 +320,12 @@ def kept_by_ac_mode(items: list[tuple], e_local=None) -> list[dict]:
     return out
 
 
+def grad_elem_bytes(b) -> np.ndarray:
+    """Bytes of an unsharded weight-gradient element: param_dtype under FSDP (its mixed precision), the fp32
+    parameters' own without."""
+    return np.where(b.dp_replicate * b.dp_shard * b.cp > 1, b.param_bytes, 4.0).astype(float)
+
+
 def local_experts(spec: ModelSpec, sh: Shapes) -> np.ndarray:
     """Routed experts on a rank (n_experts / ep: whole experts under EP, all of them TP-sharded without)."""
     assert spec.moe is not None
@@ -589,11 +595,8 @@ class _BackwardSteps:
         the other into the whole gradients allocated first [derived from
         ``_GroupedMM.backward``: ``gw[e] = x_e.t() @ g_e``, ``gx[rows_e] = g_e @ w[e].t()``; trace: 2 local experts,
         a (1024, 768) fp32 matmul output beside the whole weight gradient at the experts' backward]."""
-        b = self.b
-        fsdp = (b.dp_replicate * b.dp_shard * b.cp) > 1
-        grad_b = np.where(fsdp, b.param_bytes, 4.0)
         e = np.maximum(local_experts(self.spec, self.sh), 1.0)
-        return np.maximum(w_elems * grad_b, x_bytes) / e  # (one after the other: the larger one counts)
+        return np.maximum(w_elems * grad_elem_bytes(self.b), x_bytes) / e  # (one after the other: the larger)
 
     def mlp(self, prefix, tokens, ff, names, expert=False, last_saved=(), free_in=0.0, w3_saved=(), kind=None):
         """SwiGLU: w2 (its input's gradient), mul (two), silu, w3 and w1 (the normed input's gradient, summed);

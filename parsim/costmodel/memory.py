@@ -113,19 +113,8 @@ class Timeline:
             where = inspect.stack()[1].function
             print(f"MEM {phase[:22]:22s} {where:22s} total {total[0] / 2**20:10.3f} " + " ".join(
                 f"{k[:12]}={v[0] / 2**20:.3f}" for k, v in self.cur.items() if v[0]))
-        p = _PHASE[phase]
-        better = (total > self.best[p]) & self.mask
-        if mask is not None:
-            better = better & mask
-        cols = np.flatnonzero(better)
-        if not len(cols):
-            return
-        if 4 * len(cols) < self.n:  # (few plans gain: only their columns are written)
-            self.best[p, cols] = total[cols]
-            self.items[p][:, cols] = self.arr[:, cols]
-        else:
-            self.best[p] = np.where(better, total, self.best[p])
-            self.items[p] = np.where(better, self.arr, self.items[p])
+        better = (total > self.best[_PHASE[phase]]) & self.mask
+        self._keep(_PHASE[phase], better if mask is None else better & mask, total, None)
 
     def apply_series(self, phase: str, series: dict) -> None:
         """S moments in a row (rounds of: add, a moment, add) from their summary (``series_summary``): the
@@ -136,17 +125,22 @@ class Timeline:
             at0 = self.arr[:, 0] + series["at"][:, 0]
             print(f"MEM {phase[:22]:22s} {'series':22s} total {top[0] / 2**20:10.3f} " + " ".join(
                 f"{k[:12]}={at0[i] / 2**20:.3f}" for k, i in _KEY.items() if at0[i]))
-        p = _PHASE[phase]
-        better = (top > self.best[p]) & self.mask
-        cols = np.flatnonzero(better)
-        if 4 * len(cols) >= self.n:
-            self.best[p] = np.where(better, top, self.best[p])
-            self.items[p] = np.where(better, self.arr + series["at"], self.items[p])
-        elif len(cols):  # (few plans gain: only their columns are written)
-            self.best[p, cols] = top[cols]
-            self.items[p][:, cols] = self.arr[:, cols] + series["at"][:, cols]
+        self._keep(_PHASE[phase], (top > self.best[_PHASE[phase]]) & self.mask, top, series["at"])
         if series["end"] is not None:
             self.arr += series["end"]
+
+    def _keep(self, p: int, better: np.ndarray, total: np.ndarray, at) -> None:
+        """Phase ``p``'s largest moment becomes ``total`` where ``better``, itemized as the running totals plus
+        ``at`` (keys x plans; None: the totals themselves). Where few plans gain, only their columns are written."""
+        cols = np.flatnonzero(better)
+        if not len(cols):
+            return
+        if 4 * len(cols) < self.n:
+            self.best[p, cols] = total[cols]
+            self.items[p][:, cols] = self.arr[:, cols] if at is None else self.arr[:, cols] + at[:, cols]
+        else:
+            self.best[p] = np.where(better, total, self.best[p])
+            self.items[p] = np.where(better, self.arr if at is None else self.arr + at, self.items[p])
 
     def snapshot(self) -> np.ndarray:
         return self.arr.copy()

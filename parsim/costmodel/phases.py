@@ -21,6 +21,7 @@ from .layers import (
     Shapes,
     backward_steps,
     experts_off_dim0,
+    grad_elem_bytes,
     inflight,
     kept_by_ac_mode,
     last_param_elems,
@@ -264,7 +265,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     ``runs``: the blocks replayed; ``built`` (filled): (MoE?, checkpointed?) -> its ``Block``."""
     pb, rb = b.param_bytes[idx].astype(float), b.reduce_bytes[idx].astype(float)
     fsdp_on = (b.dp_replicate * b.dp_shard * b.cp > 1)[idx]
-    gb = np.where(fsdp_on, pb, 4.0)  # unsharded gradients: param dtype under FSDP, the fp32 parameters' without
+    gb = grad_elem_bytes(b)[idx]  # unsharded gradients: param dtype under FSDP, the fp32 parameters' without
     S, Se = b.fsdp[idx].astype(float), b.efsdp[idx].astype(float)
     sizes = (pb, gb, rb, S, Se, (b.ep == 1)[idx])
 

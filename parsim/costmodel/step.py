@@ -248,8 +248,8 @@ def _combine(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, per_rank: list,
                                                    first.peak.reserved_breakdown_bytes[k]) for k in RESERVED_KEYS}
     out["comm_bytes"] = first.ledger.bytes_by_key()
     out["peak_phase"] = np.where(mem_rank == LAST, last.peak.phase, first.peak.phase)
-    out["comm_time_s"] = pick(first.ledger.time_by_key(), last.ledger.time_by_key(), time_rank, len(b))
-    out["exposed_comm_time_s"] = pick(first.ledger.exposed_by_key(), last.ledger.exposed_by_key(), time_rank, len(b))
+    out["comm_time_s"] = _pick(first.ledger.time_by_key(), last.ledger.time_by_key(), time_rank, len(b))
+    out["exposed_comm_time_s"] = _pick(first.ledger.exposed_by_key(), last.ledger.exposed_by_key(), time_rank, len(b))
     out["ledgers"] = (first.ledger, last.ledger)
     out["ranks"] = per_rank
     return out
@@ -262,14 +262,14 @@ def _combine_time(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, per_rank: 
     time_rank = np.where(last.step_s > first.step_s, LAST, FIRST)
     step = np.where(time_rank == LAST, last.step_s, first.step_s)
     tps = b.global_batch_size * b.seq_len / step / b.world
-    tb = pick(first.time_breakdown_s, last.time_breakdown_s, time_rank, len(b))
+    tb = _pick(first.time_breakdown_s, last.time_breakdown_s, time_rank, len(b))
     return {"step_time_s": step, "tokens_per_s_per_gpu": tps,
             "mfu": _model_flops_per_token(spec, b) * tps / hw.peak("bfloat16"), "time_rank": time_rank,
             "time_breakdown_s": tb,
             "dominant": np.array(list(tb))[np.argmax(np.stack(list(tb.values())), axis=0)]}
 
 
-def pick(of_first: dict, of_last: dict, rank_sel, n: int) -> dict:
+def _pick(of_first: dict, of_last: dict, rank_sel, n: int) -> dict:
     """Per key the first rank's or the last rank's value, as ``rank_sel`` says."""
     keys = sorted(set(of_first) | set(of_last))
     return {k: np.where(rank_sel == LAST, _g(of_last, k, n), _g(of_first, k, n)) for k in keys}
