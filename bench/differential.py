@@ -360,17 +360,18 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "trace and model follow torch 2.13's pipelining protocol (every backward without gradient sync or reshard, "
      "one reduce per stage after its last backward, interleaved UNSHARD / RESHARD) and collective bytes agree; "
      "1F1B and GPipe replay it microbatch by microbatch, interleaved schedules replay torch's own action list "
-     "(memory.simulate_actions); 37 of 392 traced still fail (median 0.8%, -2.7% to +5.3%): 14 are MoE stages "
-     "(the MoE gap below, under PP), the other 23 all TP or CP plans, 17 of them with layer:N AC (causes not all "
-     "established)"),
+     "(memory.simulate_actions); 36 of 392 traced still fail (median 0.8%, -2.7% to +0.7%): 14 are MoE stages "
+     "(the MoE gap below, under PP), the other 22 nearly all TP or CP plans, 17 of them with layer:N AC (causes not "
+     "all established)"),
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
                                                                                int(encode([c.plan], None).efsdp[0])),
      "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "
      "cp): the dense units are modelled as FSDP2 runs them (no all-gather nor prefetch, the unsharded gradients "
      "released before the reduce's output, its out-of-place divide: memory.py ``_copy_in`` / ``_post_backward``); "
-     "routed experts with a shard group of 1 still get the prefetch of a 2+ group; 2 fail (-2.1%)"),
+     "routed experts with a shard group of 1 still get the prefetch of a 2+ group; none of 73 fails since stop 43 "
+     "(the 2 that did were selective AC's uncollected outputs, phases.sac_uncollected)"),
     ("MoE activations", lambda c: c.spec.moe is not None,
-     "MoE plans without PP: 4 fail (-3.0% to +2.1%), 3 of them under: the op-level backward steps of routed and "
+     "MoE plans without PP: 3 fail (-3.0% to -0.8%): the op-level backward steps of routed and "
      "shared experts (layers.backward_steps) do not yet match the executor's MoE autograd graph in every case "
      "(tp2 x ep4 with layer:N and reshard always: -3.0%). Modelled since stop 42: a checkpointed MoE block's "
      "forward working set (layers.moe_forward_working_bytes), the recompute's combine beside the pairs' gradient, "

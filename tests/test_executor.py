@@ -219,6 +219,8 @@ def _stage_trace_matches(spec, plan, which, mem_tol):
 
 _TINY = PRESETS["tiny"]
 _MOE = PRESETS["tiny-moe"]
+_SAC_SPEC = dataclasses.replace(_TINY, n_layers=4, d_model=384, n_heads=12, n_kv_heads=6, head_dim=32, d_ff=1000,
+                                vocab_size=2048)
 STAGE_CASES = {
     # reshard-after-forward "always" under PP: pipelining's backwards leave every unit unsharded, so a later
     # forward gathers nothing and reshards each unit after it (the model gathered again: +44%)
@@ -309,6 +311,17 @@ STAGE_CASES = {
                                      micro_batch_size=2, param_dtype="float32",
                                      mesh_order=("tp", "dp_replicate", "dp_shard", "pp", "cp"),
                                      wrapper_order=("tp", "pp", "ac", "compile", "fsdp")), "first", 0.005),
+    # selective AC: the recompute stops before w2's mm, so the outputs the selective-AC cache holds from there on
+    # (w2's, its mm being odd-numbered) stay alive through the layer's backward (-0.75% before)
+    "sac-uncollected": (_SAC_SPEC, dict(dp_shard=8, ac="selective-op", seq_len=192, local_batch_size=2), "first",
+                        0.002),
+    # ... and with TP + SP the MLP's reduce-scatter output too (-0.5% before, -1.5% with the next fix alone)
+    "sac-uncollected-sp": (_SAC_SPEC, dict(dp_shard=4, tp=2, ac="selective-op", seq_len=192, local_batch_size=2),
+                           "first", 0.002),
+    # SP: w2's backward is the last use of the all-gathered output gradient, freed there, not at the block's end
+    # (+1.7% before, full AC, at the SwiGLU backward)
+    "sp-gathered-gradient-freed": (dataclasses.replace(_SAC_SPEC, n_layers=2),
+                                   dict(dp_shard=4, tp=2, ac="full", seq_len=192, local_batch_size=2), "first", 0.002),
 }
 
 

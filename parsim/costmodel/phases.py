@@ -206,7 +206,10 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
     full = (b.ac[idx] == AC_MODES["full"]) | ((b.ac[idx] == AC_MODES["layer"]) & ckpt)
     sac = b.ac[idx] == AC_MODES["selective-op"]
     act_attn, act_ffn = (np.where(full, a["full"][k], np.where(sac, a["sac"][k], a["none"][k])) for k in (0, 1))
-    transient = a["none"][0] + a["none"][1] - act_attn - act_ffn
+    all_steps, items = steps_of[moe]
+    keep = kept_by_ac_mode(items, steps_of.e_local if moe else None)
+    transient = (a["none"][0] + a["none"][1] - act_attn - act_ffn
+                 + np.where(sac, sac_uncollected(items, keep, idx, len(b)), 0.0))
     last_blk, last_ex = (x[idx] for x in steps_of.once(last_param_elems, spec, b, moe))
     blk_unit = _memory_unit(ne_s + np.where(ep1, ex_s, 0.0), ne_l + np.where(ep1, ex_l, 0.0), S, last_blk, pb, gb,
                             rb)
@@ -220,10 +223,8 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
     def sel(x):
         return np.broadcast_to(np.asarray(x, dtype=float), (len(b),))[idx]
 
-    all_steps, items = steps_of[moe]
     steps = [{"alloc": sel(st["alloc"]), "free": sel(st["free"]), "saved": st["saved"], "cast": st["cast"],
               "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
-    keep = kept_by_ac_mode(items, steps_of.e_local if moe else None)
     saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
     combine = (_recompute_combine(spec, items, keep, idx, len(b), (full, sac, transient), steps_of.pair_bytes,
                                   b.ep[idx] > 1) if moe else 0.0)
@@ -231,6 +232,25 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
                  transient_attn=a["none"][0] - act_attn,
                  fwd_working=np.where(full, np.asarray(steps_of.moe_fwd)[idx], 0.0) if moe else 0.0,
                  recompute_combine=combine)
+
+
+def sac_uncollected(items: list, keep: list, idx: np.ndarray, n_batch: int) -> np.ndarray:
+    """Bytes selective AC caches for a layer that its backward never takes back: the outputs it saved of the ops
+    after the last one that saves a tensor for backward (a dense block: w2's output where its mm is odd-numbered,
+    and the MLP's reduce-scatter output under SP). They stay alive, beside the recompute's tensors, until the
+    layer's backward ends. [derived: torch.utils.checkpoint's non-reentrant recompute stops (early stop) as soon as
+    it has packed as many tensors as the forward did, and autograd packs an op's inputs before running it, so the
+    recompute stops at w2's mm, before the selective-AC cache hands out w2's output or the reduce-scatter's; what
+    the cache still holds lives as long as the checkpoint's frame, the layer's graph. Traces (2-4 layers of d 384,
+    d_ff 1000, 384 tokens, selective-op, at the SwiGLU backward): FSDP 8 and TP 2 without SP, w2's (384, 384)
+    output alive (-0.75% before), not where a bias on wo makes w2's mm even; TP 2 with SP, w2's output and the
+    MLP's (2, 96, 384) reduce-scatter output alive, the latter alone where w2's mm is even]"""
+    last = max((i for i, kk in enumerate(keep) if np.any(kk["none"])), default=-1)
+    out = np.zeros(len(idx))
+    for (_name, nbytes, _kind), kk in zip(items[last + 1:], keep[last + 1:], strict=True):
+        out = out + (np.broadcast_to(np.asarray(nbytes, dtype=float), (n_batch,))[idx]
+                     * np.broadcast_to(np.asarray(kk["sac"], dtype=float), (n_batch,))[idx])
+    return out
 
 
 def _recompute_combine(spec: ModelSpec, items: list, keep: list, idx: np.ndarray, n_batch: int, modes: tuple,
