@@ -219,6 +219,8 @@ def _stage_trace_matches(spec, plan, which, mem_tol):
 
 _TINY = PRESETS["tiny"]
 _MOE = PRESETS["tiny-moe"]
+_PP_EMB_SPEC = dataclasses.replace(_TINY, n_layers=5, d_model=512, n_heads=24, n_kv_heads=8, head_dim=128, d_ff=2048,
+                                   vocab_size=32003, mlp="gelu")
 _SAC_SPEC = dataclasses.replace(_TINY, n_layers=4, d_model=384, n_heads=12, n_kv_heads=6, head_dim=32, d_ff=1000,
                                 vocab_size=2048)
 STAGE_CASES = {
@@ -322,6 +324,18 @@ STAGE_CASES = {
     # (+1.7% before, full AC, at the SwiGLU backward)
     "sp-gathered-gradient-freed": (dataclasses.replace(_SAC_SPEC, n_layers=2),
                                    dict(dp_shard=4, tp=2, ac="full", seq_len=192, local_batch_size=2), "first", 0.002),
+    # under TP the activation gradients are DTensors, so autograd sums two gradients of one tensor out of place:
+    # wk's and wv's input gradients and their sum alive at once (GeLU MLP, whose backward is lighter: -2.6% before)
+    "tp-gradient-sum-out-of-place": (dataclasses.replace(_SAC_SPEC, n_layers=2, d_model=2304, mlp="gelu"),
+                                     dict(dp_shard=8, tp=2, seq_len=384, local_batch_size=2), "first", 0.002),
+    # a stage before the last holds its output and the gradient it received until the microbatch's backward
+    # returns, and under SP the embedding's backward reads the all-gathered output gradient: at the first stage's
+    # embedding backward (-3.6% without SP, -2.3% with it before)
+    "pp-stage-output-and-received-gradient": (_PP_EMB_SPEC, dict(pp=2, tp=8, ac="full", seq_len=2048,
+                                                                 local_batch_size=3, micro_batch_size=1,
+                                                                 sequence_parallel=False), "first", 0.002),
+    "pp-embedding-gathered-gradient": (_PP_EMB_SPEC, dict(pp=2, tp=8, ac="full", seq_len=2048, local_batch_size=3,
+                                                          micro_batch_size=1), "first", 0.002),
 }
 
 

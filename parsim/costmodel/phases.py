@@ -334,6 +334,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         loss=np.asarray(steps_of.once(_loss_bytes, spec, b, sh, rv, c))[idx] * np.ones(len(idx)),
         blocks=blocks, opt_temporaries=np.asarray(steps_of.once(optimizer_temporaries, b, rv))[idx], flat_held=S > 1,
         hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
+        emb_grad_gathered=np.where(has_emb, stage_out * (np.asarray(sh.sp_div)[idx] - 1.0), 0.0),
         logits_grad=np.where(has_out, np.asarray(c.logits, dtype=float)[idx] * np.asarray(sh.act_b)[idx], 0.0),
         pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
         mb_extra=np.where(has_out, loss_saved, np.where((b.pp > 1)[idx], stage_out, 0.0)),
