@@ -361,9 +361,10 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "one reduce per stage after its last backward, interleaved UNSHARD / RESHARD) and collective bytes agree; "
      "1F1B and GPipe replay it microbatch by microbatch, interleaved schedules replay torch's own action list "
      "(memory.simulate_actions), a stage before the last holding its output and the received gradient through its "
-     "backward; 26 of 392 traced still fail (median 0.75%, -2.6% to +0.9%): 11 are MoE stages (the MoE gap below, "
-     "under PP), the other 15 all TP or CP plans, 13 of them with layer:N AC (causes not all established; one "
-     "GPipe MoE first stage is +0.5% over by a part that does not scale with the residual stream)"),
+     "backward, the last stage the final norm's saved tensors through the output projection's backward; 18 of 392 "
+     "traced still fail (median 0.6%, -2.6% to +0.9%): 11 are MoE stages (the MoE gap below, under PP), the other "
+     "7 all TP or CP plans, 5 of them with layer:N AC (causes not all established; one GPipe MoE first stage is "
+     "+0.5% over by a part that does not scale with the residual stream)"),
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
                                                                                int(encode([c.plan], None).efsdp[0])),
      "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "

@@ -313,8 +313,8 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     stage_out = (np.asarray(sh.T) * spec.d_model / np.asarray(sh.sp_div) * np.asarray(sh.res_b))[idx]
     act_b = np.asarray(sh.act_b)[idx]
     per_logit_saved = np.where(b.fused_loss[idx], act_b, 4.0)
-    loss_saved = (np.asarray(c.logits)[idx] * per_logit_saved
-                  + np.asarray(sh.T)[idx] * spec.d_model * act_b * (1.0 + 1.0 / np.asarray(sh.sp_div)[idx]))
+    final_norm_saved = np.asarray(sh.T)[idx] * spec.d_model * act_b * (1.0 + 1.0 / np.asarray(sh.sp_div)[idx])
+    loss_saved = np.asarray(c.logits)[idx] * per_logit_saved + final_norm_saved
     m = b.n_micro[idx].astype(float)
     w = np.where(b.pp[idx] > 1, np.asarray(steps_of.once(inflight, b, rank))[idx], 1.0)
     m = np.where(b.pp[idx] > 1, m, 1.0)
@@ -335,6 +335,8 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         blocks=blocks, opt_temporaries=np.asarray(steps_of.once(optimizer_temporaries, b, rv))[idx], flat_held=S > 1,
         hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
         emb_grad_gathered=np.where(has_emb, stage_out * (np.asarray(sh.sp_div)[idx] - 1.0), 0.0),
+        out_input_grad=np.where(has_out, (np.asarray(sh.T) * spec.d_model * np.asarray(sh.act_b))[idx], 0.0),
+        final_norm_saved=np.where(has_out, final_norm_saved, 0.0),
         logits_grad=np.where(has_out, np.asarray(c.logits, dtype=float)[idx] * np.asarray(sh.act_b)[idx], 0.0),
         pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
         mb_extra=np.where(has_out, loss_saved, np.where((b.pp > 1)[idx], stage_out, 0.0)),
