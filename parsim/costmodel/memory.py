@@ -804,6 +804,15 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
         if r == 0:  # (the received gradient apart from the residual one from the first block's sum on)
             tl.add("activations", recv)
     held = held + (recv if runs else 0.0)
+    _embedding_backward(tl, q, held, mode, phase, regather, rs_prev)
+    _final_callback(tl, q, rs_prev)
+    _deferred_casts(tl, q, mode, phase)
+
+
+def _embedding_backward(tl: Timeline, q: RankMemory, held, mode, phase: str, regather, rs_prev: list) -> None:
+    """The end of a microbatch's backward on its stage: on the first stage the embedding's backward and
+    post-backward; everywhere what the microbatch still ``held`` (a stage's output and received gradient) and the
+    residual gradient are released."""
     # the embedding (first stage): its gradient reaches it; torch's embedding backward makes a dense gradient of
     # the whole vocabulary, and under TP (vocab-sharded weight) the rank's rows of it are cloned into the
     # parameter's gradient before the dense one goes; the final callback's reduce
@@ -837,8 +846,6 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     q_emb = dataclasses.replace(q.emb, grads=emb_grad, acc=_emb_acc(q), last_acc=_emb_acc(q), tail_grad=emb_grad)
     _post_backward(tl, q, q_emb, q.has_emb, BWD_END, rs_prev, True, mode)
     _plain_grads_done(tl, q, emb_grad, q.has_emb, mode)
-    _final_callback(tl, q, rs_prev)
-    _deferred_casts(tl, q, mode, phase)
 
 
 def _final_callback(tl: Timeline, q: RankMemory, rs_prev: list) -> None:
