@@ -271,7 +271,7 @@ class RankMemory:
     # the output projection's input gradient (T x d, gathered under SP), made after its weight gradient
     out_input_grad: np.ndarray = field(default_factory=lambda: np.zeros(1))
     # the last stage: what the final norm keeps (its input, and its output the projection reads: gathered under
-    # SP), alive until the projection's and the norm's backward
+    # SP), alive until the projection's and the norm's backward (0 on other stages)
     final_norm_saved: np.ndarray = field(default_factory=lambda: np.zeros(1))
     logits_grad: np.ndarray = field(default_factory=lambda: np.zeros(1))  # the logits' gradient (last stage)
     # pipeline parallel: a stage of a pipeline, microbatches per pass, the schedule's in-flight bound and the
@@ -765,8 +765,7 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     # (the last stage: the residual gradient comes with the final norm's backward, after the output projection's;
     # until then the final norm's saved input and output are alive [trace: llama3-70b shapes, pp2 last stage, both
     # (768, 8192) beside the projection's gradients])
-    norm_kept = np.where(q.has_out, q.final_norm_saved, 0.0)
-    tl.add("activations", np.where(q.has_out, norm_kept, q.flow))
+    tl.add("activations", np.where(q.has_out, q.final_norm_saved, q.flow))
     # a stage before the last: the schedule holds the stage's output and the gradient it received for it until
     # the microbatch's backward returns (``stage_backward`` is given both); the residual gradient the blocks pass
     # on is a new tensor beside the received one from the first sum on [trace: pp2 first stage, the (T, d) output
@@ -793,7 +792,7 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     tl.add("logits_and_loss", q.logits_grad + q.out_input_grad, q.has_out)
     tl.mark(FWD, q.has_out)
     tl.add("logits_and_loss", -(q.logits_grad + q.out_input_grad), q.has_out)
-    tl.add("activations", np.where(q.has_out, q.flow - norm_kept, 0.0))
+    tl.add("activations", np.where(q.has_out, q.flow - q.final_norm_saved, 0.0))
     _post_backward(tl, q, q.out, q.has_out, phase, rs_prev, True, mode)
     _plain_grads_done(tl, q, q.out.grads - out_def, q.has_out, mode)
     runs = list(reversed(q.blocks))

@@ -195,6 +195,11 @@ def _memory_unit(shard, local, s, last, pb, gb, rb) -> Unit:
                 linger * gb, linger * rb, last * gb)
 
 
+def _of_batch(x, n_batch: int, idx: np.ndarray) -> np.ndarray:
+    """``x`` (a scalar or one value per plan of a batch of ``n_batch``) for the plans ``idx``."""
+    return np.broadcast_to(np.asarray(x, dtype=float), (n_batch,))[idx]
+
+
 def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, idx: np.ndarray, moe: bool,
                   ckpt: bool, steps_of: Whole, sizes: tuple) -> Block:
     """One block kind (dense or MoE; checkpointed by ``layer:N`` or not) of the plans ``idx``: its FSDP units,
@@ -221,7 +226,7 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
             copy_temp=np.where(~ep1 & (Se > 1), off0 * pb, 0.0), last_off_dim0=~ep1 & last_off0)
 
     def sel(x):
-        return np.broadcast_to(np.asarray(x, dtype=float), (len(b),))[idx]
+        return _of_batch(x, len(b), idx)
 
     steps = [{"alloc": sel(st["alloc"]), "free": sel(st["free"]), "saved": st["saved"], "cast": st["cast"],
               "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
@@ -248,8 +253,7 @@ def sac_uncollected(items: list, keep: list, idx: np.ndarray, n_batch: int) -> n
     last = max((i for i, kk in enumerate(keep) if np.any(kk["none"])), default=-1)
     out = np.zeros(len(idx))
     for (_name, nbytes, _kind), kk in zip(items[last + 1:], keep[last + 1:], strict=True):
-        out = out + (np.broadcast_to(np.asarray(nbytes, dtype=float), (n_batch,))[idx]
-                     * np.broadcast_to(np.asarray(kk["sac"], dtype=float), (n_batch,))[idx])
+        out = out + _of_batch(nbytes, n_batch, idx) * _of_batch(kk["sac"], n_batch, idx)
     return out
 
 
@@ -264,8 +268,9 @@ def _recompute_combine(spec: ModelSpec, items: list, keep: list, idx: np.ndarray
     tensors come after the combine (not yet made: less) [trace: the pairs' gradient made after the recompute
     there]; 0 where the block recomputes nothing."""
     full, sac, transient = modes
+
     def of_batch(x):
-        return np.broadcast_to(np.asarray(x, dtype=float), (n_batch,))[idx]
+        return _of_batch(x, n_batch, idx)
 
     later = np.zeros(len(idx))
     for (name, nbytes, _), kk in zip(items, keep, strict=True):
