@@ -361,10 +361,13 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "one reduce per stage after its last backward, interleaved UNSHARD / RESHARD) and collective bytes agree; "
      "1F1B and GPipe replay it microbatch by microbatch, interleaved schedules replay torch's own action list "
      "(memory.simulate_actions), a stage before the last holding its output and the received gradient through its "
-     "backward, the last stage the final norm's saved tensors through the output projection's backward; 18 of 392 "
-     "traced still fail (median 0.6%, -2.6% to +0.9%): 11 are MoE stages (the MoE gap below, under PP), the other "
-     "7 all TP or CP plans, 5 of them with layer:N AC (causes not all established; one GPipe MoE first stage is "
-     "+0.5% over by a part that does not scale with the residual stream)"),
+     "backward (released after the root unit's post-backward), the first block's sum into the residual gradient "
+     "a new tensor beside the received one (memory.Block.summing_out_of_place), the last stage the final norm's "
+     "saved tensors through the output projection's backward; 7 of 392 traced still fail: 4 MoE stages (the MoE "
+     "gap below, under PP: -2.6% to 0.0%), two dense CP x TP last stages whose peaks agree (-0.01%) but whose "
+     "'gradients' component is one MLP weight's fp32 gradient over (the model counts it as .grad at a moment "
+     "where autograd has made it and not yet accumulated it), and one whose peak agrees within 0.3% but falls in "
+     "another phase (a later microbatch's backward against the end of the forward)"),
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
                                                                                int(encode([c.plan], None).efsdp[0])),
      "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "
@@ -373,9 +376,10 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "routed experts with a shard group of 1 still get the prefetch of a 2+ group; none of 73 fails since stop 43 "
      "(the 2 that did were selective AC's uncollected outputs, phases.sac_uncollected)"),
     ("MoE activations", lambda c: c.spec.moe is not None,
-     "MoE plans without PP: 2 fail (-3.0%, -0.8%): the op-level backward steps of routed and "
+     "MoE plans without PP: 2 fail (-3.4%, -0.8%): the op-level backward steps of routed and "
      "shared experts (layers.backward_steps) do not yet match the executor's MoE autograd graph in every case "
-     "(tp2 x ep4 with layer:N and reshard always: -3.0%). Modelled since stop 42: a checkpointed MoE block's "
+     "(tp2 x ep4 with layer:N and reshard always: -3.4%; -2.9% while the model counted a RoPE table per token, "
+     "which hid part of it). Modelled since stop 42: a checkpointed MoE block's "
      "forward working set (layers.moe_forward_working_bytes), the recompute's combine beside the pairs' gradient, "
      "and with EP its combine all-to-all (phases._recompute_combine), SwiGLU routed experts for GeLU models "
      "(spec.routed_expert_matrices), the share of a grouped GEMM's per-expert mm outputs selective AC keeps "

@@ -184,6 +184,31 @@ def test_trace_selective_ac_without_sequence_parallel_matches_the_model():
                                                            sequence_parallel=False), 0.01)
 
 
+_TINY1, _TINY2 = (dataclasses.replace(PRESETS["tiny"], n_layers=n) for n in (1, 2))
+PLAIN_CASES = {
+    # RoPE's cos / sin table: one per layer and microbatch, sized by the positions (not the tokens), and a view of
+    # the fp32 cache (no bytes) when q is fp32 (+0.39% before)
+    "rope-table-per-sequence": (_TINY2, dict(tp=2, seq_len=256, local_batch_size=4, param_dtype="float32",
+                                             reduce_dtype="float32")),
+    # loss parallel's per-token index tensors in its backward, and (CP) the step's token ids and labels (-0.25%)
+    "loss-parallel-index-tensors": (_TINY2, dict(dp_shard=2, cp=2, tp=2, seq_len=512, local_batch_size=2,
+                                                 ac="full")),
+    # the step's token ids and labels, 16 B per token of the local batch (-0.31%)
+    "step-inputs": (_TINY1, dict(dp_shard=2, cp=2, tp=2, seq_len=2048, local_batch_size=1, ac="full")),
+    # a few wide layers: the peak at w2's reduce-scatter in the forward, the block still unsharded (-2.1%)
+    "tp-output-reduction-in-forward": (dataclasses.replace(_TINY1, d_model=1000, n_heads=24, n_kv_heads=8,
+                                                           head_dim=48, d_ff=1408, vocab_size=1001),
+                                       dict(dp_replicate=2, dp_shard=2, tp=4, seq_len=256, local_batch_size=1,
+                                            param_dtype="float32", reduce_dtype="float32")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAIN_CASES))
+def test_trace_memory_classes_without_pp(case):
+    spec, kw = PLAIN_CASES[case]
+    _assert_trace_matches_prediction(spec, Plan(**kw), 0.002)
+
+
 def test_trace_selective_ac_with_biased_linears_matches_the_model():
     # a linear with a bias runs aten.addmm, which torchtitan's selective-op policy neither saves nor counts: with
     # biases on every linear no GEMM output is kept (the model kept every odd one: +35% before, found by
@@ -343,6 +368,17 @@ STAGE_CASES = {
                                                  reduce_dtype="bfloat16"), "last", 0.002),
     "pp-embedding-gathered-gradient": (_PP_EMB_SPEC, dict(pp=2, tp=8, ac="full", seq_len=2048, local_batch_size=3,
                                                           micro_batch_size=1), "first", 0.002),
+    # the first stage's output and received gradient live until its backward call returns, after the root unit's
+    # post-backward (fp32 gradient accumulators under gradient accumulation): -0.7% before
+    "pp-held-through-root-post-backward": (dataclasses.replace(_MOE, n_layers=2),
+                                           dict(pp=2, dp_shard=2, seq_len=64, local_batch_size=4,
+                                                micro_batch_size=2), "first", 0.002),
+    # the stage's first block sums its FFN norm's gradient into a new residual gradient beside the received one,
+    # which the schedule holds: both alive through the rest of the stage's backward (-0.6% before)
+    "pp-first-sum-beside-received-gradient": (dataclasses.replace(_PP_EMB_SPEC, n_layers=4, d_model=1536, n_heads=12,
+                                                                  n_kv_heads=6, d_ff=1000, vocab_size=1001),
+                                              dict(pp=2, dp_shard=2, tp=2, seq_len=256, local_batch_size=2,
+                                                   micro_batch_size=1), "first", 0.002),
 }
 
 

@@ -126,6 +126,7 @@ class Shapes:
         self.cp_copy = (b.cp > 1) & ~b.te_layers
         self.f8b = np.where(b.float8, 1.0, self.act_b)
         self.seq = b.seq_len.astype(float)
+        self.seq_local = (b.seq_len / b.cp).astype(float)  # a microbatch's sequence positions on a rank
         self.etp = b.etp_eff.astype(float)
         self.ep = b.ep.astype(float)
         m = spec.moe
@@ -242,8 +243,11 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     out += _qkv_saved(spec, sh)
     rope_dim = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
     out += [
-        # the bf16 cos and sin (hd/2 each) the rotation keeps; TE's fused RoPE recomputes them
-        ("rope.cos_sin", np.where(te, 0.0, T * rope_dim * b2), "other"),
+        # the cos and sin (hd/2 each) the rotation keeps: one (positions, hd/2, 2) table in q's dtype per layer and
+        # microbatch, a copy of the fp32 cache where q is bf16 and a view of it (no bytes) where q is fp32; TE's
+        # fused RoPE recomputes them [derived: executor.model.apply_rope; trace: fp32, micro batch 4, tp 6, one
+        # (1536, 32) table per layer fewer than the model's per-token count, +0.7% before]
+        ("rope.cos_sin", np.where(te | (b2 >= 4.0), 0.0, sh.seq_local * rope_dim * b2), "other"),
         ("sdpa.out", T * spec.attn_out_dim / t * b2, "sdpa"),
         # under TE with float8 the output projection keeps its own float8 copy of the attention output
         ("wo.input(float8)", np.where(te & (sh.f8b < b2), T * spec.attn_out_dim / t * sh.f8b, 0.0), "other"),
@@ -717,6 +721,9 @@ def backward_steps(spec: ModelSpec, b, sh: Shapes, moe: bool) -> list[dict]:
     else:
         bs.moe_ffn()
     bs.norm("ffn_norm")
+    # (the block's first sum into the residual gradient: a new tensor of its size where the gradient it adds to is
+    # held elsewhere, ``memory.Block.summing_out_of_place``)
+    bs.steps[-1]["residual_sum"] = bs.T * bs.d / bs.sd * bs.rb
     bs.attention()
     bs.norm("attention_norm")
     return bs.steps

@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "buffers", "cp_buffers", "fsdp_unsharded_params",
-               "fsdp_gather_buffers", "fsdp_grad_buffers", "autocast_weight_cache", "autocast_weight_grads",
-               "activations",
-               "recompute_transient", "logits_and_loss", "optimizer_temporaries")
+MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "buffers", "inputs", "cp_buffers",
+               "fsdp_unsharded_params", "fsdp_gather_buffers", "fsdp_grad_buffers", "autocast_weight_cache",
+               "autocast_weight_grads", "activations", "recompute_transient", "logits_and_loss",
+               "optimizer_temporaries")
 PHASES = ("end of forward", "backward of the last layer", "backward of a later microbatch", "end of backward",
           "optimizer step")
 FWD, BWD1, BWD2, BWD_END, OPT = PHASES
@@ -212,8 +212,9 @@ class Block:
     grad_elem_bytes: np.ndarray | float = 0.0
     # the attention part of the recompute transient (what the recompute has made when it reaches the experts)
     transient_attn: np.ndarray | float = 0.0
-    # a checkpointed MoE block's forward: what it holds above its input at its largest moment
-    # (``layers.moe_forward_working_bytes``; 0 where the block saves its tensors or is dense)
+    # the block's largest moment in forward, above the stream before it: a checkpointed MoE block's working set
+    # (``layers.moe_forward_working_bytes``), a dense block without AC its saved tensors and its last op's output
+    # reduction under TP (``phases._tp_output_transient``); 0 elsewhere
     fwd_working: np.ndarray | float = 0.0
     # a recomputed MoE block (AC): without shared experts its backward starts with the combine's sum, whose backward
     # saves nothing and makes the routed pairs' gradient (nk x d); the next op (the scatter's) unpacks a saved
@@ -228,12 +229,30 @@ class Block:
     recompute_combine: np.ndarray | float = 0.0
     _plan: list | None = None  # ``_step_plan``'s cache
     series_cache: dict = field(default_factory=dict)  # id(mode) -> (mode, {run index: summary}): ``_steps_series``
+    variants: dict = field(default_factory=dict)  # ``summing_out_of_place``'s cache
 
     def step_plan(self, n: int) -> list:
         """The steps as runs of stacked arrays between the routed experts' events (``_steps_series``), built once."""
         if self._plan is None:
             self._plan = _step_plan(self, n)
         return self._plan
+
+    def summing_out_of_place(self, on: np.ndarray) -> "Block":
+        """This block where (``on``, per plan) its first sum into the residual gradient (the FFN norm's input
+        gradient added to the gradient that reached the block) makes a new tensor: autograd adds in place only into
+        a buffer nothing else holds, and a pipeline stage's received gradient is held by the schedule until the
+        microbatch's backward returns, so the stage's first block sums beside it [derived: autograd's input-buffer
+        accumulation; trace: pp2 first stage, tp2 SP, the (128, 1536) sum beside the received gradient through the
+        block's attention backward, -0.64% before]. Built once per mask."""
+        on = np.asarray(on, dtype=bool)
+        if not on.any():
+            return self
+        key = on.tobytes()
+        if key not in self.variants:
+            steps = [dict(st, alloc=st["alloc"] + np.where(on, st["residual_sum"], 0.0)) if "residual_sum" in st
+                     else st for st in self.steps]
+            self.variants[key] = dataclasses.replace(self, steps=steps, _plan=None, series_cache={}, variants={})
+        return self.variants[key]
 
 
 @dataclass
@@ -248,6 +267,9 @@ class RankMemory:
     # context parallel: what torch's context_parallel() keeps while it is entered (forward and backward):
     # ``phases._cp_buffers``
     cp_buffers: np.ndarray
+    # the step's token ids and labels (int64, the local batch each) from the forward to the end of the backward
+    # without PP (``phases._step_inputs``)
+    inputs: np.ndarray
     fsdp: np.ndarray  # bool: FSDP wraps the model
     raf: np.ndarray  # bool: blocks and embedding resharded after forward
     raf_out: np.ndarray  # bool: [norm, output] resharded after forward
@@ -361,6 +383,7 @@ def _step_start(q: RankMemory) -> Timeline:
     tl.add("parameters", q.parameters)
     tl.add("optimizer_states", q.optimizer_states)
     tl.add("buffers", q.buffers)
+    tl.add("inputs", q.inputs)
     tl.add("cp_buffers", q.cp_buffers)
     tl.add("gradients", q.all_grads4, q.acc)
     tl.add("autocast_weight_cache", q.autocast_cache)
@@ -370,7 +393,7 @@ def _step_start(q: RankMemory) -> Timeline:
 def _optimizer_step(tl: Timeline, q: RankMemory) -> None:
     """Clipping and the optimizer: every gradient, the foreach temporaries."""
     # clipping and the optimizer: every gradient, the foreach temporaries
-    for k in ("cp_buffers", "fsdp_unsharded_params", "fsdp_gather_buffers", "fsdp_grad_buffers",
+    for k in ("inputs", "cp_buffers", "fsdp_unsharded_params", "fsdp_gather_buffers", "fsdp_grad_buffers",
               "autocast_weight_cache", "activations", "recompute_transient", "logits_and_loss"):
         tl.cur[k] = np.zeros(q.n)
     tl.cur["gradients"] = np.asarray(q.all_grads4, dtype=float) * np.ones(q.n)
@@ -796,12 +819,15 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     _post_backward(tl, q, q.out, q.has_out, phase, rs_prev, True, mode)
     _plain_grads_done(tl, q, q.out.grads - out_def, q.has_out, mode)
     runs = list(reversed(q.blocks))
+    first = [True]  # (the stage's first block in backward sums beside the received gradient)
     for r, (blk, count) in enumerate(runs):
         after = runs[r + 1][0].unit.gathered if r + 1 < len(runs) else np.where(q.has_emb, q.emb.gathered, 0.0)
-        _run(tl, count, lambda last, blk=blk, after=after: _block_backward(
-            tl, q, blk, after if last else blk.unit.gathered, rs_prev, mode, phase, regather))
-        if r == 0:  # (the received gradient apart from the residual one from the first block's sum on)
-            tl.add("activations", recv)
+
+        def body(last, blk=blk, after=after):
+            b = blk.summing_out_of_place(mid) if first[0] else blk
+            first[0] = False
+            _block_backward(tl, q, b, after if last else blk.unit.gathered, rs_prev, mode, phase, regather)
+        _run(tl, count, body)
     held = held + (recv if runs else 0.0)
     _embedding_backward(tl, q, held, mode, phase, regather, rs_prev)
     _final_callback(tl, q, rs_prev)
@@ -840,10 +866,13 @@ def _embedding_backward(tl: Timeline, q: RankMemory, held, mode, phase: str, reg
     _plain_grads(tl, q, emb_grad, q.has_emb, mode)
     tl.mark(BWD_END, q.has_emb)
     tl.add("activations", -(q.flow + q.emb_grad_gathered), q.has_emb & ~clone)
-    tl.add("activations", -held, q.has_emb)
     tl.add("fsdp_grad_buffers", -dense_kept, q.has_emb)
     q_emb = dataclasses.replace(q.emb, grads=emb_grad, acc=_emb_acc(q), last_acc=_emb_acc(q), tail_grad=emb_grad)
     _post_backward(tl, q, q_emb, q.has_emb, BWD_END, rs_prev, True, mode)
+    # (what the microbatch held goes when the stage's backward call returns: after the root unit's post-backward,
+    # which autograd runs inside that call [trace: pp2 x dp_shard 6, reduce fp32, the stage output and received
+    # gradient beside the embedding gradient's fp32 accumulator, -1.0% without])
+    tl.add("activations", -held, q.has_emb)
     _plain_grads_done(tl, q, emb_grad, q.has_emb, mode)
 
 

@@ -229,13 +229,16 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
         return _of_batch(x, len(b), idx)
 
     steps = [{"alloc": sel(st["alloc"]), "free": sel(st["free"]), "saved": st["saved"], "cast": st["cast"],
-              "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1]))} for st in all_steps]
+              "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1])),
+              **({"residual_sum": sel(st["residual_sum"])} if "residual_sum" in st else {})} for st in all_steps]
     saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
     combine = (_recompute_combine(spec, items, keep, idx, len(b), (full, sac, transient), steps_of.pair_bytes,
                                   b.ep[idx] > 1) if moe else 0.0)
     return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb,
                  transient_attn=a["none"][0] - act_attn,
-                 fwd_working=np.where(full, np.asarray(steps_of.moe_fwd)[idx], 0.0) if moe else 0.0,
+                 fwd_working=(np.where(full, np.asarray(steps_of.moe_fwd)[idx], 0.0) if moe
+                              else np.where(full | sac, 0.0,
+                                            act_attn + act_ffn + _tp_output_transient(b, idx, spec.d_model))),
                  recompute_combine=combine)
 
 
@@ -329,7 +332,8 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
                                                            (V * d - emb_local) * 4.0, 0.0)
     return RankMemory(
         n=len(idx), parameters=np.asarray(p_opt)[idx] * 4.0, optimizer_states=np.asarray(p_opt)[idx] * 8.0,
-        buffers=buffers, cp_buffers=_cp_buffers(b, idx, rope, has_emb, has_out), all_grads4=all_grads4,
+        buffers=buffers, cp_buffers=_cp_buffers(b, idx, rope, has_emb, has_out), inputs=_step_inputs(b, idx),
+        all_grads4=all_grads4,
         fsdp=fsdp_on, raf=b.raf[idx],
         raf_out=b.raf_always[idx], acc=(b.grad_accum > 1)[idx], has_emb=has_emb, has_out=has_out,
         emb=unit(np.asarray(rv.emb_shard)[idx], emb_local, S, emb_local), emb_dense_grad=emb_dense,
@@ -348,6 +352,35 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         autocast_cache=_autocast_cache(b, idx, fsdp_on, steps_of.once(_linear_weight_elems, spec, b, rv), rv),
         param_bytes=pb, out_weight4=np.asarray(rv.out_local - rv.norm_local)[idx] * 4.0 * np.ones(len(idx)),
         last_cast4=steps_of.once(_last_cast_elems, spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
+
+
+def _tp_output_transient(b: PlanBatch, idx: np.ndarray, d: int) -> np.ndarray:
+    """A dense block that keeps its tensors (no AC), at its last op in forward: under TP w2's partial output (T x d)
+    and its reduction, above the block's saved tensors and the stream before it (``Block.fwd_working`` is both).
+    Without SP the all-reduce's output (T x d); with SP the reduce-scatter's input regrouped along the sequence
+    (torch's functional reduce-scatter concatenates the chunks of a non-zero scatter dimension: a T x d copy), its
+    output (T / tp x d) and the FFN norm's local output (T / tp x d: the all-gather's input, alive while the MLP
+    that was called with it runs) — less the block's output (the stream after it, ``flow``), which does not exist
+    yet. FSDP still holds the block's unsharded parameters there: on a model of few wide layers that moment is the
+    peak [derived; trace: 1 layer of d 1000, HSDP x tp4 SP, fp32: the (256, 1000) mm output, the (4, 64, 1000)
+    cat, the (1, 64, 1000) reduce-scatter output and norm output beside the unsharded block at w2's
+    reduce-scatter, -3.3% before]."""
+    t, act_b = b.tp[idx].astype(float), b.param_bytes[idx].astype(float)
+    tin = b.micro_batch_size[idx] * b.seq_len[idx] / b.cp[idx] * d * act_b
+    sp = b.sequence_parallel[idx] & (t > 1)
+    # (the stream's bytes: fp32 under autocast, ``layers.Shapes.res_b``)
+    res_b = np.where((b.dp_replicate * b.dp_shard * b.cp == 1)[idx] & (act_b < 4.0), 4.0, act_b)
+    flow = np.where(sp, tin / t, tin) / act_b * res_b
+    return np.where(t > 1, np.where(sp, 2.0 * tin + 2.0 * tin / t, 2.0 * tin) - flow, 0.0)
+
+
+def _step_inputs(b: PlanBatch, idx: np.ndarray) -> np.ndarray:
+    """Bytes of the step's token ids and labels without PP: two int64 tensors of the local batch (a pass of it
+    under gradient accumulation), alive from the forward to the end of the backward, as torchtitan's train step
+    and the executor's worker hold them (with PP the stages take microbatch-size tensors, not modelled: one
+    microbatch's ids, 8 B/token) [derived; trace: cp4 x tp4, two (1, 2048) int64 tensors beside the loss, 32 KiB
+    of a -0.53% miss]."""
+    return np.where(b.pp[idx] == 1, 2.0 * 8.0 * b.local_batch_size[idx] * b.seq_len[idx], 0.0)
 
 
 def _cp_buffers(b: PlanBatch, idx: np.ndarray, rope: float, has_emb, has_out) -> np.ndarray:
@@ -411,9 +444,18 @@ def _loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: Ra
     each) [derived; full-scale trace of the executor's fused loss: test_trace_of_the_loss_matches_the_model]."""
     d = spec.d_model
     per_logit = np.where(b.fused_loss, 2.0 * sh.act_b, np.where(b.tp > 1, 16.0, 12.0))
+    # loss parallel's backward also holds per-token index tensors: the safe target (int64), the mask of targets
+    # outside the rank's vocabulary shard (bool), the shard-local target (int64), the -1 update (fp32), the row
+    # arange (int64) and the ignore-index mask's select (fp32): 33 B/token [derived: loss.py's
+    # ``_nll_loss_and_log_softmax_backward``; trace: cp2 x tp4, the six (384,) / (384, 1) tensors, 12.4 KiB]
+    per_token = np.where(~b.fused_loss & (b.tp > 1), LOSS_PARALLEL_INDEX_BYTES_PER_TOKEN, 0.0)
     fused_chunks = np.where(b.fused_loss, _fused_loss_chunks(spec.vocab_size, np.asarray(c.logits, float)), 0.0)
-    return np.where(rv.has_out, c.logits * per_logit + fused_chunks + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div),
-                    0.0)
+    return np.where(rv.has_out, c.logits * per_logit + fused_chunks + sh.T * per_token
+                    + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
+
+
+# [derived] loss parallel's per-token index tensors in its backward (``_loss_bytes``): 8 + 1 + 8 + 4 + 8 + 4 B
+LOSS_PARALLEL_INDEX_BYTES_PER_TOKEN = 33.0
 
 
 # [assumed, the executor's] logits the chunked fused cross-entropy processes at a time (executor/loss.py's

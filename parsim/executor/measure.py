@@ -206,6 +206,7 @@ class PeakTracker(TorchDispatchMode):
         import os
 
         self.debug = os.environ.get("PARSIM_DEBUG", "")
+        self.n_allocated = 0
         self.origin: dict[int, str] = {}
         self.peak_live = []
         for cat, tensors in (baseline or {}).items():
@@ -229,7 +230,9 @@ class PeakTracker(TorchDispatchMode):
         if self.events is not None:
             self.events.append((1, key, nbytes, self._stream()))
         if self.debug:
-            self.origin[key] = f"{self._op} {tuple(t.shape)} {t.dtype}"
+            self.n_allocated += 1  # (PARSIM_DEBUG=3: each tensor apart, with its allocation's index and phase)
+            at = f" #{self.n_allocated} {self.phase.get('now', '')}" if self.debug == "3" else ""
+            self.origin[key] = f"{self._op} {tuple(t.shape)} {t.dtype}{at}"
         self.current[cat] = self.current.get(cat, 0) + nbytes
         self.total += nbytes
         self._check_peak()
@@ -264,10 +267,11 @@ class PeakTracker(TorchDispatchMode):
             if self.debug:
                 agg = {}
                 for k, (n, c) in self.live.items():
-                    origin = self.origin.get(k, "")  # PARSIM_DEBUG=2: by op, shape and dtype; else by op
-                    o = (origin if self.debug == "2" else origin.split(" ")[0]) + " " + c
+                    origin = self.origin.get(k, "")  # PARSIM_DEBUG=2 / 3: by op, shape and dtype; else by op
+                    o = (origin if self.debug in ("2", "3") else origin.split(" ")[0]) + " " + c
                     agg[o] = agg.get(o, 0) + n
-                self.peak_live = sorted(((n, "", o) for o, n in agg.items()), reverse=True)[:30]
+                top = None if self.debug == "3" else 30
+                self.peak_live = sorted(((n, "", o) for o, n in agg.items()), reverse=True)[:top]
             if self.watched:
                 self.at_peak["fsdp_unsharded_params"] = unsharded
 
@@ -399,7 +403,7 @@ def track_step(step, parts, opt, phase: dict | None = None, events: list | None 
         phase["at_peak"] = tracker.phase_at_peak
     if tracker.debug:
         for n, c, o in tracker.peak_live:
-            print(f"PEAK-LIVE {n / 2**20:9.1f} MiB {c:20s} {o}")
+            print(f"PEAK-LIVE {n:12d} B {c:20s} {o}")
     # the op whose output set the peak (where in the step it is) goes with the tracker for provenance
     return out, float(tracker.peak), tracker.breakdown(), tracker.peak_op
 

@@ -258,7 +258,8 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends, phase: dict, meshes=No
     for _ in range(plan.grad_accum_steps):
         if plan.pp == 1:
             x = torch.randint(0, spec.vocab_size, (plan.local_batch_size, seq))
-            y = x if plan.cp == 1 else torch.randint(0, spec.vocab_size, (plan.local_batch_size, seq))
+            # (labels apart from the inputs, as torchtitan's dataloader and the worker hold them)
+            y = torch.randint(0, spec.vocab_size, (plan.local_batch_size, seq))
             phase["now"], phase["bwd"] = PHASE_FORWARD, PHASE_FIRST_BACKWARD
             with cp_context(plan, meshes, parts, x, y):
                 _loss(parts[0](x), y, n_global, plan.fused_loss).backward()
