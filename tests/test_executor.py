@@ -195,6 +195,11 @@ PLAIN_CASES = {
                                                  ac="full")),
     # the step's token ids and labels, 16 B per token of the local batch (-0.31%)
     "step-inputs": (_TINY1, dict(dp_shard=2, cp=2, tp=2, seq_len=2048, local_batch_size=1, ac="full")),
+    # TP without FSDP (autocast): the final norm's input fp32, and the output projection's input gradient cast back
+    # to fp32 and reduced, its saved input released (-0.46% with SP, -1.6% without before)
+    "autocast-tp-output-gradient-reduction": (_TINY2, dict(tp=4, seq_len=256, local_batch_size=4)),
+    "autocast-tp-output-gradient-all-reduce": (_TINY2, dict(tp=4, seq_len=256, local_batch_size=4,
+                                                            sequence_parallel=False)),
     # a few wide layers: the peak at w2's reduce-scatter in the forward, the block still unsharded (-2.1%)
     "tp-output-reduction-in-forward": (dataclasses.replace(_TINY1, d_model=1000, n_heads=24, n_kv_heads=8,
                                                            head_dim=48, d_ff=1408, vocab_size=1001),

@@ -292,6 +292,8 @@ class RankMemory:
     emb_grad_gathered: np.ndarray = field(default_factory=lambda: np.zeros(1))
     # the output projection's input gradient (T x d, gathered under SP), made after its weight gradient
     out_input_grad: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    # under TP, the projection's input gradient reduced (``phases._out_grad_reduction``)
+    out_grad_reduce: np.ndarray = field(default_factory=lambda: np.zeros(1))
     # the last stage: what the final norm keeps (its input, and its output the projection reads: gathered under
     # SP), alive until the projection's and the norm's backward (0 on other stages)
     final_norm_saved: np.ndarray = field(default_factory=lambda: np.zeros(1))
@@ -815,6 +817,10 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     tl.add("logits_and_loss", q.logits_grad + q.out_input_grad, q.has_out)
     tl.mark(FWD, q.has_out)
     tl.add("logits_and_loss", -(q.logits_grad + q.out_input_grad), q.has_out)
+    # (under TP its input gradient is then reduced, the logits' gradient gone: ``phases._out_grad_reduction``)
+    tl.add("logits_and_loss", q.out_grad_reduce, q.has_out)
+    tl.mark(FWD, q.has_out)
+    tl.add("logits_and_loss", -np.asarray(q.out_grad_reduce, dtype=float), q.has_out)
     tl.add("activations", np.where(q.has_out, q.flow - q.final_norm_saved, 0.0))
     _post_backward(tl, q, q.out, q.has_out, phase, rs_prev, True, mode)
     _plain_grads_done(tl, q, q.out.grads - out_def, q.has_out, mode)

@@ -319,9 +319,11 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     # sent on and kept by the schedule until its backward), or on the last stage the loss's saved tensors (the
     # fp32 log-softmax output, 4 B per logit; the fused loss: the logits) and the final norm's input and output
     stage_out = (np.asarray(sh.T) * spec.d_model / np.asarray(sh.sp_div) * np.asarray(sh.res_b))[idx]
+    stage_out_b = np.asarray(sh.res_b)[idx]
     act_b = np.asarray(sh.act_b)[idx]
     per_logit_saved = np.where(b.fused_loss[idx], act_b, 4.0)
-    final_norm_saved = np.asarray(sh.T)[idx] * spec.d_model * act_b * (1.0 + 1.0 / np.asarray(sh.sp_div)[idx])
+    # (the norm's input is the residual stream, fp32 under autocast; its output as the projection reads it)
+    final_norm_saved = np.asarray(sh.T)[idx] * spec.d_model * (act_b + stage_out_b / np.asarray(sh.sp_div)[idx])
     loss_saved = np.asarray(c.logits)[idx] * per_logit_saved + final_norm_saved
     m = b.n_micro[idx].astype(float)
     w = np.where(b.pp[idx] > 1, np.asarray(steps_of.once(inflight, b, rank))[idx], 1.0)
@@ -345,6 +347,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
         emb_grad_gathered=np.where(has_emb, stage_out * (np.asarray(sh.sp_div)[idx] - 1.0), 0.0),
         out_input_grad=np.where(has_out, (np.asarray(sh.T) * spec.d_model * np.asarray(sh.act_b))[idx], 0.0),
+        out_grad_reduce=np.where(has_out, _out_grad_reduction(b, sh, spec.d_model)[idx], 0.0),
         final_norm_saved=np.where(has_out, final_norm_saved, 0.0),
         logits_grad=np.where(has_out, np.asarray(c.logits, dtype=float)[idx] * np.asarray(sh.act_b)[idx], 0.0),
         pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
@@ -352,6 +355,21 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         autocast_cache=_autocast_cache(b, idx, fsdp_on, steps_of.once(_linear_weight_elems, spec, b, rv), rv),
         param_bytes=pb, out_weight4=np.asarray(rv.out_local - rv.norm_local)[idx] * 4.0 * np.ones(len(idx)),
         last_cast4=steps_of.once(_last_cast_elems, spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
+
+
+def _out_grad_reduction(b: PlanBatch, sh: Shapes, d: int) -> np.ndarray:
+    """Bytes alive above the stage's tensors while the output projection's input gradient is reduced under TP, its
+    weight gradient made and the logits' gradient freed: the gradient (T x d) in the dtype of the final norm's
+    output (fp32 under autocast, which casts the bf16 gradient back), and with SP its regrouped copy and its
+    reduce-scatter output (T / tp x d), without SP the all-reduce's output (T x d); less the projection's saved
+    input, released with its backward (counted in ``final_norm_saved`` until the norm's backward) [derived: the
+    all-gather's backward, torch's functional reduce-scatter concatenating the chunks of a non-zero scatter
+    dimension; trace: tp 6 SP without FSDP (autocast), micro batch 4, d 576: the (4, 384, 576) fp32 gradient, the
+    (24, 64, 576) cat and the (4, 64, 576) reduce-scatter output at the peak, -4.7% before]."""
+    g = np.asarray(sh.T) * d * np.asarray(sh.res_b)
+    sp = np.asarray(sh.sp_div) > 1
+    saved_input = np.asarray(sh.T) * d * np.asarray(sh.act_b)  # (freed with the projection's backward)
+    return np.where(b.tp > 1, np.where(sp, 2.0 * g + g / np.asarray(sh.sp_div), 2.0 * g) - saved_input, 0.0)
 
 
 def _tp_output_transient(b: PlanBatch, idx: np.ndarray, d: int) -> np.ndarray:
@@ -440,8 +458,9 @@ def _loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: Ra
     16 B/logit in any param dtype (its forward holds at most 14: bf16 logits, their fp32 copy, the shifted logits
     and their exp) [derived from the handlers' code; traced since the trace counts what DTensor's handlers
     allocate (qwen3-30b-a3b TP 2: four fp32 tensors of the local logits at the peak)]. Plus the final norm's input
-    and gathered output. A fused cross-entropy keeps the logits and writes one gradient of their size (param_dtype
-    each) [derived; full-scale trace of the executor's fused loss: test_trace_of_the_loss_matches_the_model]."""
+    (the residual stream: fp32 under autocast) and gathered output. A fused cross-entropy keeps the logits and
+    writes one gradient of their size (param_dtype each) [derived; full-scale trace of the executor's fused loss:
+    test_trace_of_the_loss_matches_the_model]."""
     d = spec.d_model
     per_logit = np.where(b.fused_loss, 2.0 * sh.act_b, np.where(b.tp > 1, 16.0, 12.0))
     # loss parallel's backward also holds per-token index tensors: the safe target (int64), the mask of targets
@@ -451,7 +470,7 @@ def _loss_bytes(spec: ModelSpec, b: PlanBatch, sh: Shapes, rv: C.RankView, c: Ra
     per_token = np.where(~b.fused_loss & (b.tp > 1), LOSS_PARALLEL_INDEX_BYTES_PER_TOKEN, 0.0)
     fused_chunks = np.where(b.fused_loss, _fused_loss_chunks(spec.vocab_size, np.asarray(c.logits, float)), 0.0)
     return np.where(rv.has_out, c.logits * per_logit + fused_chunks + sh.T * per_token
-                    + sh.T * d * sh.act_b * (1.0 + 1.0 / sh.sp_div), 0.0)
+                    + sh.T * d * (sh.act_b + sh.res_b / sh.sp_div), 0.0)
 
 
 # [derived] loss parallel's per-token index tensors in its backward (``_loss_bytes``): 8 + 1 + 8 + 4 + 8 + 4 B
