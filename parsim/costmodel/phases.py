@@ -85,6 +85,7 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
                             + [np.asarray(b.float8 & b.te_layers, dtype=float)], axis=1))
     steps = Whole({moe: (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe)) for moe in rv.kinds})
     steps.moe_fwd = moe_forward_working_bytes(spec, sh, b)
+    steps.tp_out = _tp_output_transient(b, sh, spec.d_model)
     steps.pair_bytes = sh.Tr * spec.d_model * sh.act_b if spec.moe is not None else 0.0
     steps.e_local = local_experts(spec, sh) if spec.moe is not None else 1.0
     for g, (pp, v, k, bp) in enumerate(uniq):
@@ -115,6 +116,7 @@ class Whole(dict):
         super().__init__(*args)
         self._memo: dict = {}
         self.moe_fwd: np.ndarray | float = 0.0  # ``layers.moe_forward_working_bytes``
+        self.tp_out: np.ndarray | float = 0.0  # ``_tp_output_transient``
         self.pair_bytes: np.ndarray | float = 0.0  # one routed (token, expert) pair tensor, nk x d
         self.e_local: np.ndarray | float = 1.0  # ``layers.local_experts``
 
@@ -238,7 +240,7 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
                  transient_attn=a["none"][0] - act_attn,
                  fwd_working=(np.where(full, np.asarray(steps_of.moe_fwd)[idx], 0.0) if moe
                               else np.where(full | sac, 0.0,
-                                            act_attn + act_ffn + _tp_output_transient(b, idx, spec.d_model))),
+                                            act_attn + act_ffn + np.asarray(steps_of.tp_out)[idx])),
                  recompute_combine=combine)
 
 
@@ -319,11 +321,11 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     # sent on and kept by the schedule until its backward), or on the last stage the loss's saved tensors (the
     # fp32 log-softmax output, 4 B per logit; the fused loss: the logits) and the final norm's input and output
     stage_out = (np.asarray(sh.T) * spec.d_model / np.asarray(sh.sp_div) * np.asarray(sh.res_b))[idx]
-    stage_out_b = np.asarray(sh.res_b)[idx]
+    res_b = np.asarray(sh.res_b)[idx]
     act_b = np.asarray(sh.act_b)[idx]
     per_logit_saved = np.where(b.fused_loss[idx], act_b, 4.0)
     # (the norm's input is the residual stream, fp32 under autocast; its output as the projection reads it)
-    final_norm_saved = np.asarray(sh.T)[idx] * spec.d_model * (act_b + stage_out_b / np.asarray(sh.sp_div)[idx])
+    final_norm_saved = np.asarray(sh.T)[idx] * spec.d_model * (act_b + res_b / np.asarray(sh.sp_div)[idx])
     loss_saved = np.asarray(c.logits)[idx] * per_logit_saved + final_norm_saved
     m = b.n_micro[idx].astype(float)
     w = np.where(b.pp[idx] > 1, np.asarray(steps_of.once(inflight, b, rank))[idx], 1.0)
@@ -357,39 +359,41 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         last_cast4=steps_of.once(_last_cast_elems, spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
 
 
+def _tp_reduction_bytes(b: PlanBatch, sh: Shapes, d: int, elem_bytes) -> np.ndarray:
+    """A (T x d) partial sum reduced over TP, bytes of ``elem_bytes`` elements alive at the reduction: the sum and,
+    with SP, its copy regrouped along the sequence (torch's functional reduce-scatter concatenates the chunks of a
+    non-zero scatter dimension) and the reduce-scatter's output (T / tp x d); without SP the all-reduce's output
+    (T x d); 0 without TP [derived; traces below]."""
+    g = np.asarray(sh.T) * d * np.asarray(elem_bytes)
+    sd = np.asarray(sh.sp_div)
+    return np.where(b.tp > 1, np.where(sd > 1, 2.0 * g + g / sd, 2.0 * g), 0.0)
+
+
 def _out_grad_reduction(b: PlanBatch, sh: Shapes, d: int) -> np.ndarray:
     """Bytes alive above the stage's tensors while the output projection's input gradient is reduced under TP, its
-    weight gradient made and the logits' gradient freed: the gradient (T x d) in the dtype of the final norm's
-    output (fp32 under autocast, which casts the bf16 gradient back), and with SP its regrouped copy and its
-    reduce-scatter output (T / tp x d), without SP the all-reduce's output (T x d); less the projection's saved
-    input, released with its backward (counted in ``final_norm_saved`` until the norm's backward) [derived: the
-    all-gather's backward, torch's functional reduce-scatter concatenating the chunks of a non-zero scatter
-    dimension; trace: tp 6 SP without FSDP (autocast), micro batch 4, d 576: the (4, 384, 576) fp32 gradient, the
-    (24, 64, 576) cat and the (4, 64, 576) reduce-scatter output at the peak, -4.7% before]."""
-    g = np.asarray(sh.T) * d * np.asarray(sh.res_b)
-    sp = np.asarray(sh.sp_div) > 1
-    saved_input = np.asarray(sh.T) * d * np.asarray(sh.act_b)  # (freed with the projection's backward)
-    return np.where(b.tp > 1, np.where(sp, 2.0 * g + g / np.asarray(sh.sp_div), 2.0 * g) - saved_input, 0.0)
+    weight gradient made and the logits' gradient freed: the reduction (``_tp_reduction_bytes``) of the gradient in
+    the dtype of the final norm's output (fp32 under autocast, which casts the bf16 gradient back), less the
+    projection's saved input, released with its backward (counted in ``final_norm_saved`` until the norm's
+    backward) [derived: the all-gather's backward; trace: tp 6 SP without FSDP (autocast), micro batch 4, d 576: the
+    (4, 384, 576) fp32 gradient, the (24, 64, 576) cat and the (4, 64, 576) reduce-scatter output at the peak, -4.7%
+    before]."""
+    saved_input = np.asarray(sh.T) * d * np.asarray(sh.act_b)
+    return np.where(b.tp > 1, _tp_reduction_bytes(b, sh, d, sh.res_b) - saved_input, 0.0)
 
 
-def _tp_output_transient(b: PlanBatch, idx: np.ndarray, d: int) -> np.ndarray:
-    """A dense block that keeps its tensors (no AC), at its last op in forward: under TP w2's partial output (T x d)
-    and its reduction, above the block's saved tensors and the stream before it (``Block.fwd_working`` is both).
-    Without SP the all-reduce's output (T x d); with SP the reduce-scatter's input regrouped along the sequence
-    (torch's functional reduce-scatter concatenates the chunks of a non-zero scatter dimension: a T x d copy), its
-    output (T / tp x d) and the FFN norm's local output (T / tp x d: the all-gather's input, alive while the MLP
-    that was called with it runs) — less the block's output (the stream after it, ``flow``), which does not exist
-    yet. FSDP still holds the block's unsharded parameters there: on a model of few wide layers that moment is the
-    peak [derived; trace: 1 layer of d 1000, HSDP x tp4 SP, fp32: the (256, 1000) mm output, the (4, 64, 1000)
-    cat, the (1, 64, 1000) reduce-scatter output and norm output beside the unsharded block at w2's
+def _tp_output_transient(b: PlanBatch, sh: Shapes, d: int) -> np.ndarray:
+    """A dense block that keeps its tensors (no AC), at its last op in forward, above the block's saved tensors and
+    the stream before it (``Block.fwd_working`` is both): under TP the reduction of w2's partial output
+    (``_tp_reduction_bytes``) and, with SP, the FFN norm's local output (T / tp x d: the all-gather's input, alive
+    while the MLP that was called with it runs) — less the block's output (the stream after it, ``flow``), which
+    does not exist yet. FSDP still holds the block's unsharded parameters there: on a model of few wide layers that
+    moment is the peak [derived; trace: 1 layer of d 1000, HSDP x tp4 SP, fp32: the (256, 1000) mm output, the (4,
+    64, 1000) cat, the (1, 64, 1000) reduce-scatter output and norm output beside the unsharded block at w2's
     reduce-scatter, -3.3% before]."""
-    t, act_b = b.tp[idx].astype(float), b.param_bytes[idx].astype(float)
-    tin = b.micro_batch_size[idx] * b.seq_len[idx] / b.cp[idx] * d * act_b
-    sp = b.sequence_parallel[idx] & (t > 1)
-    # (the stream's bytes: fp32 under autocast, ``layers.Shapes.res_b``)
-    res_b = np.where((b.dp_replicate * b.dp_shard * b.cp == 1)[idx] & (act_b < 4.0), 4.0, act_b)
-    flow = np.where(sp, tin / t, tin) / act_b * res_b
-    return np.where(t > 1, np.where(sp, 2.0 * tin + 2.0 * tin / t, 2.0 * tin) - flow, 0.0)
+    local = np.asarray(sh.T) * d / np.asarray(sh.sp_div)
+    norm_out = np.where(np.asarray(sh.sp_div) > 1, local * np.asarray(sh.act_b), 0.0)
+    flow = local * np.asarray(sh.res_b)
+    return np.where(b.tp > 1, _tp_reduction_bytes(b, sh, d, sh.act_b) + norm_out - flow, 0.0)
 
 
 def _step_inputs(b: PlanBatch, idx: np.ndarray) -> np.ndarray:
