@@ -212,9 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerank-only", metavar="PROFILE", help="no measuring: the plans of --searches re-ranked "
                     "from the blocks PROFILE holds (its GPU measured them), written to OUT/rerank.{json,md}")
     ap.add_argument("--searches", default="", help="comma-separated `search --measure --json` outputs of a GPU")
+    ap.add_argument("--reuse-profile", metavar="PROFILE", help="no profiling: a copy of PROFILE (a profile this GPU "
+                    "measured, e.g. profiles/h100-measured.json) is the one predictions use and blocks are added to")
+    ap.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
+    ap.add_argument("--no-search", action="store_true", help="skip the search --measure stage")
+    ap.add_argument("--repredict", metavar="REPORT_JSON", help="no measuring: the runs of a report.json predicted "
+                    "again on --reuse-profile (default h100-measured), with its measured blocks and with the curves "
+                    "alone, beside the step times that GPU measured")
     a = ap.parse_args(argv)
     if a.rerank_only:
         return _rerank_only(a.rerank_only, a.searches, Path(a.out))
+    if a.repredict:
+        return _repredict(a.repredict, a.reuse_profile or "h100-measured")
     import torch
 
     from parsim.profiler.run import profile, spec_profile_of
@@ -224,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no GPU here: run it on the GPU machine, or pass --dry-run", file=sys.stderr)
         return 2
     s = setup(a.dry_run, torch.cuda.device_count() if cuda else 0, a.layers)
+    if a.variants:
+        wanted = [v.strip() for v in a.variants.split(",") if v.strip()]
+        unknown = sorted(set(wanted) - {n for n, _ in s.variants})
+        if unknown:
+            print(f"error: unknown variants {unknown}; known: {[n for n, _ in s.variants]}", file=sys.stderr)
+            return 2
+        s = replace(s, variants=tuple(v for v in s.variants if v[0] in wanted))
     device = torch.cuda.get_device_name() if cuda else "cpu (dry run)"
     name = (re.sub(r"[^a-z0-9]+", "-", device.lower().split()[1]) + "-measured") if cuda else "dry-run-cpu"
     out = Path(a.out)
@@ -239,12 +255,17 @@ def main(argv: list[str] | None = None) -> int:
         (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
         (out / "report.md").write_text(_markdown(doc))
 
-    print(f"1/3 profiling {device} ({s.nproc} rank(s)) ...", flush=True)
-    links = spec_profile_of(device) if cuda and s.nproc == 1 else None  # one GPU measures no collective
-    doc["interconnect_from"] = links
-    _stage(doc, "profile", lambda: profile(
-        name, s.nproc, out_dir=out, model=s.model, seq_len=min(s.seq_len, 2048), quick=s.quick, restart=True,
-        device=None if cuda else "cpu", log=lambda m: print("  " + m, flush=True), interconnect_from=links))
+    if a.reuse_profile:
+        print(f"1/3 reusing the profile {a.reuse_profile} ...", flush=True)
+        shutil.copy(a.reuse_profile, prof_path)
+        doc["reused_profile"] = a.reuse_profile
+    else:
+        print(f"1/3 profiling {device} ({s.nproc} rank(s)) ...", flush=True)
+        links = spec_profile_of(device) if cuda and s.nproc == 1 else None  # one GPU measures no collective
+        doc["interconnect_from"] = links
+        _stage(doc, "profile", lambda: profile(
+            name, s.nproc, out_dir=out, model=s.model, seq_len=min(s.seq_len, 2048), quick=s.quick, restart=True,
+            device=None if cuda else "cpu", log=lambda m: print("  " + m, flush=True), interconnect_from=links))
     doc["profile_wall_s"] = time.perf_counter() - t0
     write()
     if not prof_path.exists():
@@ -257,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PARSIM_PROFILES_DIR=str(out))  # search --measure keeps its blocks in this profile
 
     def search() -> None:
+        if a.no_search:
+            return
         if time.perf_counter() > deadline:
             raise TimeoutError("budget spent before the search started")
         doc["search_measured"] = _parsim(
@@ -265,11 +288,37 @@ def main(argv: list[str] | None = None) -> int:
 
     _stage(doc, "search", search)
     write()
-    if cuda and not a.no_install:
+    if cuda and not a.no_install and not a.reuse_profile:
         shutil.copy(prof_path, ROOT / "profiles" / prof_path.name)
     print(_markdown(doc))
     print(f"wrote {out / 'report.md'}, {out / 'report.json'} and {prof_path} in {doc['wall_s']:.0f} s")
     return 1 if doc.get("errors") else 0
+
+
+def _repredict(report_json: str, profile: str) -> int:
+    """The runs of a GPU's report.json predicted on ``profile`` now: with its measured blocks, and on the curves
+    alone (the blocks removed), beside the step times measured."""
+    from parsim.costmodel import predict
+    from parsim.hardware import load_profile
+    from parsim.plan import Plan
+    from parsim.spec import PRESETS
+
+    doc = json.loads(Path(report_json).read_text())
+    st = doc["setup"]
+    spec = replace(PRESETS[st["model"]], name=f"{st['model']}-{st['layers']}l", n_layers=st["layers"])
+    hw = load_profile(profile)
+    curves = replace(hw, measured_blocks={})
+    variants = dict(setup(False, 1, st["layers"]).variants)
+    print(f"{'variant':16s} {'measured ms':>11s} {'blocks ms':>10s} {'err %':>6s} {'curves ms':>10s} {'err %':>6s}")
+    for r in doc["runs"]:
+        if r.get("status") != "ok":
+            continue
+        plan = Plan(dp_shard=st["nproc"], seq_len=st["seq_len"], local_batch_size=1, micro_batch_size=1,
+                    param_dtype=st["dtype"], **variants[r["variant"]])
+        m, pb, pc = r["meas_step_s"], predict(spec, plan, hw).step_time_s, predict(spec, plan, curves).step_time_s
+        print(f"{r['variant']:16s} {m * 1e3:11.1f} {pb * 1e3:10.1f} {100 * (pb / m - 1):+6.1f} {pc * 1e3:10.1f} "
+              f"{100 * (pc / m - 1):+6.1f}")
+    return 0
 
 
 def _rerank_only(profile: str, searches: str, out: Path) -> int:

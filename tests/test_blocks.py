@@ -80,6 +80,7 @@ def test_the_profiler_measures_a_block_and_keeps_what_it_measured(tmp_path):
                                            param_dtype="float32"))["dense"] for mb in (1, 2)]
     m = measure_block(shapes[0], reps=2, warmup=1)
     assert m["fwd_s"] > 0 and m["bwd_s"] > 0 and m["reps"] == 2 and m["torch"]
+    assert m["chain"] == 1  # a CPU runs the kernels itself: one call per timing (a GPU: STEADY_CHAIN)
     hw = load_profile("cpu-gloo-2")
     out = tmp_path / "p.json"
     hw2, walls = add_measured_blocks(hw, shapes, out, reps=2)
@@ -166,3 +167,38 @@ def test_the_profiler_measures_the_models_ends():
                                        fused_loss=fused))
         m = measure_head(h, reps=2, warmup=1)
         assert all(m[k] > 0 for k in ("emb_fwd_s", "emb_bwd_s", "out_fwd_s", "out_bwd_s")) and m["torch"]
+
+
+def _layer_seconds(hw: HardwareProfile, tokens: int) -> tuple[float, float]:
+    from parsim.costmodel.compute import block_overheads, layer_costs
+    from parsim.costmodel.layers import Shapes
+
+    spec = load_model("llama3-8b")
+    b = encode([Plan(seq_len=min(tokens, 2048), local_batch_size=max(1, tokens // 2048), param_dtype="bfloat16")],
+               hw.gpus_per_node)
+    c = layer_costs(spec, b, Shapes(spec, b), hw, False, overheads=block_overheads(hw))  # as step.py calls it
+    return float(c.fwd[0]), float(c.bwd[0])
+
+
+def test_an_asynchronous_device_hides_the_hosts_issue_time_under_the_kernels():
+    """A GPU profile's block sample with the host's issue time: a layer costs max(kernels, host), forward and
+    backward apart — the host time where the kernels are shorter, the kernels alone where they are longer (not
+    their sum, as a CPU's measured overhead adds)."""
+    from parsim.costmodel.compute import block_overheads, host_issue_times
+
+    gpu = dataclasses.replace(load_profile("h100-measured"), measured_blocks={})
+    host_f, host_b = host_issue_times(gpu)
+    assert host_f > 0 and host_b > 0 and block_overheads(gpu) == (0.0, 0.0)
+    block = {k: v for k, v in gpu.samples["block"].items() if not k.startswith("host_")}
+    kernels = dataclasses.replace(gpu, samples={**gpu.samples, "block": {**block, "time_fwd_s": 0.0,
+                                                                         "time_fwd_bwd_s": 0.0}})
+    assert host_issue_times(kernels) is None and block_overheads(kernels) == (0.0, 0.0)
+    small_k, large_k = _layer_seconds(kernels, 256), _layer_seconds(kernels, 16384)
+    assert small_k[0] < host_f and small_k[1] < host_b and large_k[0] > host_f and large_k[1] > host_b
+    assert _layer_seconds(gpu, 256) == pytest.approx((host_f, host_b))
+    assert _layer_seconds(gpu, 16384) == pytest.approx(large_k)
+    # the same sample read as a CPU's (no host times): its wall time minus the model's is added at every size
+    additive = dataclasses.replace(gpu, samples={**gpu.samples, "block": block})
+    ov_f, ov_b = block_overheads(additive)
+    assert ov_f > 0
+    assert _layer_seconds(additive, 16384)[0] == pytest.approx(large_k[0] + ov_f)

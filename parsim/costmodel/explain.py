@@ -15,7 +15,7 @@ from ..plan import Plan
 from ..results import Prediction
 from ..spec import ModelSpec
 from .comm import AXIS_CLASS, axis_class_scale
-from .compute import ADAMW_BYTES_PER_PARAM, block_overheads, layer_compute_items
+from .compute import ADAMW_BYTES_PER_PARAM, block_overheads, host_issue_times, layer_compute_items
 from .layers import FIRST, LAST, Shapes, inflight, kept_by_ac_mode, local_experts, saved_tensors
 from .step import evaluate_one, prediction_from, stage_rank
 
@@ -139,6 +139,11 @@ def _compute_factors(plan: Plan, hw: HardwareProfile) -> list[dict]:
              _source(hw, cs_key)),
         _row("layer overhead forward / backward (s per layer and microbatch)", [ov_f, ov_b],
              "added to each layer's curve time (the 'overhead' item of the layer table)", ov_src)]
+    host = host_issue_times(hw)
+    if host is not None:
+        rows.append(_row("host issue time forward / backward (s per layer and microbatch)", list(host),
+                         "an asynchronous device: each layer costs max(its kernels, this), not their sum",
+                         "the profile's block sample (samples.block.host_fwd_s / host_fwd_bwd_s), measured"))
     curves: list[tuple[str, EfficiencyCurve | None, str, str]] = [
         ("gemm_efficiency", hw.gemm_efficiency, "gemm_eff_max", "every GEMM: time = (FLOPs + x_half) / "
                "(eff_max x peak)"),

@@ -14,17 +14,26 @@ import torch
 
 from ..blockshape import BlockShape, HeadShape
 
+# [assumed] calls per timed repetition on a GPU: a step issues layer after layer while the device is still busy,
+# so a block there is timed in that steady state: ``STEADY_CHAIN`` calls back to back, one synchronize, seconds
+# divided by the calls. One call timed alone pays the host's issue time wherever the device waits for it (an
+# H100, llama3-8b block on 4096 tokens: 13.0 ms alone against the ~10 ms its kernels take in a 6-layer step;
+# bench/reports/gpu-acceptance, bench/gpu_dispatch.py). On CPU the host runs the kernels itself: one call.
+STEADY_CHAIN = 8
+
 
 def _times(fn, reps: int, cuda: bool) -> list[float]:
+    chain = STEADY_CHAIN if cuda else 1
     out = []
     for _ in range(reps):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn()
+        for _ in range(chain):
+            fn()
         if cuda:
             torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
+        out.append((time.perf_counter() - t0) / chain)
     return out
 
 
@@ -42,6 +51,10 @@ def measure_block(shape: BlockShape, device: torch.device | None = None, reps: i
     dtype = getattr(torch, shape.dtype)
     spec = shape.local_spec()
     blk = Block(spec, 0).to(device=device, dtype=dtype)
+    if shape.compile:
+        # a fresh compile per shape: every block shares Block.forward's code object, and past dynamo's recompile
+        # limit (8) a further shape silently runs eager (seen measuring 14 compiled shapes in one process)
+        torch._dynamo.reset()
     run = torch.compile(blk) if shape.compile else blk
     rope = rope_cache(spec.head_dim, shape.seq_len).to(device)
     x = torch.randn(shape.micro_batch, shape.seq_len, spec.d_model, device=device, dtype=dtype, requires_grad=True)
@@ -60,7 +73,8 @@ def measure_block(shape: BlockShape, device: torch.device | None = None, reps: i
     fb = _times(fwd_bwd, reps, cuda)
     t_f, t_fb = statistics.median(f), statistics.median(fb)
     return {"fwd_s": t_f, "bwd_s": max(t_fb - t_f, 1e-9), "fwd_spread_s": max(f) - min(f),
-            "fwd_bwd_spread_s": max(fb) - min(fb), "reps": reps, "device": torch.cuda.get_device_name(device)
+            "fwd_bwd_spread_s": max(fb) - min(fb), "reps": reps, "chain": STEADY_CHAIN if cuda else 1,
+            "device": torch.cuda.get_device_name(device)
             if cuda else platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "wall_s": time.perf_counter() - t_start}
@@ -99,6 +113,7 @@ def measure_head(shape: HeadShape, device: torch.device | None = None, reps: int
             "out_fwd_s": med["out_f"], "out_bwd_s": max(med["out_fb"] - med["out_f"], 1e-9),
             "out_fwd_spread_s": max(t["out_f"]) - min(t["out_f"]),
             "out_fwd_bwd_spread_s": max(t["out_fb"]) - min(t["out_fb"]), "reps": reps,
+            "chain": STEADY_CHAIN if cuda else 1,
             "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.perf_counter() - t_start}

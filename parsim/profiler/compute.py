@@ -115,25 +115,58 @@ def optimizer_samples(device, sizes_params, tensor_counts=(1, 16, 64), reps=3) -
     return out
 
 
+HOST_SAMPLE_TOKENS = 256  # [assumed] few enough that an H100 runs a block's kernels faster than a host issues them
+
+
+def _host_issue_s(fn, reps: int) -> float:
+    """The host's issue seconds per call of ``fn`` on CUDA, at a size where the device is the faster side: the
+    median over ``reps`` of ``profiler.blocks.STEADY_CHAIN`` calls back to back, one synchronize, divided by the
+    calls. The device then waits on the host, so each call's share is the host's time to issue it (Python,
+    dispatch, autograd, launches). One call timed without synchronizing reads the same thing noisier (an H100
+    VM: 2.9 ms forward alone against 1.6 ms per call in a chain, bench/gpu_dispatch.py)."""
+    from .blocks import STEADY_CHAIN
+
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(STEADY_CHAIN):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / STEADY_CHAIN)
+    return statistics.median(out)
+
+
 def block_sample(spec, tokens: int, seq_len: int, device, dtype, reps: int | None = None) -> dict:
     """Forward + backward of one real block of ``spec`` on ``tokens`` tokens (batch = tokens / seq_len). On a GPU
     an eager block is launch-bound at these sizes and its times scatter (one H100: forward 2.6-3.7 ms over 9
-    samples, and once 9.8 ms in a profile's run, above its own forward + backward), so 15 reps there, 3 on CPU."""
+    samples, and once 9.8 ms in a profile's run, above its own forward + backward), so 15 reps there, 3 on CPU.
+
+    On a GPU (asynchronous: the host issues kernels ahead of the device) it also records the host's *issue* time
+    of the same block (``host_fwd_s``, ``host_fwd_bwd_s``, ``_host_issue_s``) on ``HOST_SAMPLE_TOKENS`` tokens,
+    where the device is the faster side (``costmodel.compute.host_issue_times`` combines it with the kernels by
+    max, not sum)."""
     from ..executor.model import Block, rope_cache
 
     cuda = device.type == "cuda"
     reps = reps if reps is not None else (15 if cuda else 3)
     blk = Block(spec, 0).to(device=device, dtype=dtype)
-    rope = rope_cache(spec.head_dim, seq_len).to(device)
-    x = torch.randn(max(1, tokens // seq_len), seq_len, spec.d_model, device=device, dtype=dtype, requires_grad=True)
-    t_f = _time(lambda: blk(x, rope), reps, cuda)
 
-    def fb():
-        blk(x, rope).sum().backward()
+    def runs(n_tokens: int, seq: int):
+        rope = rope_cache(spec.head_dim, seq).to(device)
+        x = torch.randn(max(1, n_tokens // seq), seq, spec.d_model, device=device, dtype=dtype, requires_grad=True)
+        return (lambda: blk(x, rope)), (lambda: blk(x, rope).sum().backward())
 
-    t_fb = _time(fb, reps, cuda)
-    return {"kind": "block", "model": spec.name, "tokens": tokens, "seq_len": seq_len,
-            "dtype": str(dtype).replace("torch.", ""), "time_fwd_s": t_f, "time_fwd_bwd_s": t_fb}
+    fwd, fb = runs(tokens, seq_len)
+    out = {"kind": "block", "model": spec.name, "tokens": tokens, "seq_len": seq_len,
+           "dtype": str(dtype).replace("torch.", ""), "time_fwd_s": _time(fwd, reps, cuda),
+           "time_fwd_bwd_s": _time(fb, reps, cuda)}
+    if cuda:
+        small = min(HOST_SAMPLE_TOKENS, seq_len)
+        fwd, fb = runs(small, small)
+        fb()  # warm-up at this shape
+        out.update(host_tokens=small, host_fwd_s=_host_issue_s(fwd, reps), host_fwd_bwd_s=_host_issue_s(fb, reps))
+    return out
 
 
 def run_compute(device, spec=None, seq_len=512, threads: int | None = 1, quick=False) -> list[dict]:
