@@ -76,3 +76,29 @@ def test_interconnect_from_is_refused_with_several_ranks(tmp_path):
                                  "--interconnect-from", "h100-sxm-spec"])
     assert r.exit_code == 2 and "one rank" in r.output and "Traceback" not in r.output
     assert not list(tmp_path.iterdir())
+
+
+def test_runs_a_gpu_measured_are_predicted_again_on_the_profile_as_it_is():
+    """``--repredict``: the committed GPU runs beside today's predictions, with measured blocks and on the curves
+    alone (no torch, no measuring)."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_acceptance.py"), "--repredict",
+                        str(ROOT / "bench" / "reports" / "gpu-acceptance" / "2026-11-26" / "acceptance-runs.json")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.split() for line in r.stdout.splitlines()[1:]]
+    assert [x[0] for x in rows] == ["no", "full", "compile"]
+    assert all(float(x[-5]) > 0 and float(x[-4]) > 0 and float(x[-2]) > 0 for x in rows)
+
+
+def test_the_dispatch_sweep_runs_on_cpu_and_writes_each_point(tmp_path):
+    """``bench/gpu_dispatch.py`` on CPU (the host is the device there): every point timed alone, as issued and
+    in a chain, written as it is measured."""
+    pytest.importorskip("torch")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_dispatch.py"), "--out", str(tmp_path), "--model",
+                        "tiny", "--tokens", "64,128", "--compile-tokens", "", "--seq-cap", "64", "--reps", "2",
+                        "--chain", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((tmp_path / "dispatch.json").read_text())
+    assert [p["tokens"] for p in doc["points"]] == [64, 128] and not doc["errors"]
+    assert all(p[f"{k}_{m}_s"] > 0 for p in doc["points"] for k in ("fwd", "fwd_bwd")
+               for m in ("wall", "host", "steady"))
