@@ -47,3 +47,14 @@ def test_differential_slice_has_no_new_failure_class(n):
            if int(r["n_failures"]) and not r["known_gap"]]
     assert not new, "\n".join(new)
     assert s["passing"] + sum(s["failing_in_known_gaps"].values()) == n
+
+
+def test_the_no_dp_draw_draws_only_plans_without_data_parallelism():
+    """``--no-dp``: the draw the default samples 1 time in 20 (no FSDP wrapper: autocast in bf16, plain
+    gradients), every plan of it without data parallelism, several degrees and dtypes among them."""
+    d = _differential()
+    cases = d.draw_cases(40, seed=3, strategy=d.cases(no_dp=True))
+    assert len(cases) == 40
+    assert all(c.plan.dp_shard == 1 and c.plan.dp_replicate == 1 for c in cases)
+    assert len({(c.plan.tp, c.plan.pp) for c in cases}) > 3
+    assert {c.plan.param_dtype for c in cases} == {"bfloat16", "float32"}

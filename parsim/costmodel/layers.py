@@ -268,7 +268,8 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
         t_router = sh.Tr / (mo.top_k * mo.capacity_factor)
         out += [("router.logits", t_router * mo.n_experts * b4, "mm"),
                 ("router.probs", t_router * mo.n_experts * b4, "other"),
-                ("experts.input(permuted)", sh.Tr * d * b2, "other")]
+                # (the norm's output gathered by token: fp32 under autocast, where only linears cast their input)
+                ("experts.input(permuted)", sh.Tr * d * rb, "other")]
         out += _mlp_saved(spec, sh.Tr, mo.d_ff_expert / sh.etp, "experts", sh.Tr * d * b2, b2, kind="gmm",
                           mlp="swiglu")  # (routed experts: SwiGLU whatever the model's MLP, ``routed_expert_matrices``)
         if mo.n_shared_experts:
@@ -606,14 +607,25 @@ class _BackwardSteps:
         extra = np.where(self.t > 1, nbytes, 0.0)
         self.step(extra, extra + nbytes)
 
-    def _gmm_temp(self, w_elems, x_bytes):
+    def _gmm_temp(self, w_elems, x_bytes, x_elems=0.0, out_elems=0.0, x_is_stream=True):
         """One local expert's matmul output in a grouped GEMM's backward, the larger of its rows of the input
         gradient and its weight gradient (the weight's dtype: param_dtype under FSDP, fp32 without), made one after
         the other into the whole gradients allocated first [derived from
         ``_GroupedMM.backward``: ``gw[e] = x_e.t() @ g_e``, ``gx[rows_e] = g_e @ w[e].t()``; trace: 2 local experts,
-        a (1024, 768) fp32 matmul output beside the whole weight gradient at the experts' backward]."""
+        a (1024, 768) fp32 matmul output beside the whole weight gradient at the experts' backward].
+
+        Under autocast (fp32 weights, bf16 compute: no FSDP) more is alive at either matmul: the expert's output
+        gradient converted to the weight's fp32 (``g_e.to(w.dtype)``, out x 4 B per row) and autocast's bf16 cast
+        of it (out x 2), and per matmul its other operand cast to bf16 and its bf16 output: ``w[e]`` (in x out x 2)
+        and the input-gradient rows (in x 2), or the input rows (in x 2; from bf16 rows through an fp32 copy
+        first, in x 4 more: w2's hidden input) and the weight gradient (in x out x 2): the same bytes at both
+        moments [derived: ``_GroupedMM.backward`` under torch.autocast, which casts but does not cache non-leaf
+        tensors; trace: 1 MoE layer, tp 4, bf16 without FSDP: (128, 256) fp32 + bf16 copies of the output
+        gradient, the (256, 256) weight's cast and the (128, 256) output at the peak, -1.6% before]."""
         e = np.maximum(local_experts(self.spec, self.sh), 1.0)
-        return np.maximum(w_elems * grad_elem_bytes(self.b), x_bytes) / e  # (one after the other: the larger)
+        plain = np.maximum(w_elems * grad_elem_bytes(self.b), x_bytes) / e  # (one after the other: the larger)
+        cast = (6.0 * out_elems + (2.0 if x_is_stream else 6.0) * x_elems + 2.0 * w_elems) / e
+        return np.where(self.rb > self.b2, cast, plain)  # (res_b > act_b: autocast, ``Shapes.res_b``)
 
     def mlp(self, prefix, tokens, ff, names, expert=False, last_saved=(), free_in=0.0, w3_saved=(), kind=None):
         """SwiGLU: w2 (its input's gradient), mul (two), silu, w3 and w1 (the normed input's gradient, summed);
@@ -625,13 +637,18 @@ class _BackwardSteps:
         of one of them more (``_gmm_temp``)."""
         step, pg = self.step, self.pg
         hid = tokens * ff * self.b2
-        tin = tokens * self.d * self.b2
+        # the routed experts' input gradient is ``empty_like`` of their permuted input, the stream's dtype (fp32
+        # under autocast); a linear's is its cast input's [trace: mixtral 1 layer, tp8, bf16 without FSDP: the w3 /
+        # w1 input gradients (1536, 4096) fp32]
+        tin = tokens * self.d * (self.rb if expert else self.b2)
 
-        def temp(w, x_bytes):
-            return self._gmm_temp(pg(names + w, expert=True)[1], x_bytes) if expert else 0.0
+        def temp(w, x_bytes, x_elems, out_elems, x_is_stream):
+            return (self._gmm_temp(pg(names + w, expert=True)[1], x_bytes, x_elems, out_elems, x_is_stream)
+                    if expert else 0.0)
 
         if (kind or self.spec.mlp) == "swiglu":
-            t2, t3, t1 = temp("w2", hid), temp("w3", tin), temp("w1", tin)
+            t2 = temp("w2", hid, tokens * ff, tokens * self.d, False)
+            t3, t1 = (temp(w, tin, tokens * self.d, tokens * ff, True) for w in ("w3", "w1"))
             step(hid + t2, free_in + t2, [f"{prefix}.w2.input"], pg(names + "w2", expert=expert))
             step(2 * hid, hid, [f"{prefix}.silu.out", f"{prefix}.w3.out"])
             step(hid, hid, [f"{prefix}.w1.out"])

@@ -227,6 +227,14 @@ class Block:
     # AC, top-4 of 8 experts, 1024 tokens of d 512: at the recompute's scatter target the pairs' gradient, the
     # routed tokens, the experts' output, the weighted copy and the target, (4096, 512) each, alive (-8.1% before)]
     recompute_combine: np.ndarray | float = 0.0
+    # the routed experts' weights are TP DTensors (tp > 1 without EP): the experts' forward unwraps each
+    # (``to_local``) before its first GEMM, so each weight's gradient reaches AccumulateGrad through that node,
+    # whose sequence number is below every GEMM's: the autograd engine (highest sequence number first) runs the
+    # three only when the experts' backward is done, and a later backward without FSDP holds all three new
+    # gradients until then [derived: executor.model.GroupedExperts.forward, torch.autograd's ready queue; trace:
+    # mixtral 1 layer, tp8, bf16, two accumulation steps: three (8, 4096, 1792) fp32 gradients alive at the second
+    # backward's peak, -1.2% before; the same with ep 8 holds none (the model exact without the hold)]
+    experts_held: np.ndarray | bool = False
     _plan: list | None = None  # ``_step_plan``'s cache
     series_cache: dict = field(default_factory=dict)  # id(mode) -> (mode, {run index: summary}): ``_steps_series``
     variants: dict = field(default_factory=dict)  # ``summing_out_of_place``'s cache
@@ -997,6 +1005,14 @@ def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list,
     _plain_grads_done(tl, q, blk.unit.grads - deferred - added[0], True, mode)
 
 
+def _experts_grads_held(q: RankMemory, blk: Block, mode) -> np.ndarray:
+    """The routed experts' new gradient bytes a later backward without FSDP holds until their backward ends
+    (``Block.experts_held``): every routed-expert gradient element of the block's steps."""
+    on = ~q.fsdp & ~_first(q, mode) & np.asarray(blk.experts_held, dtype=bool)
+    total = sum((np.asarray(st["pgrad"][1], dtype=float) for st in blk.steps), np.zeros(q.n))
+    return np.where(on, total * blk.grad_elem_bytes, 0.0)
+
+
 def _less_grads(u: Unit, added) -> Unit:
     """``u`` whose post-backward finds ``added`` fewer gradient bytes in its buffers (``_added_in_place``: there
     only where no reduce runs, so nothing else of the unit changes)."""
@@ -1098,10 +1114,15 @@ def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str
             made[1] = totals[1]
             _post_backward(tl, q, _less_grads(ex, added[1]), _own_unit(ex), phase, rs_prev, False, mode)
             _plain_grads_done(tl, q, ex.grads - added[1], True, mode)
+            # with ep 1 the held experts' gradients (the block unit's) are added here too, not at the block's end
+            held0 = np.where(_own_unit(ex), 0.0, _experts_grads_held(q, blk, mode))
+            _plain_grads_done(tl, q, held0, True, mode)
+            added[0] = added[0] + np.where(~q.fsdp & ~_first(q, mode), held0, 0.0)
             continue
         r = item[1]
         if n_item not in done:
-            summary, made_, d_sum, a_sum = _run_summary(q, ex, r, made, totals, defer, first, inplace, kept)
+            summary, made_, d_sum, a_sum = _run_summary(q, ex, r, made, totals, defer, first, inplace, kept,
+                                                        blk.experts_held)
             done[n_item] = (summary, tuple(made_), d_sum, a_sum)
         summary, made_, d_sum, a_sum = done[n_item]
         made = list(made_)
@@ -1136,15 +1157,17 @@ def _fsdp_grads_made(tl: Timeline, q: RankMemory, x, on, mode) -> None:
     tl.add("fsdp_grad_buffers", x, on & q.fsdp & ~kept)
 
 
-def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, first, inplace, kept) -> tuple:
+def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, first, inplace, kept,
+                 experts_held=False) -> tuple:
     """One run of op steps (``r``) summarized for ``Timeline.apply_series``: its activations made and freed, the
     weight gradients it makes (capped at the unit's totals) into FSDP's buffers, the plain gradients (the first
     microbatch without FSDP) or autocast's deferred cast-weight gradients. A later backward's new gradient
     without FSDP lives one step: the autograd engine's AccumulateGrad adds it into the parameter's ``.grad`` in
     place as soon as it is made and drops it (no unit holds it until a post-backward) [derived: torch's
     AccumulateGrad with grad mode off; trace: TP x PP, a backward's peak 15 MiB (the layer's gradients) below
-    the model's]. Returns (summary, the gradient bytes made after it [unit, experts], the deferred part, the
-    gradient bytes added and freed [unit, experts])."""
+    the model's] — but the routed experts' where their weights are TP DTensors (``Block.experts_held``): those are
+    held until the experts' backward ends (``_steps_series``'s "post"). Returns (summary, the gradient bytes
+    made after it [unit, experts], the deferred part, the gradient bytes added and freed [unit, experts])."""
     made = list(made)
     nf = ~q.fsdp
     d_sum = 0.0
@@ -1154,8 +1177,11 @@ def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, fi
     grads: np.ndarray | float = 0.0
     acw: np.ndarray | float = 0.0
     ps = r["p"]
+    hold = [np.zeros_like(ps[0]), np.zeros_like(ps[0])]  # the routed experts' new gradients held (per stream)
     if ex is not None and len(ps) == 2:  # (with ep 1 the routed experts' gradients are the block unit's)
         own = _own_unit(ex)
+        held = np.where(nf & ~first & np.asarray(experts_held, dtype=bool), ps[1], 0.0)
+        hold = [np.where(own, 0.0, held), np.where(own, held, 0.0)]
         ps = [ps[0] + np.where(own, 0.0, ps[1]), np.where(own, ps[1], 0.0)]
     for i, p in enumerate(ps):
         cum = np.minimum(made[i] + np.cumsum(p, axis=0), np.maximum(totals[i], made[i]))
@@ -1164,7 +1190,7 @@ def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, fi
         d = np.where(defer & r["cast"], x, 0.0) if i == 0 else np.zeros_like(x)  # (routed experts: no cache)
         if i == 0:
             d_sum = d.sum(axis=0)  # type: ignore[assignment]
-        added = np.where(inplace, np.where(nf, x - d, x), 0.0)
+        added = np.where(inplace, np.where(nf, x - d - np.minimum(hold[i], x - d), x), 0.0)
         gbuf = gbuf + np.where(q.fsdp & ~kept, x, 0.0) + np.where(nf & ~first, x - d, 0.0)
         grads = grads + np.where(kept, x, 0.0)
         gfree = gfree - added

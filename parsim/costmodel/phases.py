@@ -241,7 +241,8 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
                  fwd_working=(np.where(full, np.asarray(steps_of.moe_fwd)[idx], 0.0) if moe
                               else np.where(full | sac, 0.0,
                                             act_attn + act_ffn + np.asarray(steps_of.tp_out)[idx])),
-                 recompute_combine=combine)
+                 recompute_combine=combine,
+                 experts_held=((b.tp[idx] > 1) & (b.ep[idx] == 1)) if moe else False)
 
 
 def sac_uncollected(items: list, keep: list, idx: np.ndarray, n_batch: int) -> np.ndarray:
