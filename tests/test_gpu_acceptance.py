@@ -86,7 +86,7 @@ def test_runs_a_gpu_measured_are_predicted_again_on_the_profile_as_it_is():
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line.split() for line in r.stdout.splitlines()[1:]]
-    assert [x[0] for x in rows] == ["no", "full", "compile"]
+    assert [x[0] for x in rows] == ["no", "full", "selective-op", "layer:2", "compile"]
     assert all(float(x[-5]) > 0 and float(x[-4]) > 0 and float(x[-2]) > 0 for x in rows)
 
 
