@@ -68,13 +68,25 @@ def setup(dry_run: bool, n_gpus: int, layers: int) -> Setup:
     return Setup("llama3-8b", layers, 4096, 8, max(1, n_gpus), "bfloat16", base + more, quick=False)
 
 
-def _cut_model(s: Setup, out: Path) -> str:
-    """The model with ``s.layers`` layers, as a parsim ModelSpec JSON (what the executor and predict both read)."""
+def _cut_spec(model: str, layers: int):
+    """``model`` cut to ``layers`` layers."""
     from parsim.spec import load_model
 
-    spec = load_model(s.model)
+    spec = load_model(model)
+    return replace(spec, name=f"{spec.name}-{layers}l", n_layers=layers)
+
+
+def _run_plan(nproc: int, seq_len: int, dtype: str, opts: dict):
+    """The plan of one acceptance run: every local GPU one FSDP rank, micro batch 1, a variant's options."""
+    from parsim.plan import Plan
+
+    return Plan(dp_shard=nproc, seq_len=seq_len, local_batch_size=1, micro_batch_size=1, param_dtype=dtype, **opts)
+
+
+def _cut_model(s: Setup, out: Path) -> str:
+    """The model with ``s.layers`` layers, as a parsim ModelSpec JSON (what the executor and predict both read)."""
     path = out / f"{s.model}-{s.layers}l.json"
-    path.write_text(json.dumps(replace(spec, name=f"{spec.name}-{s.layers}l", n_layers=s.layers).to_dict()))
+    path.write_text(json.dumps(_cut_spec(s.model, s.layers).to_dict()))
     return str(path)
 
 
@@ -112,11 +124,9 @@ def _one_run(s: Setup, spec, model_path: str, profile_path: Path, cuda: bool, na
     from parsim.executor.launch import run_plan
     from parsim.hardware import HardwareProfile
     from parsim.jsonio import read_json
-    from parsim.plan import Plan
     from parsim.profiler.blocks import add_measured_blocks
 
-    plan = Plan(dp_shard=s.nproc, seq_len=s.seq_len, local_batch_size=1, micro_batch_size=1, param_dtype=s.dtype,
-                **opts)
+    plan = _run_plan(s.nproc, s.seq_len, s.dtype, opts)
     hw = HardwareProfile.from_dict(read_json(profile_path, "profile"))
     shapes = [x for x in plan_measured_shapes(spec, plan) if x is not None]
     hw, _ = add_measured_blocks(hw, shapes, profile_path)
@@ -300,12 +310,10 @@ def _repredict(report_json: str, profile: str) -> int:
     alone (the blocks removed), beside the step times measured."""
     from parsim.costmodel import predict
     from parsim.hardware import load_profile
-    from parsim.plan import Plan
-    from parsim.spec import PRESETS
 
     doc = json.loads(Path(report_json).read_text())
     st = doc["setup"]
-    spec = replace(PRESETS[st["model"]], name=f"{st['model']}-{st['layers']}l", n_layers=st["layers"])
+    spec = _cut_spec(st["model"], st["layers"])
     hw = load_profile(profile)
     curves = replace(hw, measured_blocks={})
     variants = dict(setup(False, 1, st["layers"]).variants)
@@ -313,8 +321,7 @@ def _repredict(report_json: str, profile: str) -> int:
     for r in doc["runs"]:
         if r.get("status") != "ok":
             continue
-        plan = Plan(dp_shard=st["nproc"], seq_len=st["seq_len"], local_batch_size=1, micro_batch_size=1,
-                    param_dtype=st["dtype"], **variants[r["variant"]])
+        plan = _run_plan(st["nproc"], st["seq_len"], st["dtype"], variants[r["variant"]])
         m, pb, pc = r["meas_step_s"], predict(spec, plan, hw).step_time_s, predict(spec, plan, curves).step_time_s
         print(f"{r['variant']:16s} {m * 1e3:11.1f} {pb * 1e3:10.1f} {100 * (pb / m - 1):+6.1f} {pc * 1e3:10.1f} "
               f"{100 * (pc / m - 1):+6.1f}")

@@ -607,7 +607,7 @@ class _BackwardSteps:
         extra = np.where(self.t > 1, nbytes, 0.0)
         self.step(extra, extra + nbytes)
 
-    def _gmm_temp(self, w_elems, x_bytes, x_elems=0.0, out_elems=0.0, x_is_stream=True):
+    def _gmm_temp(self, w_elems, x_elems, out_elems, x_is_stream):
         """One local expert's matmul output in a grouped GEMM's backward, the larger of its rows of the input
         gradient and its weight gradient (the weight's dtype: param_dtype under FSDP, fp32 without), made one after
         the other into the whole gradients allocated first [derived from
@@ -621,8 +621,10 @@ class _BackwardSteps:
         first, in x 4 more: w2's hidden input) and the weight gradient (in x out x 2): the same bytes at both
         moments [derived: ``_GroupedMM.backward`` under torch.autocast, which casts but does not cache non-leaf
         tensors; trace: 1 MoE layer, tp 4, bf16 without FSDP: (128, 256) fp32 + bf16 copies of the output
-        gradient, the (256, 256) weight's cast and the (128, 256) output at the peak, -1.6% before]."""
+        gradient, the (256, 256) weight's cast and the (128, 256) output at the peak, -1.6% before]. ``x_is_stream``:
+        the input is the permuted residual-stream tokens (w1, w3: the stream's dtype), else the hidden (w2)."""
         e = np.maximum(local_experts(self.spec, self.sh), 1.0)
+        x_bytes = x_elems * (self.rb if x_is_stream else self.b2)
         plain = np.maximum(w_elems * grad_elem_bytes(self.b), x_bytes) / e  # (one after the other: the larger)
         cast = (6.0 * out_elems + (2.0 if x_is_stream else 6.0) * x_elems + 2.0 * w_elems) / e
         return np.where(self.rb > self.b2, cast, plain)  # (res_b > act_b: autocast, ``Shapes.res_b``)
@@ -642,13 +644,12 @@ class _BackwardSteps:
         # w1 input gradients (1536, 4096) fp32]
         tin = tokens * self.d * (self.rb if expert else self.b2)
 
-        def temp(w, x_bytes, x_elems, out_elems, x_is_stream):
-            return (self._gmm_temp(pg(names + w, expert=True)[1], x_bytes, x_elems, out_elems, x_is_stream)
-                    if expert else 0.0)
+        def temp(w, x_elems, out_elems, x_is_stream):
+            return self._gmm_temp(pg(names + w, expert=True)[1], x_elems, out_elems, x_is_stream) if expert else 0.0
 
         if (kind or self.spec.mlp) == "swiglu":
-            t2 = temp("w2", hid, tokens * ff, tokens * self.d, False)
-            t3, t1 = (temp(w, tin, tokens * self.d, tokens * ff, True) for w in ("w3", "w1"))
+            t2 = temp("w2", tokens * ff, tokens * self.d, False)
+            t3, t1 = (temp(w, tokens * self.d, tokens * ff, True) for w in ("w3", "w1"))
             step(hid + t2, free_in + t2, [f"{prefix}.w2.input"], pg(names + "w2", expert=expert))
             step(2 * hid, hid, [f"{prefix}.silu.out", f"{prefix}.w3.out"])
             step(hid, hid, [f"{prefix}.w1.out"])

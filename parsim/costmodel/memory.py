@@ -1005,14 +1005,6 @@ def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list,
     _plain_grads_done(tl, q, blk.unit.grads - deferred - added[0], True, mode)
 
 
-def _experts_grads_held(q: RankMemory, blk: Block, mode) -> np.ndarray:
-    """The routed experts' new gradient bytes a later backward without FSDP holds until their backward ends
-    (``Block.experts_held``): every routed-expert gradient element of the block's steps."""
-    on = ~q.fsdp & ~_first(q, mode) & np.asarray(blk.experts_held, dtype=bool)
-    total = sum((np.asarray(st["pgrad"][1], dtype=float) for st in blk.steps), np.zeros(q.n))
-    return np.where(on, total * blk.grad_elem_bytes, 0.0)
-
-
 def _less_grads(u: Unit, added) -> Unit:
     """``u`` whose post-backward finds ``added`` fewer gradient bytes in its buffers (``_added_in_place``: there
     only where no reduce runs, so nothing else of the unit changes)."""
@@ -1094,6 +1086,7 @@ def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str
     made = [np.zeros(q.n), np.zeros(q.n)]
     added = [np.zeros(q.n), np.zeros(q.n)]
     deferred, freed = np.zeros(q.n), np.zeros(q.n)
+    held0 = np.zeros(q.n)  # routed experts' gradients of the block unit (ep 1) held until the experts' "post"
     first = _first(q, mode)
     inplace = _added_in_place(q, mode)
     kept = _kept_as_made(q, mode)
@@ -1115,16 +1108,17 @@ def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str
             _post_backward(tl, q, _less_grads(ex, added[1]), _own_unit(ex), phase, rs_prev, False, mode)
             _plain_grads_done(tl, q, ex.grads - added[1], True, mode)
             # with ep 1 the held experts' gradients (the block unit's) are added here too, not at the block's end
-            held0 = np.where(_own_unit(ex), 0.0, _experts_grads_held(q, blk, mode))
             _plain_grads_done(tl, q, held0, True, mode)
-            added[0] = added[0] + np.where(~q.fsdp & ~_first(q, mode), held0, 0.0)
+            added[0] = added[0] + held0
+            held0 = np.zeros(q.n)
             continue
         r = item[1]
         if n_item not in done:
-            summary, made_, d_sum, a_sum = _run_summary(q, ex, r, made, totals, defer, first, inplace, kept,
-                                                        blk.experts_held)
-            done[n_item] = (summary, tuple(made_), d_sum, a_sum)
-        summary, made_, d_sum, a_sum = done[n_item]
+            summary, made_, d_sum, a_sum, h_sum = _run_summary(q, ex, r, made, totals, defer, first, inplace, kept,
+                                                               blk.experts_held)
+            done[n_item] = (summary, tuple(made_), d_sum, a_sum, h_sum)
+        summary, made_, d_sum, a_sum, h_sum = done[n_item]
+        held0 = held0 + h_sum
         made = list(made_)
         added = [added[0] + a_sum[0], added[1] + a_sum[1]]
         deferred = deferred + d_sum
@@ -1167,10 +1161,12 @@ def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, fi
     AccumulateGrad with grad mode off; trace: TP x PP, a backward's peak 15 MiB (the layer's gradients) below
     the model's] — but the routed experts' where their weights are TP DTensors (``Block.experts_held``): those are
     held until the experts' backward ends (``_steps_series``'s "post"). Returns (summary, the gradient bytes
-    made after it [unit, experts], the deferred part, the gradient bytes added and freed [unit, experts])."""
+    made after it [unit, experts], the deferred part, the gradient bytes added and freed [unit, experts], the
+    block unit's gradient bytes held instead: with ep 1)."""
     made = list(made)
     nf = ~q.fsdp
     d_sum = 0.0
+    h_sum: np.ndarray | float = 0.0
     a_sum = [np.zeros(q.n), np.zeros(q.n)]
     gbuf: np.ndarray | float = 0.0
     gfree: np.ndarray | float = 0.0
@@ -1190,7 +1186,10 @@ def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, fi
         d = np.where(defer & r["cast"], x, 0.0) if i == 0 else np.zeros_like(x)  # (routed experts: no cache)
         if i == 0:
             d_sum = d.sum(axis=0)  # type: ignore[assignment]
-        added = np.where(inplace, np.where(nf, x - d - np.minimum(hold[i], x - d), x), 0.0)
+        withheld = np.where(inplace & nf, np.minimum(hold[i], x - d), 0.0)
+        added = np.where(inplace, np.where(nf, x - d, x), 0.0) - withheld
+        if i == 0:
+            h_sum = withheld.sum(axis=0)
         gbuf = gbuf + np.where(q.fsdp & ~kept, x, 0.0) + np.where(nf & ~first, x - d, 0.0)
         grads = grads + np.where(kept, x, 0.0)
         gfree = gfree - added
@@ -1200,7 +1199,7 @@ def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, fi
     summary = series_summary(q.n, {"activations": r["alloc"], "fsdp_grad_buffers": gbuf, "gradients": grads,
                                    "autocast_weight_grads": acw},
                              {"activations": -r["free"], "fsdp_grad_buffers": gfree})
-    return summary, made, d_sum, a_sum
+    return summary, made, d_sum, a_sum, h_sum
 
 
 def _grads_made(tl: Timeline, q: RankMemory, x, mode, deferred=0.0) -> None:

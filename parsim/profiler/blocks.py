@@ -22,7 +22,8 @@ from ..blockshape import BlockShape, HeadShape
 STEADY_CHAIN = 8
 
 
-def _times(fn, reps: int, cuda: bool) -> list[float]:
+def steady_times(fn, reps: int, cuda: bool) -> list[float]:
+    """Seconds per call of ``fn``, ``reps`` times: on a GPU ``STEADY_CHAIN`` calls per synchronize, divided."""
     chain = STEADY_CHAIN if cuda else 1
     out = []
     for _ in range(reps):
@@ -69,8 +70,8 @@ def measure_block(shape: BlockShape, device: torch.device | None = None, reps: i
     for _ in range(warmup):
         fwd_bwd()
         fwd()
-    f = _times(fwd, reps, cuda)
-    fb = _times(fwd_bwd, reps, cuda)
+    f = steady_times(fwd, reps, cuda)
+    fb = steady_times(fwd_bwd, reps, cuda)
     t_f, t_fb = statistics.median(f), statistics.median(fb)
     return {"fwd_s": t_f, "bwd_s": max(t_fb - t_f, 1e-9), "fwd_spread_s": max(f) - min(f),
             "fwd_bwd_spread_s": max(fb) - min(fb), "reps": reps, "chain": STEADY_CHAIN if cuda else 1,
@@ -107,7 +108,7 @@ def measure_head(shape: HeadShape, device: torch.device | None = None, reps: int
     for _ in range(warmup):
         for fn in runs.values():
             fn()
-    t = {k: _times(fn, reps, cuda) for k, fn in runs.items()}
+    t = {k: steady_times(fn, reps, cuda) for k, fn in runs.items()}
     med = {k: statistics.median(v) for k, v in t.items()}
     return {"emb_fwd_s": med["emb_f"], "emb_bwd_s": max(med["emb_fb"] - med["emb_f"], 1e-9),
             "out_fwd_s": med["out_f"], "out_bwd_s": max(med["out_fb"] - med["out_f"], 1e-9),

@@ -120,21 +120,13 @@ HOST_SAMPLE_TOKENS = 256  # [assumed] few enough that an H100 runs a block's ker
 
 def _host_issue_s(fn, reps: int) -> float:
     """The host's issue seconds per call of ``fn`` on CUDA, at a size where the device is the faster side: the
-    median over ``reps`` of ``profiler.blocks.STEADY_CHAIN`` calls back to back, one synchronize, divided by the
-    calls. The device then waits on the host, so each call's share is the host's time to issue it (Python,
-    dispatch, autograd, launches). One call timed without synchronizing reads the same thing noisier (an H100
-    VM: 2.9 ms forward alone against 1.6 ms per call in a chain, bench/gpu_dispatch.py)."""
-    from .blocks import STEADY_CHAIN
+    median of ``profiler.blocks.steady_times`` (calls back to back, one synchronize, divided by the calls). The
+    device then waits on the host, so each call's share is the host's time to issue it (Python, dispatch,
+    autograd, launches). One call timed without synchronizing reads the same thing noisier (an H100 VM: 2.9 ms
+    forward alone against 1.6 ms per call in a chain, bench/gpu_dispatch.py)."""
+    from .blocks import steady_times
 
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(STEADY_CHAIN):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) / STEADY_CHAIN)
-    return statistics.median(out)
+    return statistics.median(steady_times(fn, reps, cuda=True))
 
 
 def block_sample(spec, tokens: int, seq_len: int, device, dtype, reps: int | None = None) -> dict:
