@@ -230,10 +230,13 @@ class Block:
     # the routed experts' weights are TP DTensors (tp > 1 without EP): the experts' forward unwraps each
     # (``to_local``) before its first GEMM, so each weight's gradient reaches AccumulateGrad through that node,
     # whose sequence number is below every GEMM's: the autograd engine (highest sequence number first) runs the
-    # three only when the experts' backward is done, and a later backward without FSDP holds all three new
-    # gradients until then [derived: executor.model.GroupedExperts.forward, torch.autograd's ready queue; trace:
-    # mixtral 1 layer, tp8, bf16, two accumulation steps: three (8, 4096, 1792) fp32 gradients alive at the second
-    # backward's peak, -1.2% before; the same with ep 8 holds none (the model exact without the hold)]
+    # three only when the experts' backward is done, and a later backward that adds into existing gradients
+    # (``_added_in_place``: without FSDP, or FSDP without sync before a pipeline's last microbatch) holds all three
+    # new gradients until then [derived: executor.model.GroupedExperts.forward, torch.autograd's ready queue;
+    # traces: mixtral 1 layer, tp8, bf16, two accumulation steps: three (8, 4096, 1792) fp32 gradients alive at the
+    # second backward's peak, -1.2% before; the same with ep 8 holds none (the model exact without the hold);
+    # mixtral 4 layers pp2 x dp_shard3 x tp8, bf16 reduce, GPipe: three (8, 4096, 1792) bf16 new gradients beside
+    # the accumulated unsharded ones, -2.5% before]
     experts_held: np.ndarray | bool = False
     _plan: list | None = None  # ``_step_plan``'s cache
     series_cache: dict = field(default_factory=dict)  # id(mode) -> (mode, {run index: summary}): ``_steps_series``
@@ -1108,7 +1111,7 @@ def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str
             _post_backward(tl, q, _less_grads(ex, added[1]), _own_unit(ex), phase, rs_prev, False, mode)
             _plain_grads_done(tl, q, ex.grads - added[1], True, mode)
             # with ep 1 the held experts' gradients (the block unit's) are added here too, not at the block's end
-            _plain_grads_done(tl, q, held0, True, mode)
+            tl.add("fsdp_grad_buffers", -held0, np.ones(q.n, dtype=bool))
             added[0] = added[0] + held0
             held0 = np.zeros(q.n)
             continue
@@ -1160,7 +1163,8 @@ def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, fi
     place as soon as it is made and drops it (no unit holds it until a post-backward) [derived: torch's
     AccumulateGrad with grad mode off; trace: TP x PP, a backward's peak 15 MiB (the layer's gradients) below
     the model's] — but the routed experts' where their weights are TP DTensors (``Block.experts_held``): those are
-    held until the experts' backward ends (``_steps_series``'s "post"). Returns (summary, the gradient bytes
+    held until the experts' backward ends (``_steps_series``'s "post"), also with FSDP wherever new gradients are
+    added in place (``_added_in_place``). Returns (summary, the gradient bytes
     made after it [unit, experts], the deferred part, the gradient bytes added and freed [unit, experts], the
     block unit's gradient bytes held instead: with ep 1)."""
     made = list(made)
@@ -1176,7 +1180,7 @@ def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, fi
     hold = [np.zeros_like(ps[0]), np.zeros_like(ps[0])]  # the routed experts' new gradients held (per stream)
     if ex is not None and len(ps) == 2:  # (with ep 1 the routed experts' gradients are the block unit's)
         own = _own_unit(ex)
-        held = np.where(nf & ~first & np.asarray(experts_held, dtype=bool), ps[1], 0.0)
+        held = np.where(inplace & np.asarray(experts_held, dtype=bool), ps[1], 0.0)
         hold = [np.where(own, 0.0, held), np.where(own, held, 0.0)]
         ps = [ps[0] + np.where(own, 0.0, ps[1]), np.where(own, ps[1], 0.0)]
     for i, p in enumerate(ps):
@@ -1186,7 +1190,7 @@ def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, fi
         d = np.where(defer & r["cast"], x, 0.0) if i == 0 else np.zeros_like(x)  # (routed experts: no cache)
         if i == 0:
             d_sum = d.sum(axis=0)  # type: ignore[assignment]
-        withheld = np.where(inplace & nf, np.minimum(hold[i], x - d), 0.0)
+        withheld = np.where(inplace, np.minimum(hold[i], np.where(nf, x - d, x)), 0.0)
         added = np.where(inplace, np.where(nf, x - d, x), 0.0) - withheld
         if i == 0:
             h_sum = withheld.sum(axis=0)
