@@ -689,6 +689,12 @@ class _BackwardSteps:
         step(t_router * m.n_experts * 4.0, 0.0, ["router.probs"])
         step(t_router * d * b2, t_router * m.n_experts * 4.0 + t_router * d * b2, ["router.logits"],
              self.pg("router"))
+        # whole experts under TP (etp 1): the rank routed a contiguous 1/tp of the gathered tokens, a slice, whose
+        # backward makes a zero (T, d) gradient with the share's copied in and frees the share's [derived:
+        # executor.model.MoE._tp_forward, aten's slice_backward; trace: tiny-moe tp4 x ep8, SP, 64 tokens: 24 KiB
+        # per MoE block freed and never made before, the model's activations negative at the end of the backward]
+        split = t_router < T
+        step(np.where(split, T * d * b2, 0.0), np.where(split, t_router * d * b2, 0.0))
         step(0.0, T * d * b2 * np.where(m.n_shared_experts > 0, 1.0, 0.0), ["ffn_norm.output(gathered)"])
 
     def norm(self, name: str):
