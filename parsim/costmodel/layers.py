@@ -129,12 +129,13 @@ class Shapes:
         self.seq_local = (b.seq_len / b.cp).astype(float)  # a microbatch's sequence positions on a rank
         self.etp = b.etp_eff.astype(float)
         self.ep = b.ep.astype(float)
+        # routed tokens split over tp when experts are whole under TP (etp = 1: each TP rank routes a contiguous
+        # 1/tp of the gathered tokens, with or without SP, executor: MoE._tp_forward); all of them when experts
+        # are TP-sharded (etp = tp, or ep = 1 under TP)
+        self.routed_split = (b.etp_eff == 1) & (b.tp > 1)
         m = spec.moe
         if m is not None:
-            # routed tokens on this rank: split over tp when experts are whole (etp = 1: each TP rank routes a
-            # contiguous 1/tp of the gathered tokens, with or without SP, executor: MoE._tp_forward), all of them
-            # when experts are TP-sharded (etp = tp, or ep = 1 under TP)
-            t_moe = np.where(b.etp_eff == 1, self.T / self.t, self.T)
+            t_moe = np.where(self.routed_split, self.T / self.t, self.T)
             self.Tr = t_moe * m.top_k * m.capacity_factor  # routed (token, expert) pairs computed on this rank
 
 
@@ -693,7 +694,7 @@ class _BackwardSteps:
         # backward makes a zero (T, d) gradient with the share's copied in and frees the share's [derived:
         # executor.model.MoE._tp_forward, aten's slice_backward; trace: tiny-moe tp4 x ep8, SP, 64 tokens: 24 KiB
         # per MoE block freed and never made before, the model's activations negative at the end of the backward]
-        split = t_router < T
+        split = sh.routed_split
         step(np.where(split, T * d * b2, 0.0), np.where(split, t_router * d * b2, 0.0))
         step(0.0, T * d * b2 * np.where(m.n_shared_experts > 0, 1.0, 0.0), ["ffn_norm.output(gathered)"])
 

@@ -1111,7 +1111,7 @@ def _steps_series(tl: Timeline, q: RankMemory, blk: Block, nxt, mode, phase: str
             _post_backward(tl, q, _less_grads(ex, added[1]), _own_unit(ex), phase, rs_prev, False, mode)
             _plain_grads_done(tl, q, ex.grads - added[1], True, mode)
             # with ep 1 the held experts' gradients (the block unit's) are added here too, not at the block's end
-            tl.add("fsdp_grad_buffers", -held0, np.ones(q.n, dtype=bool))
+            tl.add("fsdp_grad_buffers", -held0)
             added[0] = added[0] + held0
             held0 = np.zeros(q.n)
             continue
@@ -1190,8 +1190,9 @@ def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, fi
         d = np.where(defer & r["cast"], x, 0.0) if i == 0 else np.zeros_like(x)  # (routed experts: no cache)
         if i == 0:
             d_sum = d.sum(axis=0)  # type: ignore[assignment]
-        withheld = np.where(inplace, np.minimum(hold[i], np.where(nf, x - d, x)), 0.0)
-        added = np.where(inplace, np.where(nf, x - d, x), 0.0) - withheld
+        new = np.where(nf, x - d, x)  # what AccumulateGrad adds (without FSDP the deferred casts wait)
+        withheld = np.where(inplace, np.minimum(hold[i], new), 0.0)
+        added = np.where(inplace, new, 0.0) - withheld
         if i == 0:
             h_sum = withheld.sum(axis=0)
         gbuf = gbuf + np.where(q.fsdp & ~kept, x, 0.0) + np.where(nf & ~first, x - d, 0.0)
