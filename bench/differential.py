@@ -365,8 +365,10 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "(memory.simulate_actions), a stage before the last holding its output and the received gradient through its "
      "backward (released after the root unit's post-backward), the first block's sum into the residual gradient "
      "a new tensor beside the received one (memory.Block.summing_out_of_place), the last stage the final norm's "
-     "saved tensors through the output projection's backward; 6 of 392 traced still fail: 3 MoE stages (the MoE "
-     "gap below, under PP: -2.5% to 0.0%), two dense CP x TP last stages whose peaks agree (-0.01%) but whose "
+     "saved tensors through the output projection's backward; 5 of 392 traced still fail: 2 MoE stages (one "
+     "-1.45%: the trace keeps two earlier microbatches' selective-AC-saved EP all-to-all outputs to the step's end, "
+     "mechanism not established; one whose peak agrees but whose 'gradients' label differs, as the next), two "
+     "dense CP x TP last stages whose peaks agree (-0.01%) but whose "
      "'gradients' component is one MLP weight's fp32 gradient over (the model counts it as .grad at a moment "
      "where autograd has made it and not yet accumulated it), and one whose peak agrees within 0.3% but falls in "
      "another phase (a later microbatch's backward against the end of the forward)"),
@@ -378,7 +380,8 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "routed experts with a shard group of 1 still get the prefetch of a 2+ group; none of 73 fails since stop 43 "
      "(the 2 that did were selective AC's uncollected outputs, phases.sac_uncollected)"),
     ("MoE activations", lambda c: c.spec.moe is not None,
-     "MoE plans without PP: 2 fail (-3.4%, -0.8%): the op-level backward steps of routed and "
+     "MoE plans without PP: 1 fails (-3.4%; the -0.8% one was the routed share's slice backward, stop 46): the "
+     "op-level backward steps of routed and "
      "shared experts (layers.backward_steps) do not yet match the executor's MoE autograd graph in every case "
      "(tp2 x ep4 with layer:N and reshard always: -3.4%; -2.9% while the model counted a RoPE table per token, "
      "which hid part of it). Modelled since stop 42: a checkpointed MoE block's "
@@ -388,7 +391,8 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "(layers.kept_by_ac_mode), the grouped GEMM backward's per-expert matmul output "
      "(layers._BackwardSteps._gmm_temp; under autocast the output gradient's fp32 and bf16 copies and each "
      "operand's cast beside it), TP-sharded experts' new gradients held until the experts' backward ends in a "
-     "later backward without FSDP (memory.Block.experts_held), the permuted input fp32 under autocast, "
+     "later backward that adds into existing gradients, with or without FSDP (memory.Block.experts_held), the "
+     "routed share's slice backward under TP x EP (a zero (T, d) gradient), the permuted input fp32 under autocast, "
      "the weighting's backward (the routing weights' gradient product) and "
      "the shared experts' backward first, the incoming gradient freed at the combine's (_BackwardSteps.moe_ffn)"),
 )
