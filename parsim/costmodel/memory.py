@@ -1201,9 +1201,12 @@ def _run_summary(q: RankMemory, ex, r: dict, made: list, totals: list, defer, fi
         a_sum[i] = added.sum(axis=0)
         grads = grads + np.where(nf & first, x, 0.0)
         acw = acw + np.where(nf & ~first, d * q.param_bytes / 4.0, 0.0)
-    summary = series_summary(q.n, {"activations": r["alloc"], "fsdp_grad_buffers": gbuf, "gradients": grads,
+    # a gradient that becomes a parameter's .grad (kept as made, or a first backward's without FSDP) is the
+    # matmul's output at its own moment and .grad only after it (AccumulateGrad runs next): counted with the
+    # step's allocations there, moved to the gradients after [derived; the trace labels it so]
+    summary = series_summary(q.n, {"activations": r["alloc"] + grads, "fsdp_grad_buffers": gbuf,
                                    "autocast_weight_grads": acw},
-                             {"activations": -r["free"], "fsdp_grad_buffers": gfree})
+                             {"activations": -r["free"] - grads, "fsdp_grad_buffers": gfree, "gradients": grads})
     return summary, made, d_sum, a_sum, h_sum
 
 
