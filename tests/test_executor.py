@@ -157,6 +157,21 @@ def test_hung_run_is_killed_and_recorded(monkeypatch):
     assert tagged_pids(mark, "PARSIM_TEST_MARK") == set()
 
 
+def test_the_shared_trace_server_traces_as_a_fresh_process():
+    """The module's traces run one after another in one server (``Tracer``): a plan traced there after others gives
+    what a fresh interpreter gives, to the byte."""
+    from parsim.executor.trace import trace_in_subprocess
+
+    assert trace_plan(PRESETS["tiny-moe"], Plan(dp_shard=4, ep=2, seq_len=64)).status == "ok"  # another world first
+    spec, plan = PRESETS["tiny"], Plan(dp_shard=2, tp=2, seq_len=64, ac="selective-op")
+    shared, fresh = trace_plan(spec, plan), trace_in_subprocess(spec, plan)
+    assert shared.status == fresh.status == "ok"
+    assert shared.peak_memory_bytes == fresh.peak_memory_bytes
+    assert shared.memory_breakdown_bytes == fresh.memory_breakdown_bytes
+    assert shared.comm_bytes == fresh.comm_bytes
+    assert shared.reserved_peak_memory_bytes == fresh.reserved_peak_memory_bytes
+
+
 def _assert_trace_matches_prediction(spec, plan, mem_tol):
     t, p = _assert_trace_comm_matches(spec, plan)
     assert p.peak_memory_bytes == pytest.approx(t.peak_memory_bytes, rel=mem_tol)
