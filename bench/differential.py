@@ -366,11 +366,12 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "backward (released after the root unit's post-backward), the first block's sum into the residual gradient "
      "a new tensor beside the received one (memory.Block.summing_out_of_place), the last stage the final norm's "
      "saved tensors through the output projection's backward, a weight gradient kept as made .grad only after "
-     "its matmul's moment (stop 47); 2 of 392 traced still fail: a MoE first stage at -1.45% (the trace keeps "
-     "two earlier microbatches' selective-AC-saved EP all-to-all outputs to the step's end, mechanism not "
-     "established) and one whose peak agrees within 0.3% but falls in another phase (a later microbatch's "
-     "backward against the end of the forward); on other draws a stage whose peak is the input-gradient sum "
-     "after a weight's matmul, before its AccumulateGrad, still counts that weight's gradient as .grad"),
+     "its matmul's moment (stop 47), the last stage's received input and its gradient held through a later "
+     "microbatch's deferred autocast casts (stop 48); 2 of 392 traced still fail: a MoE first stage at -1.45% "
+     "(the trace keeps two earlier microbatches' selective-AC-saved EP all-to-all outputs to the step's end, "
+     "mechanism not established) and one whose peak agrees within 0.3% but falls in another phase (a later "
+     "microbatch's backward against the end of the forward); on other draws a stage whose peak is the input-gradient "
+     "sum after a weight's matmul, before its AccumulateGrad, still counts that weight's gradient as .grad"),
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
                                                                                int(encode([c.plan], None).efsdp[0])),
      "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "

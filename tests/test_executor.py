@@ -240,6 +240,12 @@ PLAIN_CASES = {
     # never made, its activations negative at the end of the backward)
     "tp-ep-routed-share-slice-backward": (dataclasses.replace(PRESETS["tiny-moe"], n_layers=2),
                                           dict(dp_shard=4, tp=4, ep=8, seq_len=64)),
+    # ring attention (CP) with one head on the rank: its (batch, 1, seq, head_dim) output transposed is contiguous
+    # and wo's input a view, not the copy it is with more heads (+0.64% before, bench/differential.py --no-dp
+    # --seed 13: +2.6% on a pp3 x cp4 x tp2 GPipe stage)
+    "cp-one-head-wo-input-view": (dataclasses.replace(_TINY1, d_model=128, n_heads=2, n_kv_heads=2, head_dim=64,
+                                                      d_ff=1000, vocab_size=1001),
+                                  dict(cp=2, tp=2, seq_len=64, local_batch_size=12)),
 }
 
 
@@ -548,6 +554,18 @@ def test_trace_pp_matches_the_model():
     # ranks
     _assert_trace_matches_prediction(LLAMA8_CUT, Plan(pp=4, dp_shard=2, tp=8, seq_len=2048,
                                                                 local_batch_size=8, micro_batch_size=1), 0.01)
+
+
+def test_trace_pp_autocast_last_stage_holds_its_input_through_the_deferred_casts():
+    # pipeline without data parallelism (autocast, plain gradients), a later microbatch on the last stage: the cast
+    # weights' gradients are converted last, inside the stage's backward call, with the received input and its
+    # gradient still held by the schedule (-0.92% before, found by bench/differential.py --no-dp --seed 12)
+    from parsim.costmodel.layers import LAST
+
+    spec = dataclasses.replace(PRESETS["tiny"], n_layers=3)
+    plan = Plan(pp=3, seq_len=128, local_batch_size=4, micro_batch_size=1, ac="layer:1", fused_loss=True)
+    t = _stage_trace_matches(spec, plan, LAST, 0.002)
+    assert t.provenance["peak_phase"] == "backward of a later microbatch"
 
 
 def test_trace_moe_ep_matches_the_model():
