@@ -568,6 +568,17 @@ def test_trace_pp_autocast_last_stage_holds_its_input_through_the_deferred_casts
     assert t.provenance["peak_phase"] == "backward of a later microbatch"
 
 
+def test_trace_pp_later_stage_holds_its_last_input_and_gradient_at_the_reduce():
+    # 1F1B / GPipe reduce once after a stage's last backward; the last microbatch's received input and its gradient
+    # (referenced by the schedule's send ops) are alive there (-0.75% before, bench/differential.py --seed 21)
+    from parsim.costmodel.layers import LAST
+
+    spec = dataclasses.replace(PRESETS["tiny"], n_layers=2)
+    plan = Plan(pp=2, dp_shard=2, seq_len=64, local_batch_size=2, micro_batch_size=2, pp_schedule="GPipe")
+    t = _stage_trace_matches(spec, plan, LAST, 0.002)
+    assert t.provenance["peak_phase"] == "end of backward"
+
+
 def test_trace_moe_ep_matches_the_model():
     # a few-million-parameter model: fixed costs the model does not itemize weigh more, hence 8%
     _assert_trace_matches_prediction(PRESETS["tiny-moe"], Plan(dp_shard=8, ep=4, seq_len=256,
