@@ -367,11 +367,11 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "a new tensor beside the received one (memory.Block.summing_out_of_place), the last stage the final norm's "
      "saved tensors through the output projection's backward, a weight gradient kept as made .grad only after "
      "its matmul's moment (stop 47), the last stage's received input and its gradient held through a later "
-     "microbatch's deferred autocast casts (stop 48); 2 of 392 traced still fail: a MoE first stage at -1.45% "
+     "microbatch's deferred autocast casts and the reduce, and its in-flight microbatches' logits held by torch's "
+     "stage until their backward returns (stop 48); 1 of 392 traced still fails: a MoE first stage at -1.45% "
      "(the trace keeps two earlier microbatches' selective-AC-saved EP all-to-all outputs to the step's end, "
-     "mechanism not established) and one whose peak agrees within 0.3% but falls in another phase (a later "
-     "microbatch's backward against the end of the forward); on other draws a stage whose peak is the input-gradient "
-     "sum after a weight's matmul, before its AccumulateGrad, still counts that weight's gradient as .grad"),
+     "mechanism not established); on other draws a stage whose peak is the input-gradient sum after a weight's "
+     "matmul, before its AccumulateGrad, still counts that weight's gradient as .grad"),
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
                                                                                int(encode([c.plan], None).efsdp[0])),
      "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "
@@ -518,13 +518,50 @@ def recompare(path: Path, tol: float = MEM_TOL) -> list[dict]:
                 continue
             r = _row(c, m, compare(c, m, hw, tol), "", hw, float(r["wall_s"] or 0.0))
         out.append(r)
+    return _write_rows(path, out)
+
+
+RETRACE_SELECTIONS = {
+    "all": lambda c: True,
+    "pp": lambda c: c.plan.pp > 1,
+    "pp-last": lambda c: c.plan.pp > 1 and c.last_stage,
+}
+
+
+def retrace(path: Path, select: str = "all", workers: int = 2, tol: float = MEM_TOL) -> list[dict]:
+    """Trace again the traced cases of ``path`` that ``select`` (``RETRACE_SELECTIONS``) names, and compare them with
+    the current model (the others are compared again, as ``recompare``): for an executor change, which makes the
+    stored traces stale. Rows keep their case ids; the file is rewritten atomically."""
+    from parsim.executor.tracepool import TracePool
+
+    recompare(path, tol)
+    hw = load_profile(PROFILE)
+    rows = list(read_done(path).values())
+    jobs, cases_ = [], {}
+    for i, r in enumerate(rows):
+        if not r.get("trace") or r["status"] == "invalid":
+            continue
+        c = Case(ModelSpec.from_dict(json.loads(r["spec"])), Plan.from_dict(json.loads(r["plan"])),
+                 r["stage"] == "last", r["source"])
+        if RETRACE_SELECTIONS[select](c):
+            cases_[i] = c
+            jobs.append((i, c.spec, c.traced_plan, c.rank))
+    for i, m in TracePool(workers).map(jobs):
+        c = cases_[i]
+        rows[i] = dict(_row(c, m, compare(c, m, hw, tol), "", hw, float(m.provenance.get("wall_s", 0.0))),
+                       case_id=rows[i]["case_id"])
+    return _write_rows(path, rows)
+
+
+def _write_rows(path: Path, rows: list[dict]) -> list[dict]:
+    """``rows`` written to ``path`` atomically (a temporary file renamed over it); returns them."""
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
-        w.writerows(out)
+        w.writerows(rows)
     os.replace(tmp, path)
-    return out
+    return rows
 
 
 def read_done(path: Path) -> dict[str, dict]:
@@ -779,9 +816,14 @@ def main(argv=None) -> int:
                     help="also run K drawn plans of 2-4 ranks for real (gloo) and check loss parity with one process")
     ap.add_argument("--recompare", action="store_true",
                     help="compare the traces already in --out with the current model again (no tracing)")
+    ap.add_argument("--retrace", choices=sorted(RETRACE_SELECTIONS), default=None,
+                    help="trace the cases already in --out again (all, pipeline plans, or pipelines' last stages) and "
+                    "compare: after an executor change")
     args = ap.parse_args(argv)
-    if args.recompare:
-        summary = summarize(recompare(Path(args.out), args.tol))
+    if args.retrace or args.recompare:
+        rows_ = (retrace(Path(args.out), args.retrace, args.workers, args.tol) if args.retrace
+                 else recompare(Path(args.out), args.tol))
+        summary = summarize(rows_)
         summary["wall_s"] = 0.0
         print(json.dumps(summary, indent=1)) if args.json else _print_summary(summary)
         return 0

@@ -317,6 +317,8 @@ class RankMemory:
     w: np.ndarray = field(default_factory=lambda: np.ones(1))
     w_later: np.ndarray = field(default_factory=lambda: np.ones(1))
     mb_extra: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    # the last stage of a pipeline: the logits torch's stage keeps (fwd_cache) until the microbatch's backward returns
+    stage_logits: np.ndarray = field(default_factory=lambda: np.zeros(1))
     autocast_cache: np.ndarray = field(default_factory=lambda: np.zeros(1))
     held_until_end: list = field(default_factory=list)  # HSDP all-reduce buffers alive until the end of backward
     # autocast without FSDP: the cast weights' gradients of a backward other than the step's first are deferred
@@ -821,7 +823,7 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     # on is a new tensor beside the received one from the first sum on [trace: pp2 first stage, the (T, d) output
     # and its received gradient alive at the embedding's backward, -3.6% without]
     mid = q.pp & ~q.has_out
-    held = np.where(mid, np.asarray(q.mb_extra, dtype=float), 0.0)
+    held = np.where(mid, np.asarray(q.mb_extra, dtype=float), np.asarray(q.stage_logits, dtype=float))
     recv = np.where(mid, q.flow, 0.0)
     tl.add("activations", held - np.asarray(q.mb_extra, dtype=float))
     first_blk = q.blocks[-1][0] if q.blocks else None

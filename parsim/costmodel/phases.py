@@ -328,6 +328,16 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     # (the norm's input is the residual stream, fp32 under autocast; its output as the projection reads it)
     final_norm_saved = np.asarray(sh.T)[idx] * spec.d_model * (act_b + res_b / np.asarray(sh.sp_div)[idx])
     loss_saved = np.asarray(c.logits)[idx] * per_logit_saved + final_norm_saved
+    # torch's pipeline stage keeps each microbatch's output in its fwd_cache until that microbatch's backward
+    # returns: on the last stage the logits (the projection's output dtype), beside what the loss saved of them
+    # while the microbatch is in flight and through its whole backward after the loss's (a fused loss saves the
+    # logits themselves: nothing more in flight, but they outlive its backward) [derived: torch 2.13
+    # pipelining/stage.py forward_one_chunk / backward_one_chunk; bench/real_vs_trace.py: tiny pp2 1F1B, the last
+    # stage's real run 1 MiB (one (128, 2048) fp32 logits) over the trace before the trace kept them too].
+    # Megatron-Core's own schedule (TE-layer plans) computes the loss inside the last stage's forward step and keeps
+    # the loss, not the logits.
+    stage_logits = np.where(has_out & (b.pp[idx] > 1) & ~b.te_layers[idx], np.asarray(c.logits)[idx] * act_b, 0.0)
+    inflight_logits = np.where(b.fused_loss[idx], 0.0, stage_logits)
     m = b.n_micro[idx].astype(float)
     w = np.where(b.pp[idx] > 1, np.asarray(steps_of.once(inflight, b, rank))[idx], 1.0)
     m = np.where(b.pp[idx] > 1, m, 1.0)
@@ -345,7 +355,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         emb_sharded=(b.tp > 1)[idx] & ~b.te_layers[idx],
         out=unit(np.asarray(rv.norm_shard + rv.outw_shard)[idx], np.asarray(rv.out_local)[idx], S,
                  np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))),
-        loss=np.asarray(steps_of.once(_loss_bytes, spec, b, sh, rv, c))[idx] * np.ones(len(idx)),
+        loss=np.asarray(steps_of.once(_loss_bytes, spec, b, sh, rv, c))[idx] * np.ones(len(idx)) + inflight_logits,
         blocks=blocks, opt_temporaries=np.asarray(steps_of.once(optimizer_temporaries, b, rv))[idx], flat_held=S > 1,
         hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
         emb_grad_gathered=np.where(has_emb, stage_out * (np.asarray(sh.sp_div)[idx] - 1.0), 0.0),
@@ -354,7 +364,8 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         final_norm_saved=np.where(has_out, final_norm_saved, 0.0),
         logits_grad=np.where(has_out, np.asarray(c.logits, dtype=float)[idx] * np.asarray(sh.act_b)[idx], 0.0),
         pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
-        mb_extra=np.where(has_out, loss_saved, np.where((b.pp > 1)[idx], stage_out, 0.0)),
+        mb_extra=np.where(has_out, loss_saved + inflight_logits, np.where((b.pp > 1)[idx], stage_out, 0.0)),
+        stage_logits=stage_logits,
         autocast_cache=_autocast_cache(b, idx, fsdp_on, steps_of.once(_linear_weight_elems, spec, b, rv), rv),
         param_bytes=pb, out_weight4=np.asarray(rv.out_local - rv.norm_local)[idx] * 4.0 * np.ones(len(idx)),
         last_cast4=steps_of.once(_last_cast_elems, spec, b, runs[-1][0] if runs else False)[idx] * 4.0)

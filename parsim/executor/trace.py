@@ -301,14 +301,17 @@ def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict):
             else:
                 inp = torch.randn(hidden_shape, dtype=hidden_dtype, requires_grad=True)
             out = parts[c](inp)
+            stage_out = out  # (torch's stage keeps its output in fwd_cache until the microbatch's backward returns:
+            # on the last stage the logits, beside the loss computed from them)
             if sid == n_stages - 1:
                 out = _loss(out, torch.randint(0, spec.vocab_size, (mbs, seq // plan.cp)), n_global,
                         plan.fused_loss)
             else:
                 sends["bytes"] += out.numel() * out.element_size()
-            inflight[c, mb] = (out, inp)
+            inflight[c, mb] = (out, inp, stage_out)
+            del stage_out
         elif kind == "B":
-            out, inp = inflight.pop((c, mb))
+            out, inp, stage_out = inflight.pop((c, mb))
             phase["bwd"] = PHASE_FIRST_BACKWARD if backwards[0] == 0 else PHASE_LATER_BACKWARD
             backwards[0] += 1
             # the last stage starts with the loss and output layer (the norm hook moves on to phase["bwd"])
@@ -321,6 +324,7 @@ def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict):
                 out.backward()
             else:
                 out.backward(torch.ones_like(out))
+            del stage_out  # (backward_one_chunk returns)
             if sid != 0:
                 sends["bytes"] += inp.numel() * inp.element_size()  # gradient sent to the previous stage
         elif kind == "REDUCE_GRAD":

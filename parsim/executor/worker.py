@@ -215,13 +215,19 @@ def _run(args, device, rank, world) -> dict:
                 with cp_context(plan, meshes, parts, x, y):
                     logits = parts[0](x)
                     loss = loss_sum(logits, y, plan.fused_loss) / n_global
+                    # (the logits go before the backward, as torchtitan's train step does: what the loss needs
+                    # of them it saved; kept, they are a (tokens x vocab) tensor beside the loss's backward)
+                    del logits
                     loss.backward()
                 contrib += _local(loss.detach())
             else:
                 losses = []
                 with cp_context(plan, meshes, parts, x if first else None, y if last else None):
+                    # (return_outputs=False: torch's last stage otherwise keeps every microbatch's output, the
+                    # logits, until the step ends, to merge them for the caller [torch 2.13 PipelineStage.
+                    # output_chunks; pytorch issue 159251]: the loss is all a training step needs)
                     schedule.step(x if first else None, target=y if last else None,
-                                  losses=losses if last else None)
+                                  losses=losses if last else None, return_outputs=False)
                 if last:
                     contrib += torch.stack([_local(lo.detach()) for lo in losses]).sum()
         return contrib
