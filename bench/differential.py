@@ -534,9 +534,8 @@ def retrace(path: Path, select: str = "all", workers: int = 2, tol: float = MEM_
     stored traces stale. Rows keep their case ids; the file is rewritten atomically."""
     from parsim.executor.tracepool import TracePool
 
-    recompare(path, tol)
+    rows = recompare(path, tol)
     hw = load_profile(PROFILE)
-    rows = list(read_done(path).values())
     jobs, cases_ = [], {}
     for i, r in enumerate(rows):
         if not r.get("trace") or r["status"] == "invalid":

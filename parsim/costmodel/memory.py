@@ -387,9 +387,10 @@ def simulate(q: RankMemory) -> dict:
         with tl.only(q.pp):
             # (a stage after the first: the last microbatch's received input and its gradient are alive at the
             # reduce: ``_reduce_held``)
-            tl.add("activations", _reduce_held(q), ~q.has_emb)
+            kept = np.where(q.has_emb, 0.0, _reduce_held(q))
+            tl.add("activations", kept)
             _reduce_after(tl, q)
-            tl.add("activations", -_reduce_held(q), ~q.has_emb)
+            tl.add("activations", -kept)
     _optimizer_step(tl, q)
     return tl.phases()
 
@@ -862,9 +863,9 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
             _block_backward(tl, q, b, after if last else blk.unit.gathered, rs_prev, mode, phase, regather)
         _run(tl, count, body)
     held = held + (recv if runs else 0.0)
-    _embedding_backward(tl, q, held, mode, phase, regather, rs_prev)
-    _final_callback(tl, q, rs_prev)
     kept = _input_held(q, mode)
+    _embedding_backward(tl, q, held, mode, phase, regather, rs_prev, kept)
+    _final_callback(tl, q, rs_prev)
     tl.add("activations", q.flow, kept)  # (the received input: its block's saved copy was released above)
     _deferred_casts(tl, q, mode, phase)
     tl.add("activations", -(2.0 * q.flow + held), kept)
@@ -883,10 +884,11 @@ def _input_held(q: RankMemory, mode) -> np.ndarray:
     return q.pp & ~q.has_emb & q.deferred(mode) & ~q.fsdp
 
 
-def _embedding_backward(tl: Timeline, q: RankMemory, held, mode, phase: str, regather, rs_prev: list) -> None:
+def _embedding_backward(tl: Timeline, q: RankMemory, held, mode, phase: str, regather, rs_prev: list,
+                        kept) -> None:
     """The end of a microbatch's backward on its stage: on the first stage the embedding's backward and
     post-backward; everywhere what the microbatch still ``held`` (a stage's output and received gradient) and the
-    residual gradient are released."""
+    residual gradient are released, but where ``kept`` (``_input_held``: after the deferred casts)."""
     # the embedding (first stage): its gradient reaches it; torch's embedding backward makes a dense gradient of
     # the whole vocabulary, and under TP (vocab-sharded weight) the rank's rows of it are cloned into the
     # parameter's gradient before the dense one goes; the final callback's reduce
@@ -896,7 +898,7 @@ def _embedding_backward(tl: Timeline, q: RankMemory, held, mode, phase: str, reg
     tl.add("activations", q.emb_grad_gathered, q.has_emb)
     # (the residual stream's gradient is the embedding backward's input: alive at its moment [trace: the block
     # output gradient beside embedding_dense_backward's output]; a later stage sends it on)
-    tl.add("activations", -(q.flow + held), ~q.has_emb & ~_input_held(q, mode))
+    tl.add("activations", -(q.flow + held), ~q.has_emb & ~kept)
     # (without FSDP the parameter's gradient is a view of the dense one: that whole storage is the gradient.
     # Without gradient sync (PP) FSDP2 accumulates the gradient as autograd made it: under TP the local tensor of
     # the vocab-sharded weight's gradient is the dense whole-vocabulary one, and its reduce-dtype accumulator
