@@ -525,6 +525,7 @@ RETRACE_SELECTIONS = {
     "all": lambda c: True,
     "pp": lambda c: c.plan.pp > 1,
     "pp-last": lambda c: c.plan.pp > 1 and c.last_stage,
+    "interleaved": lambda c: c.plan.pp > 1 and c.plan.pp_schedule == "Interleaved1F1B",
 }
 
 
@@ -816,8 +817,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recompare", action="store_true",
                     help="compare the traces already in --out with the current model again (no tracing)")
     ap.add_argument("--retrace", choices=sorted(RETRACE_SELECTIONS), default=None,
-                    help="trace the cases already in --out again (all, pipeline plans, or pipelines' last stages) and "
-                    "compare: after an executor change")
+                    help="trace the cases already in --out again (all, pipeline plans, pipelines' last stages, or "
+                    "interleaved pipelines) and compare: after an executor change")
     args = ap.parse_args(argv)
     if args.retrace or args.recompare:
         rows_ = (retrace(Path(args.out), args.retrace, args.workers, args.tol) if args.retrace

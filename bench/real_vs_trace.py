@@ -1,11 +1,11 @@
 """The executor's real run (torch's own PipelineStage and schedules, gloo on CPU, PeakTracker at the
 second step) against ``parsim trace``'s replay of the same schedule (fake process group), per rank.
 
-The trace replays torch's action order with its own tensors (``executor.trace._fake_pipeline_pass``: a fresh input
-per forward, the received gradient a temporary), which is what ``bench/differential.py`` checks the cost model
-against; this script checks that replay against torch itself. Both sides are tensor-level peaks of live storages,
-so what torch allocates before the tracked step and keeps (its per-microbatch receive buffers for activations,
-allocated once) is seen by neither; on a GPU it is allocated memory. The real run's tracker sits above tensor
+The trace replays torch's action order with its own tensors (``executor.trace._fake_pipeline_pass``, with receive
+buffers kept per microbatch as torch's stages keep them), which is what ``bench/differential.py`` checks the cost
+model against; this script checks that replay against torch itself. Both sides are tensor-level peaks of live
+storages, each seeded with what exists when the step starts (parameters, optimizer state, and the stages' receive
+buffers: the real run reads torch's own, ``measure.recv_buffers``). The real run's tracker sits above tensor
 subclasses: under TP it sees what DTensor's dispatch returns, not what its handlers allocate inside (loss
 parallel's temporaries), so TP plans differ either way and are no check of the trace there; routed experts differ
 because the real router is data-dependent and the trace routes statically.

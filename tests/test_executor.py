@@ -112,14 +112,16 @@ def test_loss_parity_with_single_process(model, kw, references):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw,ranks", [(dict(dp_shard=2, local_batch_size=4), (0, 1)),
-                                      (dict(pp=2, local_batch_size=8, micro_batch_size=1), (1,))])
+                                      (dict(pp=2, local_batch_size=8, micro_batch_size=1), (0, 1))])
 def test_real_run_memory_matches_the_trace(kw, ranks):
     """The executor's real run (torch's own schedule for PP) holds what ``parsim trace`` replays, rank by rank (the
     tensor-level tracker on both sides): the logits go before the backward without PP, as torchtitan's train step
     frees them (+5.2% before), and the last pipeline stage keeps no microbatch's output for the caller
     (return_outputs=False: +20% before) but each in-flight microbatch's logits until its backward returns, as
-    torch's stage does (the trace missed those: -2.5%). A stage before the last holds more in the real run
-    (``bench/real_vs_trace.py``: torch's per-microbatch receive buffers, not in the trace yet)."""
+    torch's stage does (the trace missed those: -2.5%). Both sides count torch's per-microbatch receive buffers
+    (the first stage's real run was 2.1% over the trace before the trace kept them) and the input gradient 1F1B's
+    send ops hold until the next backward (the last stage +0.35% -> +0.06%). Left: the first stage's real run holds
+    the whole local batch's token ids and labels and one (T, d) tensor more (+0.33%)."""
     from parsim.executor.trace import trace_in_subprocess
 
     plan = Plan(seq_len=128, param_dtype="float32", reduce_dtype="float32", **kw)
@@ -127,7 +129,7 @@ def test_real_run_memory_matches_the_trace(kw, ranks):
     assert m.status == "ok", m.error
     for r in ranks:
         t = trace_in_subprocess(PRESETS["tiny"], plan, r)
-        assert m.provenance["peak_memory_bytes_per_rank"][r] == pytest.approx(t.peak_memory_bytes, rel=0.003), r
+        assert m.provenance["peak_memory_bytes_per_rank"][r] == pytest.approx(t.peak_memory_bytes, rel=0.005), r
 
 
 @pytest.mark.slow
@@ -609,6 +611,27 @@ def test_trace_pp_last_stage_keeps_each_in_flight_microbatch_logits():
     _stage_trace_matches(PRESETS["tiny"], plan, LAST, 0.002)
 
 
+@pytest.mark.parametrize("schedule,v", [("1F1B", 1), ("Interleaved1F1B", 2)])
+def test_trace_and_model_keep_torchs_pipeline_receive_buffers(schedule, v):
+    # torch's stages receive every microbatch's input (stages after the first) and output gradient (stages before
+    # the last) into buffers made once and kept across steps: both sides count all of them, whichever microbatches
+    # are in flight (interleaved rank 0: stage 0's 8 gradient buffers, stage 2's 8 input and 8 gradient buffers).
+    # The interleaved (runtime) schedule also keeps every send's work, holding what it sent, to the step's end:
+    # 8 microbatches on pp2 x v2 leave one whole period out of the model's replay, whose sends count all the same
+    # (-1.5% before)
+    from parsim.costmodel.layers import FIRST, LAST
+    from parsim.costmodel.step import rank_details
+
+    plan = Plan(pp=2, pp_stages_per_rank=v, seq_len=128, local_batch_size=8, micro_batch_size=1,
+                pp_schedule=schedule, param_dtype="float32", reduce_dtype="float32")
+    one = 128 * _TINY.d_model * 4.0
+    for which in (FIRST, LAST):
+        t = _stage_trace_matches(_TINY, plan, which, 0.001)
+        assert t.memory_breakdown_bytes["pipeline_buffers"] == 8 * (2 * v - 1) * one
+        assert rank_details(_TINY, plan, H100)[which]["memory_breakdown_bytes"]["pipeline_buffers"] == \
+            8 * (2 * v - 1) * one
+
+
 def test_trace_moe_ep_matches_the_model():
     # a few-million-parameter model: fixed costs the model does not itemize weigh more, hence 8%
     _assert_trace_matches_prediction(PRESETS["tiny-moe"], Plan(dp_shard=8, ep=4, seq_len=256,
@@ -680,3 +703,20 @@ def test_interleaved_action_list_is_torchs_own():
                         "Interleaved1F1B", pp, v, m, rank, with_fsdp=True), (pp, v, m, rank)
                     checked += 1
     assert checked > 500
+
+
+def test_compressed_interleaved_actions_count_every_backward():
+    # the memory replay leaves whole steady periods out (``compress``); what a backward leaves alive to the step's
+    # end is not periodic, so each stage's left-out backwards are counted (LEFT_OUT_B) before the second period,
+    # and with the kept ones they are every microbatch's: m per stage
+    from parsim.costmodel.pipeline import interleaved_actions
+
+    for pp, v, m in ((2, 2, 8), (2, 2, 32), (4, 2, 16), (8, 3, 64)):
+        for rank in range(pp):
+            full, short = interleaved_actions(pp, v, m, rank), interleaved_actions(pp, v, m, rank, compress=True)
+            count: dict = {}
+            for kind, stage, n in short:
+                if kind in ("B", "LEFT_OUT_B"):
+                    count[stage] = count.get(stage, 0) + (1 if kind == "B" else n)
+            assert count == {c * pp + rank: m for c in range(v)}, (pp, v, m, rank)
+            assert len(short) < len(full) or not any(k == "LEFT_OUT_B" for k, _s, _n in short)

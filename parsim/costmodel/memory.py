@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "buffers", "inputs", "cp_buffers",
+MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "buffers", "pipeline_buffers", "inputs", "cp_buffers",
                "fsdp_unsharded_params", "fsdp_gather_buffers", "fsdp_grad_buffers", "autocast_weight_cache",
                "autocast_weight_grads", "activations", "recompute_transient", "logits_and_loss",
                "optimizer_temporaries")
@@ -319,6 +319,16 @@ class RankMemory:
     mb_extra: np.ndarray = field(default_factory=lambda: np.zeros(1))
     # the last stage of a pipeline: the logits torch's stage keeps (fwd_cache) until the microbatch's backward returns
     stage_logits: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    # torch's pipeline stages: the rank's receive buffers, kept across steps (``pipeline_buffers``), and of one
+    # microbatch the received input and the received output gradient that are such a buffer (``recv_in``: a stage
+    # after the first; ``recv_grad``: a stage before the last; 0 elsewhere): counted there, not as activations
+    recv_buffers: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    recv_in: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    recv_grad: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    # single-stage schedules: the input gradients the schedule's sends still hold at a later microbatch's backward
+    # and at the last one's (``sends_held``)
+    sent_later: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    sent_last: np.ndarray = field(default_factory=lambda: np.zeros(1))
     autocast_cache: np.ndarray = field(default_factory=lambda: np.zeros(1))
     held_until_end: list = field(default_factory=list)  # HSDP all-reduce buffers alive until the end of backward
     # autocast without FSDP: the cast weights' gradients of a backward other than the step's first are deferred
@@ -342,8 +352,10 @@ class RankMemory:
         return (self.autocast_cache > 0) & ~_first(self, mode)
 
     def act_mb(self) -> np.ndarray:
-        """What one microbatch in flight keeps: its blocks' activations and ``mb_extra``."""
-        return sum((np.asarray(b.act, dtype=float) * c for b, c in self.blocks), np.zeros(self.n)) + self.mb_extra
+        """What one microbatch in flight keeps: its blocks' activations and ``mb_extra``, less its received input
+        where that is a receive buffer (``recv_in``: the stage's first block saved it)."""
+        return (sum((np.asarray(b.act, dtype=float) * c for b, c in self.blocks), np.zeros(self.n)) + self.mb_extra
+                - self.recv_in)
 
 
 def simulate(q: RankMemory) -> dict:
@@ -362,6 +374,7 @@ def simulate(q: RankMemory) -> dict:
             _forward(tl, q, act_before=act * np.maximum(q.w - 1, 0.0), gathered=~q.raf)
     # the pass's first backward (the only one without PP: it reduces; under PP every backward accumulates)
     _backward(tl, q, np.where(q.pp, ACC_FIRST, REDUCE), BWD1, regather=q.raf)
+    tl.add("activations", q.sent_later, multi)  # (its input's gradient, held by the schedule's sends)
     # a later microbatch (not the last). When forwards remain (m > W) one ran since, bringing the in-flight count
     # back to W (and, resharding after forward, gathering and resharding every unit again); else it is the drain
     steady = q.m > q.w
@@ -379,10 +392,11 @@ def simulate(q: RankMemory) -> dict:
             one = q.pp & (q.w <= 1)
             if np.any(one & multi & q.raf):  # (its units resharded after it: the backward gathers them again)
                 with tl.only(one & q.raf):
-                    tl.cur["activations"] = np.zeros(q.n)
+                    tl.cur["activations"] = np.asarray(q.sent_later, dtype=float) * np.ones(q.n)
                     _forward(tl, q, act_before=np.zeros(q.n), gathered=~q.raf, after_backward=q.pp)
-            tl.cur["activations"] = act.copy()
+            tl.cur["activations"] = act + q.sent_last
             _backward(tl, q, ACC_LATER, BWD2, regather=q.raf & (q.w <= 1))
+            tl.add("activations", -q.sent_last)
     if np.any(q.pp):
         with tl.only(q.pp):
             # (a stage after the first: the last microbatch's received input and its gradient are alive at the
@@ -402,7 +416,41 @@ def _reduce_held(q: RankMemory) -> np.ndarray:
     ``perform_reduce_grad``) [derived: torch 2.13 pipelining/schedules.py; trace: tiny 2 layers, pp2 x dp_shard 2,
     GPipe with one microbatch, the last stage's (2, 64, 256) bf16 input and gradient beside the reduce-scatter
     input, -0.75% before]."""
-    return 2.0 * np.asarray(q.flow, dtype=float)
+    return 2.0 * np.asarray(q.flow, dtype=float) - q.recv_in
+
+
+def sends_held(gpipe, m, flow) -> tuple:
+    """(at a later microbatch's backward, at the last one's) the input gradients of earlier microbatches that a
+    single-stage schedule's sends still hold on a stage after the first (``flow`` one; 0 on the first stage).
+
+    Derivation [torch 2.13 pipelining/schedules.py]: a send op (``P2POp``) and its work hold the tensor sent; a
+    work until it is waited for. ``Schedule1F1B`` waits for each send at once but keeps the backward's send ops in
+    ``bwd_sends`` until the next backward's replace them: one earlier gradient at every later backward (and the
+    forward between). ``ScheduleGPipe`` keeps its backward sends' works in ``bwd_sends_to_wait`` until every
+    backward has run: at the last microbatch's backward the ``m - 1`` earlier gradients (at the second, one). What
+    is held after the last backward is ``_reduce_held``'s. Measured: ``bench/real_vs_trace.py``, tiny pp2 1F1B, the
+    last stage's real run +0.35% over the trace before the trace held it, +0.06% after."""
+    one = np.asarray(flow, dtype=float)
+    return one, np.where(gpipe, np.maximum(np.asarray(m, dtype=float) - 1.0, 1.0), 1.0) * one
+
+
+def pipeline_recv_buffers(m, flow, chunks_in, chunks_grad) -> np.ndarray:
+    """The receive buffers torch's pipeline stages keep on a rank: per microbatch of a pass one (T, d) tensor (the
+    stage boundary's local shape and dtype, ``flow``) for the input of each of its stages after the first
+    (``chunks_in`` of them) and one for the output gradient of each before the last (``chunks_grad``).
+
+    Derivation [torch 2.13 pipelining/stage.py]: ``_prepare_forward_infra`` / ``_prepare_backward_infra`` run when
+    the schedule first steps and make ``args_recv_info[mb]`` (``_create_act_recv_info``) and ``grad_recv_info[mb]``
+    (``_create_grad_recv_info``), each buffer ``_make_tensor_from_meta`` of the boundary tensor, for every
+    microbatch; every later step receives into the same buffers, and the stage computes with the buffer itself
+    (``_retrieve_recv_activations`` returns it with ``requires_grad_``; ``_retrieve_recv_grads`` passes it to
+    ``autograd.backward``). So all of them exist at every moment of a step after the first, whichever microbatches
+    are in flight. Measured: ``bench/real_vs_trace.py``, tiny pp2 1F1B in fp32, the first stage's real run was
+    2.1% over the trace (7 of its 8 gradient buffers at the peak, none in the trace) and 0.33% after the trace
+    kept them too (as allocated memory a GPU counts all of them; the CPU tracker now seeds them as a baseline).
+    Megatron-Core's schedules (TE-layer plans) receive into new tensors per microbatch: none."""
+    return np.asarray(m, dtype=float) * np.asarray(flow, dtype=float) * (np.asarray(chunks_in, dtype=float)
+                                                                        + np.asarray(chunks_grad, dtype=float))
 
 
 def _step_start(q: RankMemory) -> Timeline:
@@ -413,6 +461,7 @@ def _step_start(q: RankMemory) -> Timeline:
     tl.add("parameters", q.parameters)
     tl.add("optimizer_states", q.optimizer_states)
     tl.add("buffers", q.buffers)
+    tl.add("pipeline_buffers", q.recv_buffers)
     tl.add("inputs", q.inputs)
     tl.add("cp_buffers", q.cp_buffers)
     tl.add("gradients", q.all_grads4, q.acc)
@@ -474,6 +523,7 @@ def simulate_actions(q: RankMemory, chunks: list, schedules: list, pp: int) -> d
                 while (kind in ("F", "B") and i + k < len(actions) and actions[i + k][0] == kind
                        and actions[i + k][1] == stage):
                     k += 1
+                st["left_out"] = _mb  # (the count of a LEFT_OUT_B)
                 _stage_action_run(tl, chunks[stage // pp], stage // pp, kind, k, st)
                 i += k
     _optimizer_step(tl, q)
@@ -506,6 +556,7 @@ def _stage_action(tl: Timeline, qc: RankMemory, c: int, kind: str, st: dict) -> 
         regather = ~unsharded[c]
         _replayed(tl, st, (kind, id(qc), mode, regather.tobytes()),
                   lambda t, p: _backward(t, qc, mode, p, regather=regather), phase)
+        tl.add("activations", _sent_held(qc))
         backwards[c] += 1
         unsharded[c] = qc.fsdp.copy()
         if np.any(qc.has_emb):
@@ -514,6 +565,8 @@ def _stage_action(tl: Timeline, qc: RankMemory, c: int, kind: str, st: dict) -> 
         on = ~unsharded[c]
         _replayed(tl, st, (kind, id(qc), on.tobytes()), lambda t, p: _unshard_stage(t, qc, on, p), st["phase"])
         unsharded[c] = qc.fsdp.copy()
+    elif kind == "LEFT_OUT_B":  # (``interleaved_actions(compress=True)``: ``_mb`` backwards of the stage left out)
+        tl.add("activations", _sent_held(qc) * st["left_out"])
     elif kind == "RESHARD":
         tl.add("fsdp_unsharded_params", -held[c])
         unsharded[c] = np.zeros(qc.n, bool)
@@ -523,6 +576,18 @@ def _stage_action(tl: Timeline, qc: RankMemory, c: int, kind: str, st: dict) -> 
         unsharded[c] = np.zeros(qc.n, bool)
     st["held_change"] = tl.cur["fsdp_unsharded_params"] - before
     held[c] = held[c] + st["held_change"]
+
+
+def _sent_held(q: RankMemory) -> np.ndarray:
+    """What a microbatch's backward leaves alive on a stage of torch's runtime schedule (interleaved) until the
+    step ends: what the microbatch sent, its stage output (a stage before the last) and its input's gradient (a
+    stage after the first). The runtime schedule keeps every send's work in ``send_ops`` and waits for them only
+    after its last action, and a work holds the tensor it sends (gloo's send work keeps it; NCCL stashes an async
+    op's tensors in its work until ``wait()``) [derived: torch 2.13 pipelining/schedules.py
+    ``_PipelineScheduleRuntime._step_microbatches``; bench/real_vs_trace.py: tiny pp2 x v2, the real run's rank 0
+    held 16 more (T, d) tensors than the trace at its peak, +4.2% / +5.2% by rank, +0.04% / +0.05% once the trace
+    held them too]."""
+    return np.where(q.has_out, 0.0, q.flow) + np.where(q.has_emb, 0.0, q.flow)
 
 
 def _replayed(tl: Timeline, st: dict, key: tuple, action, phase: str = BWD1) -> None:
@@ -623,7 +688,8 @@ def _forward(tl: Timeline, q: RankMemory, act_before, gathered=None, forward_uni
         # the residual stream between blocks (the embedding's output or the stage's input, then each block's
         # output): alive at every later gather and not yet a block's saved input [trace: a (T, d) fp32 tensor
         # beside the blocks' saved ones at the output unit's gather]
-        tl.add("activations", q.flow)
+        # (a received input that is a receive buffer is counted there: ``recv_in``)
+        tl.add("activations", q.flow - q.recv_in)
         for blk, count in q.blocks:
             def body(last: bool, blk=blk):
                 _gather(tl, q, blk.unit, need, FWD, True, held)
@@ -818,14 +884,14 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     # (the last stage: the residual gradient comes with the final norm's backward, after the output projection's;
     # until then the final norm's saved input and output are alive [trace: llama3-70b shapes, pp2 last stage, both
     # (768, 8192) beside the projection's gradients])
-    tl.add("activations", np.where(q.has_out, q.final_norm_saved, q.flow))
+    tl.add("activations", np.where(q.has_out, q.final_norm_saved, q.flow - q.recv_grad))
     # a stage before the last: the schedule holds the stage's output and the gradient it received for it until
     # the microbatch's backward returns (``stage_backward`` is given both); the residual gradient the blocks pass
     # on is a new tensor beside the received one from the first sum on [trace: pp2 first stage, the (T, d) output
     # and its received gradient alive at the embedding's backward, -3.6% without]
     mid = q.pp & ~q.has_out
     held = np.where(mid, np.asarray(q.mb_extra, dtype=float), np.asarray(q.stage_logits, dtype=float))
-    recv = np.where(mid, q.flow, 0.0)
+    recv = np.where(mid, q.flow, 0.0) - q.recv_grad  # (the received gradient, unless a receive buffer)
     tl.add("activations", held - np.asarray(q.mb_extra, dtype=float))
     first_blk = q.blocks[-1][0] if q.blocks else None
     nxt = first_blk.unit.gathered if first_blk is not None else np.where(q.has_emb, q.emb.gathered, 0.0)
@@ -862,13 +928,16 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
             first[0] = False
             _block_backward(tl, q, b, after if last else blk.unit.gathered, rs_prev, mode, phase, regather)
         _run(tl, count, body)
-    held = held + (recv if runs else 0.0)
+    # (the stage's first block released its saved input: where that is a receive buffer it stays, counted there)
+    tl.add("activations", q.recv_in)
+    held = held + (recv if runs else -q.recv_grad)
     kept = _input_held(q, mode)
     _embedding_backward(tl, q, held, mode, phase, regather, rs_prev, kept)
     _final_callback(tl, q, rs_prev)
-    tl.add("activations", q.flow, kept)  # (the received input: its block's saved copy was released above)
+    # (the received input: its block's saved copy was released above; a receive buffer is counted there)
+    tl.add("activations", q.flow - q.recv_in, kept)
     _deferred_casts(tl, q, mode, phase)
-    tl.add("activations", -(2.0 * q.flow + held), kept)
+    tl.add("activations", -(2.0 * q.flow - q.recv_in + held), kept)
 
 
 def _input_held(q: RankMemory, mode) -> np.ndarray:

@@ -31,7 +31,17 @@ from .layers import (
     saved_tensors,
     stage_bounds,
 )
-from .memory import MEMORY_KEYS, PHASES, Block, RankMemory, Unit, simulate, simulate_actions
+from .memory import (
+    MEMORY_KEYS,
+    PHASES,
+    Block,
+    RankMemory,
+    Unit,
+    pipeline_recv_buffers,
+    sends_held,
+    simulate,
+    simulate_actions,
+)
 from .pipeline import SCHED_GPIPE, interleaved_actions
 from .reserved import reserved_breakdown
 from .rows import row_ids, unique_rows
@@ -153,12 +163,19 @@ def _stage_memory(spec: ModelSpec, b: PlanBatch, q: RankMemory, idx: np.ndarray,
     (or the loss's saved tensors on the last stage) kept per microbatch, the last cast weight of its last block."""
     n = len(idx)
     emb, out = np.full(n, has_emb), np.full(n, has_out)
+    recv = np.where(_torch_pp(b)[idx], q.flow, 0.0)  # (its receive buffers: ``memory.pipeline_recv_buffers``)
     return dataclasses.replace(
         q, blocks=[(built[moe, ckpt], count) for moe, ckpt, count in runs], has_emb=emb & q.has_emb,
         has_out=out & q.has_out, emb_dense_grad=np.where(emb, q.emb_dense_grad, 0.0),
         loss=np.where(out, q.loss, 0.0), logits_grad=np.where(out, q.logits_grad, 0.0),
         mb_extra=np.where(out, q.mb_extra, q.flow), held_until_end=[],
+        recv_in=np.where(emb & q.has_emb, 0.0, recv), recv_grad=np.where(out & q.has_out, 0.0, recv),
         last_cast4=whole.once(_last_cast_elems, spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
+
+
+def _torch_pp(b: PlanBatch) -> np.ndarray:
+    """Plans whose pipeline runs torch's own stages and schedules (Megatron-Core's under TE layers)."""
+    return (b.pp > 1) & ~b.te_layers
 
 
 def _block_runs(spec: ModelSpec, pp: int, v: int, rank: int, every: int, before_pp: bool
@@ -345,6 +362,11 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     # backward made: that storage stays (with FSDP, FSDP2 copies the rank's rows out)
     all_grads4 = np.asarray(p_shard)[idx] * 4.0 + np.where(~fsdp_on & has_emb & (b.tp[idx] > 1) & ~b.te_layers[idx],
                                                            (V * d - emb_local) * 4.0, 0.0)
+    # torch's pipeline stages' receive buffers: the rank's v stages less the first (inputs) and less the last
+    # (output gradients); v = 1 the first or the last stage
+    recv = np.where(_torch_pp(b)[idx], stage_out, 0.0)
+    v = b.pp_stages_per_rank[idx].astype(float)
+    sent_later, sent_last = sends_held(b.pp_schedule[idx] == SCHED_GPIPE, m, np.where(has_emb, 0.0, recv))
     return RankMemory(
         n=len(idx), parameters=np.asarray(p_opt)[idx] * 4.0, optimizer_states=np.asarray(p_opt)[idx] * 8.0,
         buffers=buffers, cp_buffers=_cp_buffers(b, idx, rope, has_emb, has_out), inputs=_step_inputs(b, idx),
@@ -366,6 +388,9 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
         mb_extra=np.where(has_out, loss_saved + inflight_logits, np.where((b.pp > 1)[idx], stage_out, 0.0)),
         stage_logits=stage_logits,
+        recv_buffers=pipeline_recv_buffers(m, recv, v - has_emb, v - has_out),
+        recv_in=np.where(has_emb, 0.0, recv), recv_grad=np.where(has_out, 0.0, recv),
+        sent_later=sent_later, sent_last=sent_last,
         autocast_cache=_autocast_cache(b, idx, fsdp_on, steps_of.once(_linear_weight_elems, spec, b, rv), rv),
         param_bytes=pb, out_weight4=np.asarray(rv.out_local - rv.norm_local)[idx] * 4.0 * np.ones(len(idx)),
         last_cast4=steps_of.once(_last_cast_elems, spec, b, runs[-1][0] if runs else False)[idx] * 4.0)

@@ -42,7 +42,9 @@ def interleaved_actions(pp: int, v: int, m: int, rank: int, compress: bool = Fal
     every stage's in-flight count back where it was): the same memory moments each period once every stage has
     run its first backward (in the first period), and the same state at each period's start from the second on.
     The whole periods after the second are left out (a memory replay of 128 microbatches on 8 ranks runs 2 of the
-    15) [derived]."""
+    15) [derived]. What a backward leaves alive to the step's end (``memory._sent_held``) is not periodic: one
+    ("LEFT_OUT_B", stage, count) per stage, how many of its backwards were left out, stands before the second period,
+    which then replays the last whole period (the same in-flight state, and what every backward before it left)."""
     rounds = max(1, m // pp)
     per_round = m // rounds
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
@@ -72,7 +74,16 @@ def interleaved_actions(pp: int, v: int, m: int, rank: int, compress: bool = Fal
     if not compress or repeats <= 0:
         return actions
     lo, hi = warmup + 2 * period, warmup + (2 + repeats) * period
-    return [a for a, op in zip(actions, steps, strict=True) if not lo <= op < hi]
+    kept = [(a, op) for a, op in zip(actions, steps, strict=True) if not lo <= op < hi]
+    left: dict[int, int] = {}  # the backwards left out, by stage
+    for a, op in zip(actions, steps, strict=True):
+        if lo <= op < hi and a[0] == "B":
+            left[a[1]] = left.get(a[1], 0) + 1
+    # (at the second period's start: its moments are those of the last whole period, whose state differs from the
+    # second's only by what the left-out backwards left alive)
+    cut = next(i for i, (_a, op) in enumerate(kept) if op >= lo - period)
+    return ([a for a, _op in kept[:cut]] + [("LEFT_OUT_B", s, n) for s, n in sorted(left.items())]
+            + [a for a, _op in kept[cut:]])
 
 
 def _with_fsdp_actions(compute: list[tuple[str, int, int]], step_of: list[int], m: int, max_active: int = 3

@@ -368,19 +368,20 @@ def grad_tensors(parts, pipelined: bool = False) -> list:
 
 
 def track_step(step, parts, opt, phase: dict | None = None, events: list | None = None, below=None,
-               pipelined: bool = False):
+               pipelined: bool = False, pipeline_buffers=()):
     """Run ``step()`` under a PeakTracker seeded with this rank's parameters, gradients and optimizer state.
     Returns (step's result, peak bytes, breakdown at the peak, the op that set the peak); with ``phase`` (a dict
     whose "now" the step keeps current) the phase at the peak is left in ``phase["at_peak"]``; with ``events`` (a
     list) the step's allocations and frees are appended to it (``PeakTracker``'s ``record_events``), after the
     allocations of the state the step starts with. ``below``: a mode under every tensor subclass (the trace's
     fake-tensor mode) that shows the tracker what it makes (``PeakTracker.observe``). ``pipelined``: the step runs
-    a pipeline schedule (its gradients are accumulated until a reduce after the last backward, ``grad_tensors``)."""
+    a pipeline schedule (its gradients are accumulated until a reduce after the last backward, ``grad_tensors``);
+    ``pipeline_buffers``: its stages' receive buffers, which exist when the step starts (``recv_buffers``)."""
     params = [p for m in parts for p in m.parameters()]
     base = {"parameters": params,
             "gradients": [p.grad for p in params if p.grad is not None],
             "optimizer_states": [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
-            "buffers": [b for m in parts for b in m.buffers()]}
+            "buffers": [b for m in parts for b in m.buffers()], "pipeline_buffers": list(pipeline_buffers)}
     unsharded = []
     for m in parts:
         for mod in m.modules():
@@ -406,6 +407,18 @@ def track_step(step, parts, opt, phase: dict | None = None, events: list | None 
             print(f"PEAK-LIVE {n:12d} B {c:20s} {o}")
     # the op whose output set the peak (where in the step it is) goes with the tracker for provenance
     return out, float(tracker.peak), tracker.breakdown(), tracker.peak_op
+
+
+def recv_buffers(stages) -> list:
+    """The receive buffers torch's pipeline stages keep across steps: per microbatch one for each activation a
+    stage after the first receives (``_create_act_recv_info``) and one for each output gradient a stage before the
+    last receives (``_create_grad_recv_info``), allocated when the schedule first runs and reused by every step
+    (torch 2.13 pipelining/stage.py). The received tensor a stage computes with is the buffer itself."""
+    out = []
+    for st in stages:
+        for infos in [*st.args_recv_info.values(), *st.grad_recv_info.values()]:
+            out += [i.buffer for i in infos if isinstance(getattr(i, "buffer", None), torch.Tensor)]
+    return out
 
 
 def _where(frames: list[dict], depth: int = 4) -> str:

@@ -140,12 +140,13 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
             pp_g = meshes.pp.get_group() if meshes.pp is not None else None
             ep_g = meshes.expert_norm_group()
             sends = {"bytes": 0}
+            recv: dict = {}  # the pipeline stages' receive buffers (``_fake_pipeline_pass``), kept across steps
             phase = {"now": PHASE_FORWARD}
             _mark_backward_phases(parts, phase)
 
             def step():
                 with loss_context(traced):
-                    _fake_step(spec, traced, parts, stage_ids, sends, phase, meshes)
+                    _fake_step(spec, traced, parts, stage_ids, sends, phase, meshes, recv)
                 phase["now"] = PHASE_OPTIMIZER
                 clip_and_step(params, opt, pp_g, ep_g, expert_ids)
 
@@ -162,7 +163,7 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
             events: list = []
             with _not_tracked_in_sharding_propagation(fake):
                 _, peak, breakdown, peak_op = track_step(step, parts, opt, phase, events, below=fake,
-                                                         pipelined=plan.pp > 1)
+                                                         pipelined=plan.pp > 1, pipeline_buffers=recv.values())
         prov.update(memory_source=f"parsim PeakTracker under FakeTensorMode (tensor-level, rank {rank})",
                     peak_op=peak_op, peak_phase=phase.get("at_peak", ""), pp_stage=stage_ids[0] % plan.pp,
                     comm_counts=dict(counter.counts), wall_s=time.perf_counter() - t0, **_reserved(events))
@@ -247,7 +248,7 @@ def _loss(logits, y, n_global, fused=False):
     return loss_sum(logits, y, fused) / n_global
 
 
-def _fake_step(spec, plan: Plan, parts, stage_ids, sends, phase: dict, meshes=None):
+def _fake_step(spec, plan: Plan, parts, stage_ids, sends, phase: dict, meshes=None, recv=None):
     """Forward + backward of one step for the traced rank (see the module docstring for PP), keeping
     ``phase["now"]`` current. Under CP each pass runs in torchtitan's context-parallel context (``cp.cp_context``:
     tokens, labels and RoPE tables sharded on the sequence, SDPA through torch's ring attention)."""
@@ -265,11 +266,23 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends, phase: dict, meshes=No
                 _loss(parts[0](x), y, n_global, plan.fused_loss).backward()
             continue
         with cp_context(plan, meshes, parts, None, None):  # the pipeline's tokens and labels are made local-size
-            _fake_pipeline_pass(spec, plan, parts, stage_ids, sends, phase)
+            _fake_pipeline_pass(spec, plan, parts, stage_ids, sends, phase, {} if recv is None else recv)
 
 
-def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict):
-    """One pass of the pipeline schedule's actions on the traced rank (one gradient-accumulation step)."""
+def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict, recv: dict):
+    """One pass of the pipeline schedule's actions on the traced rank (one gradient-accumulation step).
+
+    As torch's stages, each keeps one receive buffer per microbatch for its input (a stage after the first) and one
+    for its output's gradient (a stage before the last), made by the first pass and reused by every later one
+    (``recv``, kept by the caller across steps: ``measure.recv_buffers`` reads the real stages' own): the received
+    tensor a stage computes with is the buffer itself. The input's gradient is taken off the buffer after the
+    microbatch's backward (``stage_backward``: ``val.grad = None``) and sent; what holds it after that is the
+    schedule's: 1F1B's ``bwd_sends`` (its send ops, replaced after the next backward), GPipe's un-waited works
+    (to the last backward; its ``ops`` then holds the last one through the reduce) and the runtime schedule's
+    (interleaved: every send's work, its stage outputs' too, until the pass ends) [torch 2.13
+    pipelining/schedules.py; bench/real_vs_trace.py: tiny pp2 x v2, the real run's rank 0 held 16 (T, d) stage
+    outputs and input gradients more than the trace at its peak, +4.2%, before; pp2 1F1B's last stage +0.35% ->
+    +0.06%]."""
     mbs, seq = plan.micro_batch_size, plan.seq_len
     n_global = plan.global_batch_size * seq
     n_stages = plan.pp * plan.pp_stages_per_rank
@@ -291,15 +304,28 @@ def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict):
     chunk_of = {sid: c for c, sid in enumerate(stage_ids)}
     inflight: dict = {}
     backwards = [0]
+    for c, sid in enumerate(stage_ids):
+        for mb in range(m):
+            if sid != 0 and (c, mb, "in") not in recv:
+                recv[c, mb, "in"] = torch.empty(hidden_shape, dtype=hidden_dtype)
+            if sid != n_stages - 1 and (c, mb, "grad") not in recv:
+                recv[c, mb, "grad"] = torch.ones(hidden_shape, dtype=hidden_dtype)
+    sent = None  # the gradient of a microbatch's input, on its way to the previous stage
+    # a send's work holds the tensor it sends until it is waited for: torch's runtime schedule (interleaved) waits
+    # for every send after its last action (``send_ops``), GPipe for its backward sends after the last backward
+    # (``bwd_sends_to_wait``); 1F1B waits at once
+    works: list | None = {"Interleaved1F1B": [], "GPipe": []}.get(plan.pp_schedule)
     for kind, sid, mb in torch_schedule_order(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank, m, rank,
                                               with_fsdp=True):
         c = chunk_of[sid]
+        if kind in ("F", "B") and plan.pp_schedule != "1F1B":  # (1F1B: ``bwd_sends`` holds it until the next one)
+            sent = None
         if kind == "F":
             phase["now"] = PHASE_FORWARD
             if sid == 0:
                 inp = torch.randint(0, spec.vocab_size, (mbs, seq // plan.cp))
             else:
-                inp = torch.randn(hidden_shape, dtype=hidden_dtype, requires_grad=True)
+                inp = recv[c, mb, "in"].requires_grad_(True)
             out = parts[c](inp)
             stage_out = out  # (torch's stage keeps its output in fwd_cache until the microbatch's backward returns:
             # on the last stage the logits, beside the loss computed from them)
@@ -308,6 +334,8 @@ def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict):
                         plan.fused_loss)
             else:
                 sends["bytes"] += out.numel() * out.element_size()
+                if works is not None and plan.pp_schedule == "Interleaved1F1B":
+                    works.append(out)
             inflight[c, mb] = (out, inp, stage_out)
             del stage_out
         elif kind == "B":
@@ -323,11 +351,16 @@ def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict):
             if sid == n_stages - 1:
                 out.backward()
             else:
-                out.backward(torch.ones_like(out))
+                out.backward(recv[c, mb, "grad"])
             del stage_out  # (backward_one_chunk returns)
             if sid != 0:
                 sends["bytes"] += inp.numel() * inp.element_size()  # gradient sent to the previous stage
+                sent, inp.grad = inp.grad, None
+                if works is not None:
+                    works.append(sent)
         elif kind == "REDUCE_GRAD":
+            if works is not None and plan.pp_schedule == "GPipe":
+                works.clear()  # (waited for before the reduce)
             phase["now"] = PHASE_EMBEDDING_BACKWARD
             _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=parts[c]), 1)
         else:  # UNSHARD / RESHARD of every FSDP module of the stage

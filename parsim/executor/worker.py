@@ -164,7 +164,7 @@ def main(argv=None) -> int:
 
 def _run(args, device, rank, world) -> dict:
     from .cp import cp_context
-    from .measure import CommCounter, track_step
+    from .measure import CommCounter, recv_buffers, track_step
     from .model import GroupedExperts, Transformer
     from .parallelize import Meshes, apply_plan
 
@@ -190,7 +190,7 @@ def _run(args, device, rank, world) -> dict:
     dp_rank = coord["dp_replicate"] * plan.dp_shard + coord["dp_shard"]
     lbs, ga, seq = plan.local_batch_size, plan.grad_accum_steps, plan.seq_len
     n_global = plan.global_batch_size * seq
-    schedule = _schedule(plan, parts, stage_ids, meshes, device, n_global) if plan.pp > 1 else None
+    schedule, stages = _schedule(plan, parts, stage_ids, meshes, device, n_global) if plan.pp > 1 else (None, [])
     first, last = 0 in stage_ids, (plan.pp * plan.pp_stages_per_rank - 1) in stage_ids
 
     def step(i: int) -> torch.Tensor:
@@ -254,7 +254,8 @@ def _run(args, device, rank, world) -> dict:
             losses.append(logged(contrib))
             comm, counts = counter.bytes, counter.counts
         elif i == min(1, total - 1) and device.type == "cpu":  # tensor-level memory of one step (not timed)
-            lo, peak, breakdown, peak_op = track_step(lambda i=i: step(i), parts, opt)
+            lo, peak, breakdown, peak_op = track_step(lambda i=i: step(i), parts, opt,
+                                                      pipeline_buffers=recv_buffers(stages))
             mem_note = f"parsim PeakTracker: tensor-level peak of live storages during one step (CPU), at {peak_op}"
             losses.append(logged(lo))
         else:
@@ -306,6 +307,7 @@ def _profiled_step(run_step, out_prefix: str, rank: int, sync) -> None:
 
 
 def _schedule(plan, parts, stage_ids, meshes, device, n_global):
+    """(torch's schedule for the plan, the rank's ``PipelineStage`` objects)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -318,9 +320,9 @@ def _schedule(plan, parts, stage_ids, meshes, device, n_global):
 
     n_micro = plan.n_microbatches
     if plan.pp_schedule == "Interleaved1F1B":
-        return ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn, scale_grads=False)
+        return ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn, scale_grads=False), stages
     cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[plan.pp_schedule]
-    return cls(stages[0], n_micro, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages[0], n_micro, loss_fn=loss_fn, scale_grads=False), stages
 
 
 if __name__ == "__main__":
