@@ -211,7 +211,7 @@ def _memory_unit(shard, local, s, last, pb, gb, rb) -> Unit:
     shard group of 2+, the loop runs only there) and the last parameter's gradient (any shard group)."""
     linger = np.where(s > 1, last, 0.0)
     return Unit(s * shard * pb, local * gb, s * shard * rb, shard * rb, shard * 4.0, local * rb,
-                linger * gb, linger * rb, last * gb)
+                linger * gb, linger * rb, last * gb, grouped=np.asarray(s) > 1)
 
 
 def _of_batch(x, n_batch: int, idx: np.ndarray) -> np.ndarray:
