@@ -524,8 +524,10 @@ def simulate_actions(q: RankMemory, chunks: list, schedules: list, pp: int) -> d
                 while (kind in ("F", "B") and i + k < len(actions) and actions[i + k][0] == kind
                        and actions[i + k][1] == stage):
                     k += 1
-                st["left_out"] = _mb  # (the count of a LEFT_OUT_B)
-                _stage_action_run(tl, chunks[stage // pp], stage // pp, kind, k, st)
+                if kind == "LEFT_OUT_B":  # (``interleaved_actions(compress=True)``: ``_mb`` backwards left out)
+                    tl.add("activations", _sent_held(chunks[stage // pp]) * _mb)
+                else:
+                    _stage_action_run(tl, chunks[stage // pp], stage // pp, kind, k, st)
                 i += k
     _optimizer_step(tl, q)
     return tl.phases()
@@ -566,8 +568,6 @@ def _stage_action(tl: Timeline, qc: RankMemory, c: int, kind: str, st: dict) -> 
         on = ~unsharded[c]
         _replayed(tl, st, (kind, id(qc), on.tobytes()), lambda t, p: _unshard_stage(t, qc, on, p), st["phase"])
         unsharded[c] = qc.fsdp.copy()
-    elif kind == "LEFT_OUT_B":  # (``interleaved_actions(compress=True)``: ``_mb`` backwards of the stage left out)
-        tl.add("activations", _sent_held(qc) * st["left_out"])
     elif kind == "RESHARD":
         tl.add("fsdp_unsharded_params", -held[c])
         unsharded[c] = np.zeros(qc.n, bool)

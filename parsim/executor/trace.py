@@ -248,7 +248,7 @@ def _loss(logits, y, n_global, fused=False):
     return loss_sum(logits, y, fused) / n_global
 
 
-def _fake_step(spec, plan: Plan, parts, stage_ids, sends, phase: dict, meshes=None, recv=None):
+def _fake_step(spec, plan: Plan, parts, stage_ids, sends, phase: dict, meshes, recv: dict):
     """Forward + backward of one step for the traced rank (see the module docstring for PP), keeping
     ``phase["now"]`` current. Under CP each pass runs in torchtitan's context-parallel context (``cp.cp_context``:
     tokens, labels and RoPE tables sharded on the sequence, SDPA through torch's ring attention)."""
@@ -266,7 +266,7 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends, phase: dict, meshes=No
                 _loss(parts[0](x), y, n_global, plan.fused_loss).backward()
             continue
         with cp_context(plan, meshes, parts, None, None):  # the pipeline's tokens and labels are made local-size
-            _fake_pipeline_pass(spec, plan, parts, stage_ids, sends, phase, {} if recv is None else recv)
+            _fake_pipeline_pass(spec, plan, parts, stage_ids, sends, phase, recv)
 
 
 def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict, recv: dict):
@@ -314,7 +314,9 @@ def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict, 
     # a send's work holds the tensor it sends until it is waited for: torch's runtime schedule (interleaved) waits
     # for every send after its last action (``send_ops``), GPipe for its backward sends after the last backward
     # (``bwd_sends_to_wait``); 1F1B waits at once
-    works: list | None = {"Interleaved1F1B": [], "GPipe": []}.get(plan.pp_schedule)
+    works: list = []
+    keep_outputs = plan.pp_schedule == "Interleaved1F1B"
+    keep_grads = plan.pp_schedule in ("Interleaved1F1B", "GPipe")
     for kind, sid, mb in torch_schedule_order(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank, m, rank,
                                               with_fsdp=True):
         c = chunk_of[sid]
@@ -334,7 +336,7 @@ def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict, 
                         plan.fused_loss)
             else:
                 sends["bytes"] += out.numel() * out.element_size()
-                if works is not None and plan.pp_schedule == "Interleaved1F1B":
+                if keep_outputs:
                     works.append(out)
             inflight[c, mb] = (out, inp, stage_out)
             del stage_out
@@ -356,10 +358,10 @@ def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict, 
             if sid != 0:
                 sends["bytes"] += inp.numel() * inp.element_size()  # gradient sent to the previous stage
                 sent, inp.grad = inp.grad, None
-                if works is not None:
+                if keep_grads:
                     works.append(sent)
         elif kind == "REDUCE_GRAD":
-            if works is not None and plan.pp_schedule == "GPipe":
+            if plan.pp_schedule == "GPipe":
                 works.clear()  # (waited for before the reduce)
             phase["now"] = PHASE_EMBEDDING_BACKWARD
             _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=parts[c]), 1)
