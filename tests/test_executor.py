@@ -274,6 +274,12 @@ PLAIN_CASES = {
     "moe-ep-recompute-keeps-experts-flat-buffer": (dataclasses.replace(PRESETS["mixtral-8x7b"], n_layers=1),
                                                    dict(dp_shard=6, ep=2, seq_len=96, local_batch_size=2, ac="full",
                                                         param_dtype="float32", reduce_dtype="float32")),
+    # a recompute under autocast (bf16 without FSDP) ends inside the MLP with the MLP's fp32 input held beside the
+    # bf16 copy w1 saves, and the bf16 copy of the residual gradient w2's backward reads made before it (-3.8%
+    # before; bench/differential.py --seed 22: -4.0% on a pp4 x tp8 last stage, shrunk; SwiGLU and SP alike)
+    "autocast-recompute-holds-mlp-input": (dataclasses.replace(_TINY1, d_model=512, n_heads=32, n_kv_heads=8,
+                                                               head_dim=64, d_ff=2816, mlp="gelu", vocab_size=4099),
+                                           dict(tp=8, seq_len=1024, ac="full", sequence_parallel=False)),
 }
 
 

@@ -228,6 +228,11 @@ class Block:
     # AC, top-4 of 8 experts, 1024 tokens of d 512: at the recompute's scatter target the pairs' gradient, the
     # routed tokens, the experts' output, the weighted copy and the target, (4096, 512) each, alive (-8.1% before)]
     recompute_combine: np.ndarray | float = 0.0
+    # a recomputed dense block: bytes alive at its recompute's end beside the recomputed tensors — the output
+    # gradient its first backward op made (that op reads no saved tensor, so it runs before the first unpack
+    # starts the recompute: SP's gathered gradient, autocast's bf16 copy, ``layers.backward_steps``) and the
+    # MLP's held input (``layers.ffn_input_held_bytes``); 0 without recompute and for MoE blocks
+    recompute_held: np.ndarray | float = 0.0
     # the routed experts' weights are TP DTensors (tp > 1 without EP): the experts' forward unwraps each
     # (``to_local``) before its first GEMM, so each weight's gradient reaches AccumulateGrad through that node,
     # whose sequence number is below every GEMM's: the autograd engine (highest sequence number first) runs the
@@ -1099,8 +1104,9 @@ def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list,
         # through the experts' backward too it would be +24%])
         kept_flat = np.where(early & q.fsdp & np.asarray(ex.grouped, dtype=bool), ex.gathered, 0.0)
         tl.add("fsdp_gather_buffers", kept_flat)
-    tl.add("recompute_transient", blk.transient)
+    tl.add("recompute_transient", blk.transient + blk.recompute_held)
     tl.mark(phase)
+    tl.add("recompute_transient", -np.asarray(blk.recompute_held, dtype=float))
     tl.add("fsdp_gather_buffers", -np.asarray(kept_flat, dtype=float))
     if np.any(blk.recompute_combine):  # (a MoE block's recompute reaches its combine: ``Block.recompute_combine``)
         tl.add("recompute_transient", blk.recompute_combine)

@@ -21,6 +21,7 @@ from .layers import (
     Shapes,
     backward_steps,
     experts_off_dim0,
+    ffn_input_held_bytes,
     grad_elem_bytes,
     inflight,
     kept_by_ac_mode,
@@ -96,6 +97,7 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
     steps = Whole({moe: (backward_steps(spec, b, sh, moe), saved_tensors(spec, sh, moe)) for moe in rv.kinds})
     steps.moe_fwd = moe_forward_working_bytes(spec, sh, b)
     steps.tp_out = _tp_output_transient(b, sh, spec.d_model)
+    steps.ffn_held = ffn_input_held_bytes(spec, sh)
     steps.pair_bytes = sh.Tr * spec.d_model * sh.act_b if spec.moe is not None else 0.0
     steps.e_local = local_experts(spec, sh) if spec.moe is not None else 1.0
     for g, (pp, v, k, bp) in enumerate(uniq):
@@ -127,6 +129,7 @@ class Whole(dict):
         self._memo: dict = {}
         self.moe_fwd: np.ndarray | float = 0.0  # ``layers.moe_forward_working_bytes``
         self.tp_out: np.ndarray | float = 0.0  # ``_tp_output_transient``
+        self.ffn_held: np.ndarray | float = 0.0  # ``layers.ffn_input_held_bytes``
         self.pair_bytes: np.ndarray | float = 0.0  # one routed (token, expert) pair tensor, nk x d
         self.e_local: np.ndarray | float = 1.0  # ``layers.local_experts``
 
@@ -259,6 +262,8 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
                               else np.where(full | sac, 0.0,
                                             act_attn + act_ffn + np.asarray(steps_of.tp_out)[idx])),
                  recompute_combine=combine,
+                 recompute_held=(0.0 if moe else np.where(transient > 0, _of_batch(steps_of.ffn_held, len(b), idx)
+                                                          + steps[0]["alloc"], 0.0)),
                  experts_held=((b.tp[idx] > 1) & (b.ep[idx] == 1)) if moe else False)
 
 
