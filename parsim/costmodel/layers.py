@@ -752,7 +752,8 @@ def ffn_input_held_bytes(spec: ModelSpec, sh: Shapes) -> np.ndarray:
     SP the (8, 128, 512) fp32 gathered input and the (1, 128, 512) shard]"""
     sp = sh.sp_div > 1
     cast = (sh.res_b > sh.act_b) & ~sh.te
-    held = np.where(sp, sh.T * spec.d_model / sh.sp_div * sh.res_b, 0.0) + np.where(cast, sh.T * spec.d_model * sh.res_b, 0.0)
+    x = sh.T * spec.d_model * sh.res_b  # the norm's output, whole (gathered) sequence
+    held = np.where(sp, x / sh.sp_div, 0.0) + np.where(cast, x, 0.0)
     return np.where(sh.te, 0.0, held)
 
 
