@@ -390,6 +390,25 @@ def moe_forward_working_bytes(spec: ModelSpec, sh: Shapes, b) -> np.ndarray:
     return base + np.maximum(np.maximum(combine, experts), np.maximum(ep_back, shared))
 
 
+def recompute_experts_extra_bytes(spec: ModelSpec, sh: Shapes, b) -> np.ndarray:
+    """Bytes above a recomputed MoE block's saved tensors at the recompute's last expert GEMM (w2's, the last op
+    before the combine, every saved tensor of the experts made): with EP the routed tokens and the tokens the
+    dispatch all-to-all received (nk x d each in the stream's dtype, held by the code; the GEMMs read their
+    regrouped copy, which is saved), and the grouped GEMM's per-expert outputs (``executor.model._GroupedMM``:
+    each expert's matmul output is made before the previous one is dropped, so two are alive with 2+ local
+    experts; with one, the output and the whole result). [derived; trace: 1 MoE layer, 8 experts top-2, dp_shard
+    2 x ep 2 x tp 2 SP, full AC, 256 routed tokens of d 256 fp32: the (512, 256) routed and received tokens and two
+    (128, 256) matmul outputs alive at w2's GEMM in the recompute, -7.5% before with the gradient and input
+    below (``memory.Block.recompute_held``)]"""
+    m = spec.moe
+    if m is None:
+        return np.zeros_like(sh.T)
+    e = np.maximum(local_experts(spec, sh), 1.0)
+    d = float(spec.d_model)
+    dispatch = np.where(b.ep > 1, 2.0 * sh.Tr * d * sh.res_b, 0.0)
+    return dispatch + np.minimum(e, 2.0) / e * sh.Tr * d * sh.act_b
+
+
 def activation_bytes(spec: ModelSpec, sh: Shapes, moe: bool) -> dict[str, np.ndarray]:
     """Bytes kept per layer and microbatch: ``none`` (no AC), ``full`` (block input only), ``sac`` (selective-op)."""
     split = activation_bytes_split(spec, sh, moe)

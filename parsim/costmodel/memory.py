@@ -233,6 +233,9 @@ class Block:
     # starts the recompute: SP's gathered gradient, autocast's bf16 copy, ``layers.backward_steps``) and the
     # MLP's held input (``layers.ffn_input_held_bytes``); 0 without recompute and for MoE blocks
     recompute_held: np.ndarray | float = 0.0
+    # a recomputed MoE block (full AC): bytes above its saved tensors at the recompute's last expert GEMM
+    # (``layers.recompute_experts_extra_bytes``)
+    recompute_experts: np.ndarray | float = 0.0
     # the routed experts' weights are TP DTensors (tp > 1 without EP): the experts' forward unwraps each
     # (``to_local``) before its first GEMM, so each weight's gradient reaches AccumulateGrad through that node,
     # whose sequence number is below every GEMM's: the autograd engine (highest sequence number first) runs the
@@ -1091,6 +1094,7 @@ def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list,
     # at the experts' copy-out temporaries with about the attention's recomputed tensors alive]
     early = np.zeros(q.n, bool)
     kept_flat: np.ndarray | float = 0.0
+    tl.add("recompute_transient", blk.recompute_held)  # (0 where nothing is recomputed)
     if ex is not None:
         early = regather & _own_unit(ex) & (np.asarray(blk.transient, dtype=float) > 0)
         tl.add("recompute_transient", blk.transient_attn, early)
@@ -1104,14 +1108,15 @@ def _block_backward(tl: Timeline, q: RankMemory, blk: Block, nxt, rs_prev: list,
         # through the experts' backward too it would be +24%])
         kept_flat = np.where(early & q.fsdp & np.asarray(ex.grouped, dtype=bool), ex.gathered, 0.0)
         tl.add("fsdp_gather_buffers", kept_flat)
-    tl.add("recompute_transient", blk.transient + blk.recompute_held)
+    tl.add("recompute_transient", blk.transient + blk.recompute_experts)
     tl.mark(phase)
-    tl.add("recompute_transient", -np.asarray(blk.recompute_held, dtype=float))
+    tl.add("recompute_transient", -np.asarray(blk.recompute_experts, dtype=float))
     tl.add("fsdp_gather_buffers", -np.asarray(kept_flat, dtype=float))
     if np.any(blk.recompute_combine):  # (a MoE block's recompute reaches its combine: ``Block.recompute_combine``)
         tl.add("recompute_transient", blk.recompute_combine)
         tl.mark(phase)
         tl.add("recompute_transient", -np.asarray(blk.recompute_combine, dtype=float))
+    tl.add("recompute_transient", -np.asarray(blk.recompute_held, dtype=float))
     tl.add("recompute_transient", -blk.transient)
     tl.add("activations", blk.transient)
     none_total = np.asarray(blk.act, dtype=float) + blk.transient

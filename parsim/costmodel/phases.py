@@ -29,6 +29,7 @@ from .layers import (
     layer_tensors,
     local_experts,
     moe_forward_working_bytes,
+    recompute_experts_extra_bytes,
     saved_tensors,
     stage_bounds,
 )
@@ -99,6 +100,7 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
     steps.tp_out = _tp_output_transient(b, sh, spec.d_model)
     steps.ffn_held = ffn_input_held_bytes(spec, sh)
     steps.pair_bytes = sh.Tr * spec.d_model * sh.act_b if spec.moe is not None else 0.0
+    steps.experts_extra = recompute_experts_extra_bytes(spec, sh, b)
     steps.e_local = local_experts(spec, sh) if spec.moe is not None else 1.0
     for g, (pp, v, k, bp) in enumerate(uniq):
         idx = rows_idx[np.ravel(inv) == g]
@@ -131,6 +133,7 @@ class Whole(dict):
         self.tp_out: np.ndarray | float = 0.0  # ``_tp_output_transient``
         self.ffn_held: np.ndarray | float = 0.0  # ``layers.ffn_input_held_bytes``
         self.pair_bytes: np.ndarray | float = 0.0  # one routed (token, expert) pair tensor, nk x d
+        self.experts_extra: np.ndarray | float = 0.0  # ``layers.recompute_experts_extra_bytes``
         self.e_local: np.ndarray | float = 1.0  # ``layers.local_experts``
 
     def once(self, fn, *args):
@@ -254,17 +257,32 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
               "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1])),
               **({"residual_sum": sel(st["residual_sum"])} if "residual_sum" in st else {})} for st in all_steps]
     saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
-    combine = (_recompute_combine(spec, items, keep, idx, len(b), (full, sac, transient), steps_of.pair_bytes,
-                                  b.ep[idx] > 1) if moe else 0.0)
+    later = _shared_later(items, keep, idx, len(b), full, sac) if moe else 0.0
+    combine = (_recompute_combine(spec, later, idx, len(b), transient, steps_of.pair_bytes, b.ep[idx] > 1) if moe
+               else 0.0)
     return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb,
                  transient_attn=a["none"][0] - act_attn,
                  fwd_working=(np.where(full, np.asarray(steps_of.moe_fwd)[idx], 0.0) if moe
                               else np.where(full | sac, 0.0,
                                             act_attn + act_ffn + np.asarray(steps_of.tp_out)[idx])),
                  recompute_combine=combine,
-                 recompute_held=(0.0 if moe else np.where(transient > 0, _of_batch(steps_of.ffn_held, len(b), idx)
-                                                          + steps[0]["alloc"], 0.0)),
+                 recompute_held=np.where(transient > 0, _of_batch(steps_of.ffn_held, len(b), idx)
+                                         + (_moe_grad_held(spec, steps, steps_of.pair_bytes, idx, len(b)) if moe
+                                            else steps[0]["alloc"]), 0.0),
+                 recompute_experts=(np.where(full, _of_batch(steps_of.experts_extra, len(b), idx) - later, 0.0)
+                                    if moe else 0.0),
                  experts_held=((b.tp[idx] > 1) & (b.ep[idx] == 1)) if moe else False)
+
+
+def _moe_grad_held(spec: ModelSpec, steps: list, pair_bytes, idx: np.ndarray, n_batch: int):
+    """The gradient a recomputed MoE block holds through its recompute, made by the backward ops that read no
+    saved tensor and so run before the first unpack starts it: with shared experts the block's output gradient
+    as their w2 reads it (``layers.backward_steps``' first step: SP's all-gather, autocast's bf16 copy; their
+    backward runs first and triggers the recompute), without them the routed pairs' gradient (the combine's sum
+    backward, which frees that one) [trace: dp_shard 2 x ep 2 x tp 2 SP, full AC: the (2, 256, 256) gathered
+    gradient alive through the recompute with a shared expert, the (256, 2, 256) pairs' gradient without]."""
+    assert spec.moe is not None
+    return steps[0]["alloc"] if spec.moe.n_shared_experts else _of_batch(pair_bytes, n_batch, idx)
 
 
 def sac_uncollected(items: list, keep: list, idx: np.ndarray, n_batch: int) -> np.ndarray:
@@ -285,29 +303,29 @@ def sac_uncollected(items: list, keep: list, idx: np.ndarray, n_batch: int) -> n
     return out
 
 
-def _recompute_combine(spec: ModelSpec, items: list, keep: list, idx: np.ndarray, n_batch: int, modes: tuple,
-                       pair_bytes, ep_on) -> np.ndarray:
+def _recompute_combine(spec: ModelSpec, later, idx: np.ndarray, n_batch: int, transient, pair_bytes,
+                       ep_on) -> np.ndarray:
     """``memory.Block.recompute_combine`` of the plans ``idx`` (of a batch of ``n_batch``): 2 nk x d above the
     recompute set (the weighted copy, the scatter target); with EP 4 nk x d, at the recompute's combine
     all-to-all (the routed and received tokens, the experts' output and its regrouped copy beside the
     all-to-all's output, which the set counts) [trace: ep 2 of 2 experts, top-2, full AC, 2048 tokens of d 512:
-    -8.9% without]; without shared experts the backward reaches the recompute after the combine's sum made the
-    pairs' gradient (nk x d more), with them the shared experts' backward runs the recompute first, and their
-    tensors come after the combine (not yet made: less) [trace: the pairs' gradient made after the recompute
-    there]; 0 where the block recomputes nothing."""
-    full, sac, transient = modes
+    -8.9% without]; less the shared experts' tensors, which come after the combine (``later``: not yet made)
+    [trace: the pairs' gradient made after the recompute there]; 0 where the block recomputes nothing. (Without
+    shared experts the pairs' gradient is alive too, since before the recompute: ``_moe_grad_held``.)"""
+    assert spec.moe is not None
+    pairs = np.where(ep_on, 4.0, 2.0)
+    return np.where(transient > 0, pairs * _of_batch(pair_bytes, n_batch, idx) - later, 0.0)
 
-    def of_batch(x):
-        return _of_batch(x, n_batch, idx)
 
+def _shared_later(items: list, keep: list, idx: np.ndarray, n_batch: int, full, sac) -> np.ndarray:
+    """The shared experts' saved tensors a recompute makes after the routed experts and their combine (the shared
+    experts run last in the forward): bytes of the recompute set not yet made at those moments."""
     later = np.zeros(len(idx))
     for (name, nbytes, _), kk in zip(items, keep, strict=True):
         if name.startswith("shared.") and kk["none"]:
-            x = of_batch(nbytes)
-            later = later + np.where(full, x, np.where(sac, x * (1.0 - of_batch(kk["sac"])), 0.0))
-    assert spec.moe is not None
-    pairs = np.where(ep_on, 4.0, 2.0) + (0.0 if spec.moe.n_shared_experts else 1.0)
-    return np.where(transient > 0, pairs * of_batch(pair_bytes) - later, 0.0)
+            x = _of_batch(nbytes, n_batch, idx)
+            later = later + np.where(full, x, np.where(sac, x * (1.0 - _of_batch(kk["sac"], n_batch, idx)), 0.0))
+    return later
 
 
 def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, p_shard,

@@ -236,6 +236,9 @@ class PeakTracker(TorchDispatchMode):
         self.current[cat] = self.current.get(cat, 0) + nbytes
         self.total += nbytes
         self._check_peak()
+        if self.debug == "4":  # every allocation with the running total (unsharded parameters included)
+            live = self.total + sum(x.nbytes() for x in self.watched)
+            print(f"TL +{nbytes} {self._op} {tuple(t.shape)} {self.phase.get('now', '')} total={live}", flush=True)
         self.refs[key] = self._weakref.ref(st, lambda _r, key=key: self._free(key))
 
     def _stream(self) -> int:
@@ -300,6 +303,8 @@ class PeakTracker(TorchDispatchMode):
         if cat is not None:
             self.current[cat] -= nbytes
             self.total -= nbytes
+            if self.debug == "4":  # (and every free, with the op running when it happened)
+                print(f"TL -{nbytes} {self._op}", flush=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.events is not None and self.watched:

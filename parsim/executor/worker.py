@@ -14,7 +14,8 @@ compared with.
 Environment: PARSIM_DEVICE=cpu forces gloo on a GPU machine; debugging aids: PARSIM_NO_COUNT=1 skips the
 collective counter, PARSIM_HANG_DUMP_S=N dumps every thread's stack after N seconds (found the PP hang),
 PARSIM_DEBUG=1 makes the memory tracker print what is alive at the peak (by op; 2: by op, shape and dtype; 3: every
-tensor apart, in bytes, with its allocation's index and the phase it was made in); PARSIM_TORCH_PROFILE=PREFIX runs
+tensor apart, in bytes, with its allocation's index and the phase it was made in; 4: a line per allocation and free,
+the running total beside each, to read a moment's neighbourhood); PARSIM_TORCH_PROFILE=PREFIX runs
 one more step under torch.profiler and writes PREFIX.rank<r>.csv (ops and kernels with their self times);
 PARSIM_CUDA_MEMORY_SNAPSHOT=PREFIX (CUDA) records every allocation and writes PREFIX.rank<r>.json, what was live at
 the allocated peak grouped by the line that allocated it (``measure.peak_holders``).
