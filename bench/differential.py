@@ -369,11 +369,11 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "its matmul's moment (stop 47), the last stage's received input and its gradient held through a later "
      "microbatch's deferred autocast casts and the reduce, and its in-flight microbatches' logits held by torch's "
      "stage until their backward returns (stop 48), torch's receive buffers and what its schedules' sends hold "
-     "(stop 49); 2 of 392 traced still fail: a MoE first stage at -1.45% (the trace keeps two earlier "
-     "microbatches' selective-AC-saved EP all-to-all outputs to the step's end, mechanism not established) and a "
+     "(stop 49); 1 of 392 traced still fails: a "
      "GPipe first stage whose peak agrees (-0.003%) but whose trace picks another moment of the same phase 1 KiB "
      "higher, so a component differs (a tie); on other draws a stage whose peak is the input-gradient sum after "
-     "a weight's matmul, before its AccumulateGrad, still counts that weight's gradient as .grad"),
+     "a weight's matmul, before its AccumulateGrad, still counts that weight's gradient as .grad (the -1.45% "
+     "MoE stage was selective AC's cached EP all-to-all outputs, stop 50)"),
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
                                                                                int(encode([c.plan], None).efsdp[0])),
      "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "
@@ -382,11 +382,12 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "routed experts with a shard group of 1 still get the prefetch of a 2+ group; none of 73 fails since stop 43 "
      "(the 2 that did were selective AC's uncollected outputs, phases.sac_uncollected)"),
     ("MoE activations", lambda c: c.spec.moe is not None,
-     "MoE plans without PP: 1 fails (-3.4%; the -0.8% one was the routed share's slice backward, stop 46): the "
-     "op-level backward steps of routed and "
-     "shared experts (layers.backward_steps) do not yet match the executor's MoE autograd graph in every case "
-     "(tp2 x ep4 with layer:N and reshard always: -3.4%; -2.9% while the model counted a RoPE table per token, "
-     "which hid part of it). Modelled since stop 42: a checkpointed MoE block's "
+     "MoE plans without PP: none of the stored draws fails since stop 50 (the -3.4% tp2 x ep4 layer:N one was the "
+     "recompute's held gradient, FFN input and EP tokens, memory.Block.recompute_held / recompute_experts; the "
+     "-2.1% seed 21 one selective AC's cached EP all-to-all outputs, layers.saved_tensors' a2a items); "
+     "the op-level backward steps of routed and "
+     "shared experts (layers.backward_steps) follow the executor's MoE autograd graph, checked on the drawn and "
+     "shrunk cases only. Modelled since stop 42: a checkpointed MoE block's "
      "forward working set (layers.moe_forward_working_bytes), the recompute's combine beside the pairs' gradient, "
      "and with EP its combine all-to-all (phases._recompute_combine), SwiGLU routed experts for GeLU models "
      "(spec.routed_expert_matrices), the share of a grouped GEMM's per-expert mm outputs selective AC keeps "

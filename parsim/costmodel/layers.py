@@ -221,7 +221,8 @@ def _qkv_saved(spec: ModelSpec, sh: Shapes) -> list[tuple[str, np.ndarray, str]]
 def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.ndarray, str]]:
     """Tensors autograd keeps for one layer, in bytes: (name, bytes, kind). kind: input (the block input),
     mm (output of an aten.mm), addmm (of a biased linear), gmm (grouped GEMM output), sdpa (attention output /
-    logsumexp), rs (reduce-scatter output), other (elementwise / norm inputs)."""
+    logsumexp), rs (reduce-scatter output), a2a (EP all-to-all output), other (elementwise / norm inputs). rs and
+    a2a are not saved by autograd, only cached by selective AC."""
     T, t, sd = sh.T, sh.t, sh.sp_div
     d = spec.d_model
     b2, b4 = sh.act_b, 4.0  # activations in param_dtype; norm rstd, logsumexp, router scores in fp32 [derived]
@@ -274,9 +275,20 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
         out += [("router.logits", t_router * mo.n_experts * b4, "mm"),
                 ("router.probs", t_router * mo.n_experts * b4, "other"),
                 # (the norm's output gathered by token: fp32 under autocast, where only linears cast their input)
+                # EP: the dispatch all-to-all's output (the received tokens, before their regrouped copy) and the
+                # combine's (the experts' output sent back): autograd saves neither, selective AC caches both (the
+                # policy saves all-to-all outputs, as torchtitan's does for its MoE models) [derived:
+                # executor.parallelize._sac_policy; trace: 7 MoE layers, ep 2 x cp 2, selective AC: two (192, 576)
+                # bf16 all-to-all outputs per layer alive at the output projection's backward, -2.1% before]
+                ("experts.dispatch(all-to-all)", np.where(sh.ep > 1, sh.Tr * d * rb, 0.0), "a2a"),
                 ("experts.input(permuted)", sh.Tr * d * rb, "other")]
-        out += _mlp_saved(spec, sh.Tr, mo.d_ff_expert / sh.etp, "experts", sh.Tr * d * b2, b2, kind="gmm",
-                          mlp="swiglu")  # (routed experts: SwiGLU whatever the model's MLP, ``routed_expert_matrices``)
+        # (routed experts: SwiGLU whatever the model's MLP, ``spec.routed_expert_matrices``)
+        experts = _mlp_saved(spec, sh.Tr, mo.d_ff_expert / sh.etp, "experts", sh.Tr * d * b2, b2, kind="gmm",
+                             mlp="swiglu")
+        # (the combine's all-to-all runs before the routing weights' product, which saves the experts' output: with
+        # EP the tokens that all-to-all returned, a tensor the recompute takes back from the cache)
+        out += experts[:-1] + [("experts.combine(all-to-all)", np.where(sh.ep > 1, sh.Tr * d * b2, 0.0), "a2a"),
+                               experts[-1]]
         if mo.n_shared_experts:
             out += _mlp_saved(spec, T, mo.d_ff_expert * mo.n_shared_experts / t, "shared", T * d * b2, b2)
     out.append(("mlp.reduce_scatter.out", np.where(sd > 1, T * d / sd * b2, 0.0), "rs"))
@@ -320,13 +332,13 @@ def kept_by_ac_mode(items: list[tuple], e_local=None) -> list[dict]:
     odd = 0  # parity of the aten.mm's counted so far (a biased linear's addmm is neither saved nor counted)
     for name, _nbytes, kind in items:
         residual_out = name.endswith("wo.out") or (name.endswith("w2.out") and not name.startswith("experts."))
-        sac = kind in ("input", "sdpa", "rs") or (kind == "gmm" and e_local is None)
+        sac = kind in ("input", "sdpa", "rs", "a2a") or (kind == "gmm" and e_local is None)
         if kind == "mm":
             odd = 1 - odd
             sac = odd == 1
         elif kind == "gmm" and e_local is not None:
             sac, odd = grouped_mm_kept(e_local, odd)
-        out.append({"none": not residual_out and kind != "rs", "full": kind == "input", "sac": sac})
+        out.append({"none": not residual_out and kind not in ("rs", "a2a"), "full": kind == "input", "sac": sac})
     return out
 
 
@@ -390,23 +402,27 @@ def moe_forward_working_bytes(spec: ModelSpec, sh: Shapes, b) -> np.ndarray:
     return base + np.maximum(np.maximum(combine, experts), np.maximum(ep_back, shared))
 
 
-def recompute_experts_extra_bytes(spec: ModelSpec, sh: Shapes, b) -> np.ndarray:
+def recompute_experts_extra_bytes(spec: ModelSpec, sh: Shapes, b, sac: bool) -> np.ndarray:
     """Bytes above a recomputed MoE block's saved tensors at the recompute's last expert GEMM (w2's, the last op
-    before the combine, every saved tensor of the experts made): with EP the routed tokens and the tokens the
-    dispatch all-to-all received (nk x d each in the stream's dtype, held by the code; the GEMMs read their
+    before the combine, every saved tensor of the experts made). Full AC: with EP the routed tokens and the tokens
+    the dispatch all-to-all received (nk x d each in the stream's dtype, held by the code; the GEMMs read their
     regrouped copy, which is saved), and the grouped GEMM's per-expert outputs (``executor.model._GroupedMM``:
     each expert's matmul output is made before the previous one is dropped, so two are alive with 2+ local
-    experts; with one, the output and the whole result). [derived; trace: 1 MoE layer, 8 experts top-2, dp_shard
-    2 x ep 2 x tp 2 SP, full AC, 256 routed tokens of d 256 fp32: the (512, 256) routed and received tokens and two
-    (128, 256) matmul outputs alive at w2's GEMM in the recompute, -7.5% before with the gradient and input
-    below (``memory.Block.recompute_held``)]"""
+    experts; with one, the output and the whole result). Selective AC (``sac``): the same tokens (the received
+    ones are the cached all-to-all output, still held) and the combine's cached all-to-all output, not yet taken
+    back, and one per-expert output (every other one comes from the cache); w2's cached outputs, also not yet
+    taken back, are the caller's (their share depends on the matmul count). [derived; traces: 1 MoE layer, 8
+    experts top-2, dp_shard 2 x ep 2 x tp 2 SP, 256 routed tokens of d 256 fp32: full AC, the (512, 256) routed
+    and received tokens and two (128, 256) matmul outputs alive at w2's GEMM in the recompute, -7.5% before with
+    the gradient and input of ``memory.Block.recompute_held``; selective AC, -7.7% before]"""
     m = spec.moe
     if m is None:
         return np.zeros_like(sh.T)
     e = np.maximum(local_experts(spec, sh), 1.0)
-    d = float(spec.d_model)
-    dispatch = np.where(b.ep > 1, 2.0 * sh.Tr * d * sh.res_b, 0.0)
-    return dispatch + np.minimum(e, 2.0) / e * sh.Tr * d * sh.act_b
+    pairs = sh.Tr * float(spec.d_model)
+    tokens = 2.0 * pairs * sh.res_b + (pairs * sh.act_b if sac else 0.0)
+    temps = (np.minimum(e, 1.0) if sac else np.minimum(e, 2.0)) / e * pairs * sh.act_b
+    return np.where(b.ep > 1, tokens, 0.0) + temps
 
 
 def activation_bytes(spec: ModelSpec, sh: Shapes, moe: bool) -> dict[str, np.ndarray]:

@@ -100,7 +100,7 @@ def _timeline_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C
     steps.tp_out = _tp_output_transient(b, sh, spec.d_model)
     steps.ffn_held = ffn_input_held_bytes(spec, sh)
     steps.pair_bytes = sh.Tr * spec.d_model * sh.act_b if spec.moe is not None else 0.0
-    steps.experts_extra = recompute_experts_extra_bytes(spec, sh, b)
+    steps.experts_extra = {sac: recompute_experts_extra_bytes(spec, sh, b, sac) for sac in (False, True)}
     steps.e_local = local_experts(spec, sh) if spec.moe is not None else 1.0
     for g, (pp, v, k, bp) in enumerate(uniq):
         idx = rows_idx[np.ravel(inv) == g]
@@ -133,7 +133,7 @@ class Whole(dict):
         self.tp_out: np.ndarray | float = 0.0  # ``_tp_output_transient``
         self.ffn_held: np.ndarray | float = 0.0  # ``layers.ffn_input_held_bytes``
         self.pair_bytes: np.ndarray | float = 0.0  # one routed (token, expert) pair tensor, nk x d
-        self.experts_extra: np.ndarray | float = 0.0  # ``layers.recompute_experts_extra_bytes``
+        self.experts_extra: dict = {}  # AC selective? -> ``layers.recompute_experts_extra_bytes``
         self.e_local: np.ndarray | float = 1.0  # ``layers.local_experts``
 
     def once(self, fn, *args):
@@ -269,7 +269,7 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
                  recompute_held=np.where(transient > 0, _of_batch(steps_of.ffn_held, len(b), idx)
                                          + (_moe_grad_held(spec, steps, steps_of.pair_bytes, idx, len(b)) if moe
                                             else steps[0]["alloc"]), 0.0),
-                 recompute_experts=(np.where(full, _of_batch(steps_of.experts_extra, len(b), idx) - later, 0.0)
+                 recompute_experts=(_recompute_experts(steps_of, items, keep, idx, len(b), full, sac) - later
                                     if moe else 0.0),
                  experts_held=((b.tp[idx] > 1) & (b.ep[idx] == 1)) if moe else False)
 
@@ -315,6 +315,15 @@ def _recompute_combine(spec: ModelSpec, later, idx: np.ndarray, n_batch: int, tr
     assert spec.moe is not None
     pairs = np.where(ep_on, 4.0, 2.0)
     return np.where(transient > 0, pairs * _of_batch(pair_bytes, n_batch, idx) - later, 0.0)
+
+
+def _recompute_experts(steps_of: Whole, items: list, keep: list, idx: np.ndarray, n_batch: int, full, sac):
+    """``memory.Block.recompute_experts`` before the shared experts' part: ``layers.recompute_experts_extra_bytes``
+    of the block's AC mode, and under selective AC w2's per-expert outputs the cache still holds (their share)."""
+    w2_kept = next(kk["sac"] for (name, _, _), kk in zip(items, keep, strict=True) if name == "experts.w2.out")
+    cached = _of_batch(w2_kept, n_batch, idx) * _of_batch(steps_of.pair_bytes, n_batch, idx)
+    return np.where(full, _of_batch(steps_of.experts_extra[False], n_batch, idx),
+                    np.where(sac, _of_batch(steps_of.experts_extra[True], n_batch, idx) + cached, 0.0))
 
 
 def _shared_later(items: list, keep: list, idx: np.ndarray, n_batch: int, full, sac) -> np.ndarray:
