@@ -332,6 +332,8 @@ class RankMemory:
     # microbatch the received input and the received output gradient that are such a buffer (``recv_in``: a stage
     # after the first; ``recv_grad``: a stage before the last; 0 elsewhere): counted there, not as activations
     recv_buffers: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    # bool: torch's pipelining runs the schedule (not Megatron's, under TE layers: ``phases._torch_pp``)
+    torch_pp: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))
     recv_in: np.ndarray = field(default_factory=lambda: np.zeros(1))
     recv_grad: np.ndarray = field(default_factory=lambda: np.zeros(1))
     # single-stage schedules: the input gradients the schedule's sends still hold at a later microbatch's backward
@@ -595,8 +597,8 @@ def _sent_held(q: RankMemory) -> np.ndarray:
     op's tensors in its work until ``wait()``) [derived: torch 2.13 pipelining/schedules.py
     ``_PipelineScheduleRuntime._step_microbatches``; bench/real_vs_trace.py: tiny pp2 x v2, the real run's rank 0
     held 16 more (T, d) tensors than the trace at its peak, +4.2% / +5.2% by rank, +0.04% / +0.05% once the trace
-    held them too]."""
-    return np.where(q.has_out, 0.0, q.flow) + np.where(q.has_emb, 0.0, q.flow)
+    held them too]. Megatron's schedule (TE layers) waits for its sends: nothing held there."""
+    return np.where(q.torch_pp, np.where(q.has_out, 0.0, q.flow) + np.where(q.has_emb, 0.0, q.flow), 0.0)
 
 
 def _replayed(tl: Timeline, st: dict, key: tuple, action, phase: str = BWD1) -> None:

@@ -420,7 +420,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
         mb_extra=np.where(has_out, loss_saved + inflight_logits, np.where((b.pp > 1)[idx], stage_out, 0.0)),
         stage_logits=stage_logits,
-        recv_buffers=pipeline_recv_buffers(m, recv, v - has_emb, v - has_out),
+        recv_buffers=pipeline_recv_buffers(m, recv, v - has_emb, v - has_out), torch_pp=_torch_pp(b)[idx],
         recv_in=np.where(has_emb, 0.0, recv), recv_grad=np.where(has_out, 0.0, recv),
         sent_later=sent_later, sent_last=sent_last,
         autocast_cache=_autocast_cache(b, idx, fsdp_on, steps_of.once(_linear_weight_elems, spec, b, rv), rv),
