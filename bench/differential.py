@@ -373,7 +373,8 @@ KNOWN_GAPS: tuple[tuple[str, object, str], ...] = (
      "GPipe first stage whose peak agrees (-0.003%) but whose trace picks another moment of the same phase 1 KiB "
      "higher, so a component differs (a tie); on other draws a stage whose peak is the input-gradient sum after "
      "a weight's matmul, before its AccumulateGrad, still counts that weight's gradient as .grad (the -1.45% "
-     "MoE stage was selective AC's cached EP all-to-all outputs, stop 50)"),
+     "MoE stage was selective AC's cached EP all-to-all outputs, seed 21's +0.58% MoE stage under autocast the "
+     "experts' fp32 input gradient freed as bf16; both fixed at stop 50)"),
     ("replicate-only data parallel", lambda c: c.plan.dp_replicate > 1 and 1 in (c.plan.dp_shard * c.plan.cp,
                                                                                int(encode([c.plan], None).efsdp[0])),
      "HSDP with a shard group of 1 (FSDP2 replicating; also the experts' mesh when dp2ep takes all of dp_shard x "

@@ -730,8 +730,12 @@ class _BackwardSteps:
         # left top_k x (T, d) behind in the model, 0.56 MiB per block of a d384 top-2 model])
         self.mlp("experts", tr, m.d_ff_expert / sh.etp, "experts.", expert=True,
                  last_saved=["experts.input(permuted)"], free_in=tr * d * b2, kind="swiglu")
-        step(ep_on * tr * d * b2, ep_on * tr * d * b2)  # EP: the dispatch's all-to-all back
-        step(t_router * d * b2, tr * d * b2)  # the token gather's backward (into the tokens' gradient)
+        # (the experts' input gradient is in the permuted tokens' dtype, the stream's: fp32 under autocast, where
+        # the model had freed it as bf16 and each MoE block's backward left tr x d x 2 B behind [trace: pp4 x tp2
+        # first stage, autocast, 384 routed pairs of d 1000: 768000 B more after every microbatch's backward,
+        # +0.58% at a later microbatch's peak before])
+        step(ep_on * tr * d * self.rb, ep_on * tr * d * self.rb)  # EP: the dispatch's all-to-all back
+        step(t_router * d * b2, tr * d * self.rb)  # the token gather's backward (into the tokens' gradient)
         step(t_router * m.n_experts * 4.0, 0.0, ["router.probs"])
         step(t_router * d * b2, t_router * m.n_experts * 4.0 + t_router * d * b2, ["router.logits"],
              self.pg("router"))
