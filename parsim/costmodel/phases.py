@@ -258,8 +258,7 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
               **({"residual_sum": sel(st["residual_sum"])} if "residual_sum" in st else {})} for st in all_steps]
     saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
     later = _shared_later(items, keep, idx, len(b), full, sac) if moe else 0.0
-    combine = (_recompute_combine(spec, later, idx, len(b), transient, steps_of.pair_bytes, b.ep[idx] > 1) if moe
-               else 0.0)
+    combine = _recompute_combine(later, idx, len(b), transient, steps_of.pair_bytes, b.ep[idx] > 1) if moe else 0.0
     return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb,
                  transient_attn=a["none"][0] - act_attn,
                  fwd_working=(np.where(full, np.asarray(steps_of.moe_fwd)[idx], 0.0) if moe
@@ -303,8 +302,7 @@ def sac_uncollected(items: list, keep: list, idx: np.ndarray, n_batch: int) -> n
     return out
 
 
-def _recompute_combine(spec: ModelSpec, later, idx: np.ndarray, n_batch: int, transient, pair_bytes,
-                       ep_on) -> np.ndarray:
+def _recompute_combine(later, idx: np.ndarray, n_batch: int, transient, pair_bytes, ep_on) -> np.ndarray:
     """``memory.Block.recompute_combine`` of the plans ``idx`` (of a batch of ``n_batch``): 2 nk x d above the
     recompute set (the weighted copy, the scatter target); with EP 4 nk x d, at the recompute's combine
     all-to-all (the routed and received tokens, the experts' output and its regrouped copy beside the
@@ -312,7 +310,6 @@ def _recompute_combine(spec: ModelSpec, later, idx: np.ndarray, n_batch: int, tr
     -8.9% without]; less the shared experts' tensors, which come after the combine (``later``: not yet made)
     [trace: the pairs' gradient made after the recompute there]; 0 where the block recomputes nothing. (Without
     shared experts the pairs' gradient is alive too, since before the recompute: ``_moe_grad_held``.)"""
-    assert spec.moe is not None
     pairs = np.where(ep_on, 4.0, 2.0)
     return np.where(transient > 0, pairs * _of_batch(pair_bytes, n_batch, idx) - later, 0.0)
 
