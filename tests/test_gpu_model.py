@@ -271,3 +271,23 @@ def test_megatron_interleaved_schedule_holds_no_torch_send_works():
                 distributed_optimizer=True, te_layers=True)
     p = predict(PRESETS["llama3-70b"], plan, H100)
     assert p.fits and p.reserved_memory_bytes < 72 * 2**30
+
+
+def test_published_runs_predicted_to_fit_still_fit():
+    """Every published run that ran and that the committed report (``bench/reports/published``, regenerated with
+    ``parsim validate --published``) predicted to fit is still predicted to fit: a model change that flips one to
+    out-of-memory must say so by regenerating the report (stop 49 flipped 12 Megatron runs unnoticed)."""
+    import json
+    from pathlib import Path
+
+    from parsim.spec import ModelSpec
+
+    rows = json.loads((Path(__file__).resolve().parent.parent / "bench/reports/published/rows.json").read_text())
+    ran = [r for r in rows if r["status"] == "ok" and r["confidence"] in ("high", "medium") and r["fits"]]
+    assert len(ran) >= 100
+
+    def fits(r):
+        return predict(ModelSpec.from_dict(r["spec"]), Plan.from_dict(r["plan"]), load_profile(r["profile"])).fits
+
+    flipped = [r["plan_id"] for r in ran if not fits(r)]
+    assert not flipped, flipped
