@@ -169,7 +169,7 @@ def _stage_memory(spec: ModelSpec, b: PlanBatch, q: RankMemory, idx: np.ndarray,
     (or the loss's saved tensors on the last stage) kept per microbatch, the last cast weight of its last block."""
     n = len(idx)
     emb, out = np.full(n, has_emb), np.full(n, has_out)
-    recv = np.where(_torch_pp(b)[idx], q.flow, 0.0)  # (its receive buffers: ``memory.pipeline_recv_buffers``)
+    recv = np.where(q.torch_pp, q.flow, 0.0)  # (its receive buffers: ``memory.pipeline_recv_buffers``)
     return dataclasses.replace(
         q, blocks=[(built[moe, ckpt], count) for moe, ckpt, count in runs], has_emb=emb & q.has_emb,
         has_out=out & q.has_out, emb_dense_grad=np.where(emb, q.emb_dense_grad, 0.0),
@@ -393,7 +393,8 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
                                                            (V * d - emb_local) * 4.0, 0.0)
     # torch's pipeline stages' receive buffers: the rank's v stages less the first (inputs) and less the last
     # (output gradients); v = 1 the first or the last stage
-    recv = np.where(_torch_pp(b)[idx], stage_out, 0.0)
+    torch_pp = _torch_pp(b)[idx]
+    recv = np.where(torch_pp, stage_out, 0.0)
     v = b.pp_stages_per_rank[idx].astype(float)
     sent_later, sent_last = sends_held(b.pp_schedule[idx] == SCHED_GPIPE, m, np.where(has_emb, 0.0, recv))
     return RankMemory(
@@ -417,7 +418,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
         mb_extra=np.where(has_out, loss_saved + inflight_logits, np.where((b.pp > 1)[idx], stage_out, 0.0)),
         stage_logits=stage_logits,
-        recv_buffers=pipeline_recv_buffers(m, recv, v - has_emb, v - has_out), torch_pp=_torch_pp(b)[idx],
+        recv_buffers=pipeline_recv_buffers(m, recv, v - has_emb, v - has_out), torch_pp=torch_pp,
         recv_in=np.where(has_emb, 0.0, recv), recv_grad=np.where(has_out, 0.0, recv),
         sent_later=sent_later, sent_last=sent_last,
         autocast_cache=_autocast_cache(b, idx, fsdp_on, steps_of.once(_linear_weight_elems, spec, b, rv), rv),
