@@ -11,8 +11,8 @@ predictions beside what it measured (``bash bench/gpu_acceptance.sh``; under 10 
 3. **Executor runs on this machine's GPUs** (``parsim.executor.launch.run_plan``, 5 timed steps after 2 warm-up;
    run before the search: they are what a call cut short most needs):
    the model cut to ``--layers`` layers, data parallel over every GPU (FSDP2 with 2+; on one GPU no FSDP wrapper, as
-   torchtitan with dp_shard 1), no AC, full AC, selective-op AC, layer:2 AC, compile (not float8: the executor
-   refuses it); each beside
+   torchtitan with dp_shard 1), no AC, full AC, selective-op AC, layer:2 AC, compile, float8 compiled and eager
+   (``executor.float8``); each beside
    its prediction on the profile just measured (blocks and the model's ends measured at the run's shapes): step time,
    ``torch.cuda`` allocated and reserved peaks, each beside its prediction (reserved: ``costmodel/reserved.py``).
 4. **Writes** ``OUT/<name>.json`` (the profile with its blocks), ``OUT/report.json`` and ``OUT/report.md``, and
@@ -64,7 +64,8 @@ def setup(dry_run: bool, n_gpus: int, layers: int) -> Setup:
     if dry_run:
         return Setup("tiny", 2, 128, 4, 1, "float32", base, quick=True)
     more = (("selective-op AC", {"ac": "selective-op"}), ("layer:2 AC", {"ac": "layer:2"}),
-            ("compile", {"compile": True}))  # float8: the executor refuses it (codec's "float8" rule)
+            ("compile", {"compile": True}), ("float8 compile", {"float8": True, "compile": True}),
+            ("float8 eager", {"float8": True}))  # float8: torchao's tensorwise linears (executor.float8), CUDA only
     return Setup("llama3-8b", layers, 4096, 8, max(1, n_gpus), "bfloat16", base + more, quick=False)
 
 

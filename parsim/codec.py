@@ -494,7 +494,8 @@ EXECUTOR_RULES: tuple[Rule, ...] = (
     Rule("async TP", False, lambda b, s: b.async_tp & (b.tp > 1),
          lambda p, s: "async TP (micro-pipelined TP over symmetric memory) needs CUDA: a cost-model option here"),
     Rule("float8", False, lambda b, s: b.float8,
-         lambda p, s: "float8 training (torchao's float8 linears) needs CUDA's scaled matmul: a cost-model option "
+         lambda p, s: "float8 training (torchao's float8 linears) needs CUDA's scaled matmul: the executor runs it "
+                      "on CUDA without TP and with the tensorwise recipe (executor.float8); a cost-model option "
                       "here"),
     Rule("MLA", True, lambda b, s: np.full(np.shape(b.pp), s.mla is not None),
          lambda p, s: f"{s.name}: the executor has no multi-head latent attention"),

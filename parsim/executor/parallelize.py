@@ -15,6 +15,7 @@ of cp x tp (etp = 1) and the MoE runs as ``model.MoE._tp_forward`` describes.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from torch import nn
@@ -23,11 +24,14 @@ from ..errors import ParsimError
 from ..plan import AXES, Plan, parse_ac
 
 
-def check_executable(plan: Plan, spec=None) -> None:
+def check_executable(plan: Plan, spec=None, device_type: str = "cpu") -> None:
     """Plans the executor cannot run (the codec's executor rules): one clear error before any process group is
-    touched."""
+    touched. On CUDA without TP float8 runs (``executor.float8``: torchao's tensorwise linears on CUDA's scaled
+    matmul), which the rules refuse everywhere else."""
     from ..codec import executor_refusal
 
+    if device_type == "cuda" and plan.tp == 1 and plan.float8 and plan.float8_recipe == "tensorwise":
+        plan = dataclasses.replace(plan, float8=False)
     why = executor_refusal(plan, spec)
     if why:
         raise ParsimError(why.split(": ", 1)[1])
@@ -37,7 +41,7 @@ class Meshes:
     def __init__(self, plan: Plan, device_type: str):
         from torch.distributed.device_mesh import DeviceMesh
 
-        check_executable(plan)
+        check_executable(plan, device_type=device_type)
 
         self.plan = plan
         # ranks laid out row-major in the plan's device order (the last axis fastest), then viewed in parsim's
@@ -387,7 +391,12 @@ WRAPPER_FNS = {"tp": apply_tp, "ac": apply_ac, "compile": apply_compile, "fsdp":
 
 
 def apply_plan(model: nn.Module, plan: Plan, meshes: Meshes) -> tuple[list[nn.Module], list[int]]:
-    """Apply the plan's wrappers in its order; 'pp' splits the (possibly already wrapped) model into stages."""
+    """Apply the plan's wrappers in its order; 'pp' splits the (possibly already wrapped) model into stages.
+    float8 converts the blocks' linears first, as torchtitan's model converters run before it parallelizes."""
+    if plan.float8:
+        from .float8 import convert_to_float8
+
+        convert_to_float8(model)
     apply_ep([model], plan, meshes)
     parts, ids = [model], [0]
     for w in plan.wrapper_order:

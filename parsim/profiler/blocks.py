@@ -20,6 +20,7 @@ from ..blockshape import BlockShape, HeadShape
 # H100, llama3-8b block on 4096 tokens: 13.0 ms alone against the ~10 ms its kernels take in a 6-layer step;
 # bench/reports/gpu-acceptance, bench/gpu_dispatch.py). On CPU the host runs the kernels itself: one call.
 STEADY_CHAIN = 8
+FLOAT8_RECIPE = "tensorwise"  # what a float8 block's linears run (``executor.float8``), recorded with its times
 
 
 def steady_times(fn, reps: int, cuda: bool) -> list[float]:
@@ -41,6 +42,7 @@ def steady_times(fn, reps: int, cuda: bool) -> list[float]:
 def measure_block(shape: BlockShape, device: torch.device | None = None, reps: int = 5, warmup: int = 2,
                   threads: int | None = 1) -> dict:
     """Forward and backward seconds of one block of ``shape`` (medians of ``reps``, after ``warmup``)."""
+    from ..executor.float8 import convert_to_float8
     from ..executor.model import Block, rope_cache
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -52,6 +54,8 @@ def measure_block(shape: BlockShape, device: torch.device | None = None, reps: i
     dtype = getattr(torch, shape.dtype)
     spec = shape.local_spec()
     blk = Block(spec, 0).to(device=device, dtype=dtype)
+    if shape.float8:  # torchao's tensorwise float8 linears (a float8 block was timed in bf16 before)
+        convert_to_float8(blk)
     if shape.compile:
         # a fresh compile per shape: every block shares Block.forward's code object, and past dynamo's recompile
         # limit (8) a further shape silently runs eager (seen measuring 14 compiled shapes in one process)
@@ -78,7 +82,7 @@ def measure_block(shape: BlockShape, device: torch.device | None = None, reps: i
             "device": torch.cuda.get_device_name(device)
             if cuda else platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "wall_s": time.perf_counter() - t_start}
+            "wall_s": time.perf_counter() - t_start, **({"float8_recipe": FLOAT8_RECIPE} if shape.float8 else {})}
 
 
 def measure_head(shape: HeadShape, device: torch.device | None = None, reps: int = 5, warmup: int = 2,
@@ -127,8 +131,16 @@ def measure_shape(shape, device=None, reps: int = 5) -> dict:
     return measure_block(shape, device, reps=reps)
 
 
+def is_current(entry: dict, shape) -> bool:
+    """Whether a profile's measurement of ``shape`` was made as this profiler makes it: a float8 block measured
+    before its linears were converted (no ``float8_recipe``) was a bf16 block under a float8 key, and is measured
+    again."""
+    return not getattr(shape, "float8", False) or entry.get("float8_recipe") == FLOAT8_RECIPE
+
+
 def add_measured_blocks(hw, shapes, out_path, progress=None, device=None, reps: int = 5) -> tuple:
-    """Measure the ``shapes`` (BlockShape, HeadShape) the profile ``hw`` has no measurement of, on this device,
+    """Measure the ``shapes`` (BlockShape, HeadShape) the profile ``hw`` has no current measurement of
+    (``is_current``), on this device,
     and write the profile with them to ``out_path`` after each one (an interrupted run keeps what it measured: run
     it again and only the rest is measured). Float8 shapes off a GPU are skipped. Returns (profile, {key: wall
     seconds} of the ones measured now). ``progress(done, total, key)`` is called before each."""
@@ -138,7 +150,8 @@ def add_measured_blocks(hw, shapes, out_path, progress=None, device=None, reps: 
 
     blocks = dict(hw.measured_blocks)
     cuda = (device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
-    todo = [s for s in dict.fromkeys(shapes) if s.key not in blocks and (cuda or not getattr(s, "float8", False))]
+    todo = [s for s in dict.fromkeys(shapes)
+            if (s.key not in blocks or not is_current(blocks[s.key], s)) and (cuda or not getattr(s, "float8", False))]
     walls = {}
     for i, shape in enumerate(todo):
         if progress:
