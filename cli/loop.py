@@ -70,8 +70,12 @@ def print_calibration(out: dict) -> None:
     t.add_column("parameter")
     t.add_column("factor", justify="right")
     t.add_column("scales")
+    t.add_column("leaving a fold out", justify="right")
+    ranges, poor = out.get("fold_ranges") or {}, out.get("unidentified") or {}
     for n, f in out["factors"].items():
-        t.add_row(n, f"{f:.3f}", out["parameters"][n])
+        lo, hi = ranges.get(n, (f, f))
+        t.add_row(n, f"{f:.3f}", out["parameters"][n], f"{lo:.2f}-{hi:.2f}" + (" (poorly identified)" if n in poor
+                                                                              else ""))
     con.print(t)
     print_summary_table(con, {k: out[k] for k in ("uncalibrated", "in_sample", "out_of_fold")})
     con.print(f"90% interval: x/÷ {__import__('math').exp(out['interval_log_halfwidth']):.3f}; wrote "

@@ -266,12 +266,14 @@ def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str
     for d in dirs:
         mine = [i for i, r in enumerate(scored) if r["dir"] == d]
         atomic_write_json(Path(d) / "calibration.json", {
-            "factors": res["factors"], "interval_log_halfwidth": q, "profiles": written, "stats": stats,
+            "factors": res["factors"], "unidentified": res["unidentified"], "interval_log_halfwidth": q,
+            "profiles": written, "stats": stats,
             "rows": {scored[i]["plan_id"] + "/" + scored[i]["model"]: {
                 "out_of_fold_step_s": float(res["out_of_fold"][i]), "in_sample_step_s": float(res["in_sample"][i]),
                 "fold": int(res["folds"][i]), "fold_log_halfwidth": _finite(res["interval_fold_halfwidth"][i])}
                 for i in mine}})
     return {"factors": res["factors"], "parameters": {n: C.PARAMETERS[n][0] for n in names},
+            "fold_ranges": res["fold_ranges"], "unidentified": res["unidentified"],
             "interval_log_halfwidth": q, "n_rows": len(scored), "folds": int(max(res["folds"]) + 1),
             "profiles_written": written, **stats}
 

@@ -95,7 +95,25 @@ def test_calibration_recovers_planted_parameters():
     meas = np.array([r["measured_step_s"] for r in res["rows"]])
     assert np.max(np.abs(res["out_of_fold"] / meas - 1)) < 0.05  # noise-free: out of fold is near exact too
     assert np.max(np.abs(res["uncalibrated"] / meas - 1)) > 0.2  # and the planted change was not small
+    assert res["unidentified"] == {}  # planted and seen by every fold: each fold's fit finds them
 
+
+def test_a_parameter_the_folds_fit_apart_is_shown_poorly_identified():
+    """A factor whose fits leaving one fold out disagree by more than UNIDENTIFIED_SPREAD is decided by which rows
+    a fit sees: the calibration lists it with its range (each parameter's range is kept)."""
+    folds = [{"gemm_eff_max": 0.70, "compile_memory_factor": 0.45, "comm_interference": 1.0},
+             {"gemm_eff_max": 0.74, "compile_memory_factor": 2.0, "comm_interference": 1.1},
+             {"gemm_eff_max": 0.72, "compile_memory_factor": 1.7, "comm_interference": 0.0}]
+    assert C.unidentified(folds) == {"compile_memory_factor": [0.45, 2.0], "comm_interference": [0.0, 1.1]}
+    assert C.fold_ranges(folds)["gemm_eff_max"] == [0.70, 0.74]
+    assert C.unidentified(folds[:1]) == {}
+    hw = load_profile("cpu-gloo-2")
+    rows = _synthetic_rows(hw, {"comm_scale_dp": 1.3})
+    res = C.calibrate(rows, {hw.name: hw}, ("comm_scale_dp",), k=3)
+    lo, hi = res["fold_ranges"]["comm_scale_dp"]
+    assert lo <= res["factors"]["comm_scale_dp"] * 1.02 and hi >= res["factors"]["comm_scale_dp"] * 0.98
+    assert res["unidentified"] == {}
+    assert "compile_memory_factor" not in C.GPU_PARAMETERS and "comm_interference" not in C.GPU_PARAMETERS
 
 def test_calibrated_profile_carries_its_interval_and_provenance(tmp_path):
     hw = load_profile("cpu-gloo-2")
