@@ -102,3 +102,22 @@ def test_the_dispatch_sweep_runs_on_cpu_and_writes_each_point(tmp_path):
     assert [p["tokens"] for p in doc["points"]] == [64, 128] and not doc["errors"]
     assert all(p[f"{k}_{m}_s"] > 0 for p in doc["points"] for k in ("fwd", "fwd_bwd")
                for m in ("wall", "host", "steady"))
+
+
+def test_the_float8_compile_check_explains_both_ways_a_float8_block_runs():
+    """The acceptance script's float8 compile check (run on a GPU before the executor runs) explains a converted
+    block as a measured block runs it and as the one-GPU executor does (fp32 parameters under autocast): graphs and
+    breaks per case; here on CPU (torch's CPU _scaled_mm), where neither breaks."""
+    torch = pytest.importorskip("torch")
+    import dataclasses
+    import warnings
+
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_acceptance import float8_compile_check, setup
+
+    s = setup(True, 0, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU autocast refuses fp32 as its dtype and says so
+        cases = float8_compile_check(dataclasses.replace(s, dtype="bfloat16"), torch.device("cpu"))
+    assert [c["case"] for c in cases] == ["block dtype", "fp32 under autocast"]
+    assert all(c.get("graphs", 0) >= 1 and c["graph_breaks"] == 0 for c in cases), cases
