@@ -167,6 +167,12 @@ class HardwareProfile:
     # (arXiv 2407.08608, H100 SXM5, head dim 128) measures at 1.58-1.65x FA2 in the causal forward and 1.57-1.63x in
     # the backward from 1k to 16k keys. 1.0 where TE runs flash-attn too (before Hopper) or no figure is known.
     fused_attention_speedup: float = 1.0
+    # attention backward time per forward time at the attention curves' efficiency. 2.5, FlashAttention-2's FLOP
+    # ratio (5 matmuls to 2: Dao 2023, arXiv:2307.08691), where the curve is the kernel's forward + backward
+    # throughput (the spec sheets' published FA2 figures); a profiler fits its curve on forward times and keeps the
+    # median measured ratio here: torch's SDPA (flash), causal, bf16, 4096 / 8192 tokens: 2.96 / 2.98 on one H200,
+    # 3.06 / 3.05 on one H100; the CPU profiles' math SDPA 2.78-2.92 [measured]
+    attention_bwd_per_fwd: float = 2.5
     compile_memory_bound_factor: float = 0.5  # memory-bound time with torch.compile (fusion), fraction of eager
     comm_overlap: bool = True  # collectives run beside compute (NCCL streams); gloo on CPU blocks the rank
     samples: dict = field(default_factory=dict)  # raw measurements (or a path to them), kept for refits
@@ -215,6 +221,7 @@ class HardwareProfile:
         check_number("memory_efficiency", self.memory_efficiency, 0.0, 1.0, low_open=True)
         check_number("compile_memory_bound_factor", self.compile_memory_bound_factor, 0.0, 1.0, low_open=True)
         check_number("fused_attention_speedup", self.fused_attention_speedup, 1.0, 10.0)
+        check_number("attention_bwd_per_fwd", self.attention_bwd_per_fwd, 1.0, 20.0)
         if not isinstance(self.comm_overlap, bool):
             raise ParsimError(f"comm_overlap must be true or false, got {self.comm_overlap!r}")
         for n, kind in (("gemm_efficiency", EfficiencyCurve), ("attention_efficiency", EfficiencyCurve),

@@ -303,3 +303,27 @@ def test_row_ids_are_equal_exactly_where_rows_are():
         assert len(pairs) == len(set(ids.tolist())) == len(set(np.ravel(ref).tolist()))
         uniq, inv = unique_rows(a)
         assert np.array_equal(uniq[inv], a)
+
+
+def test_the_attention_backward_takes_the_profiles_measured_ratio():
+    """A measured profile fits its attention curve on forward times and keeps the backward's measured ratio
+    (``attention_bwd_per_fwd``: ~3 on the H100 / H200, ~2.9 in the CPU profiles); the backward's attention time is
+    the forward's times that ratio, nothing else moves. Spec sheets keep 2.5 (FA2's FLOP ratio: their curves are
+    forward + backward throughput)."""
+    import dataclasses
+
+    from parsim.codec import encode
+    from parsim.costmodel.compute import block_overheads, layer_compute_items, layer_costs
+    from parsim.costmodel.layers import Shapes
+
+    assert load_profile("h100-sxm-spec").attention_bwd_per_fwd == 2.5
+    for name in ("h100-measured", "h200-measured", "cpu-gloo-2"):
+        assert 2.7 < load_profile(name).attention_bwd_per_fwd < 3.1, name
+    spec, hw = PRESETS["llama3-8b"], load_profile("h100-sxm-spec")
+    b = encode([Plan(dp_shard=8, seq_len=8192)], hw.gpus_per_node)
+    sh = Shapes(spec, b)
+    attn = sum(it.seconds for it in layer_compute_items(spec, b, sh, hw, False) if it.kind == "attention")
+    costs = {r: layer_costs(spec, b, sh, dataclasses.replace(hw, attention_bwd_per_fwd=r), False,
+                            overheads=block_overheads(hw), compute_scale=1.0) for r in (2.5, 3.0)}
+    assert float(costs[3.0].bwd[0] - costs[2.5].bwd[0]) == pytest.approx(0.5 * float(attn[0]), rel=1e-9)
+    assert float(costs[3.0].fwd[0]) == float(costs[2.5].fwd[0])

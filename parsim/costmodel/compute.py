@@ -35,8 +35,6 @@ from .rows import unique_rows
 # [derived] AdamW reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq (fp32: 7 x 4 B),
 # plus the gradient-norm read (4 B)
 ADAMW_BYTES_PER_PARAM = 28.0 + 4.0
-# [public benchmark] FlashAttention-2 backward runs 5 matmuls to the forward's 2 (Dao 2023, arXiv:2307.08691)
-ATTENTION_BWD_PER_FWD = 2.5
 # [derived] a GEMM's backward is two GEMMs of its size (input gradient and weight gradient)
 GEMM_BWD_PER_FWD = 2.0
 # [assumed] memory-bound kernels: every non-GEMM tensor a layer saves is written once and read about twice; their
@@ -268,7 +266,7 @@ def layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, 
                 np.zeros_like(sh.T))
     ovb = overheads[1]
     fwd = (by_kind["gemm"] + by_kind["attention"] + by_kind["memory"] + by_kind["overhead"]) * compute_scale
-    bwd = (GEMM_BWD_PER_FWD * by_kind["gemm"] + by_kind["wgrad_hp"] + ATTENTION_BWD_PER_FWD * by_kind["attention"]
+    bwd = (GEMM_BWD_PER_FWD * by_kind["gemm"] + by_kind["wgrad_hp"] + hw.attention_bwd_per_fwd * by_kind["attention"]
            + MEMORY_BWD_PER_FWD * by_kind["memory"] + ovb) * compute_scale
     sac = (sac_t + by_kind["memory"] + 0.5 * by_kind["overhead"]) * compute_scale
     host = host_issue_times(hw)
