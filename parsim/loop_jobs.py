@@ -266,7 +266,8 @@ def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str
     for d in dirs:
         mine = [i for i, r in enumerate(scored) if r["dir"] == d]
         atomic_write_json(Path(d) / "calibration.json", {
-            "factors": res["factors"], "unidentified": res["unidentified"], "interval_log_halfwidth": q,
+            "factors": res["factors"], "fold_ranges": res["fold_ranges"], "unidentified": res["unidentified"],
+            "interval_log_halfwidth": q,
             "profiles": written, "stats": stats,
             "rows": {scored[i]["plan_id"] + "/" + scored[i]["model"]: {
                 "out_of_fold_step_s": float(res["out_of_fold"][i]), "in_sample_step_s": float(res["in_sample"][i]),

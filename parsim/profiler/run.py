@@ -350,8 +350,10 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
     f8_rate, f8_half, _ = fit_throughput([s["flops"] for s in f8], [s["time_s"] for s in f8]) if f8 else (0, 0, 0)
     att = [s for s in cs if s["kind"] == "attention"]
     a_rate, a_half, a_res = fit_throughput([s["flops"] for s in att], [s["time_fwd_s"] for s in att])
-    # the curve is fitted on forward times: the backward's own ratio, measured (HardwareProfile.attention_bwd_per_fwd)
-    a_bwd = float(statistics.median(s["time_bwd_s"] / s["time_fwd_s"] for s in att)) if att else 2.5
+    # the curve is fitted on forward times: the backward's own ratio, measured (HardwareProfile.attention_bwd_per_fwd;
+    # its default where nothing was measured)
+    a_bwd = {"attention_bwd_per_fwd": float(statistics.median(s["time_bwd_s"] / s["time_fwd_s"] for s in att))
+             } if att else {}
     mem = [s for s in cs if s["kind"] == "elementwise"]
     bw, _, m_res = fit_throughput([s["bytes"] for s in mem], [s["time_s"] for s in mem])
     world = coll["world_size"]
@@ -388,7 +390,7 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
         gpus_per_node=nproc_per_node if dev.type == "cpu" else torch.cuda.device_count(), n_nodes=n_nodes,
         memory_bytes=per_rank_mem, memory_reserved_bytes=min(0.05 * per_rank_mem, 2**30), peak_flops=peak,
         memory_bandwidth_bytes_per_s=bw, gemm_efficiency=EfficiencyCurve(1.0, x_half),
-        attention_efficiency=EfficiencyCurve(1.0, a_half), memory_efficiency=1.0, attention_bwd_per_fwd=a_bwd,
+        attention_efficiency=EfficiencyCurve(1.0, a_half), memory_efficiency=1.0, **a_bwd,
         float8_gemm_efficiency=EfficiencyCurve(1.0, f8_half) if f8 else None,
         topology=Topology(intra_node_busbw_bytes_per_s=intra, inter_node_bytes_per_s_per_gpu=nic_rate,
                           intra_latency_s=float(sorted(lat)[len(lat) // 2]) if lat else 1e-4,
