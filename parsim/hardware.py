@@ -402,6 +402,23 @@ def _sub(cls, d, where: str):
         raise ParsimError(f"{where}: {e}") from None
 
 
+# GPU architecture by the marketing names in ``device_name`` (NVIDIA's data-center parts): what a calibration
+# factor of one architecture applies to (``calibrate.ARCH_PARAMETERS``)
+GPU_ARCHITECTURES = (("ampere", ("A100", "A800")), ("hopper", ("H100", "H200", "H800", "H20", "GH200")),
+                     ("blackwell", ("B100", "B200", "GB200", "B300")))
+
+
+def gpu_architecture(device_name: str) -> str | None:
+    """The architecture of a profile's device (``GPU_ARCHITECTURES``), None for a CPU or an unknown part."""
+    import re
+
+    words = set(re.findall(r"[A-Z]+\d+", device_name.upper()))
+    for arch, names in GPU_ARCHITECTURES:
+        if words & set(names):
+            return arch
+    return None
+
+
 def profile_write_dir() -> Path:
     """Where ``profile --out NAME`` and ``calibrate`` write profiles by name: ``$PARSIM_PROFILES_DIR`` when set; in a
     source checkout (the packaged folder sits beside a pyproject.toml: an editable install) the repository's

@@ -217,6 +217,20 @@ def test_explain_factors_rebuild_the_printed_numbers():
         "factors"]}
     assert cpu["compute_scale"]["value"] == 2.0 and cpu["compute_scale"]["source"].startswith("measured")
     assert cpu["comm_overlap"]["value"] is False
+    # on an A100 the GEMM factor printed is the one applied: the common factor x Ampere's own ratio; a Triton
+    # attention plan shows the kernel's slowdown with its fitted factor
+    a100 = load_profile("a100-sxm-80gb-spec-cal")
+    fac = a100.calibration["factors"]
+    af = {x["name"]: x for x in explain(PRESETS["llama3-8b"], Plan(dp_shard=8, seq_len=4096,
+                                                                   attention_kernel="triton"), a100)["factors"]}
+    applied = fac["gemm_eff_max"] * fac["gemm_eff_max_ampere"]
+    assert f"x{applied:.3g} on the profile's value, gemm_eff_max_ampere" in af["gemm_efficiency (eff_max, x_half)"][
+        "source"]
+    assert af["gemm_efficiency (eff_max, x_half)"]["value"][0] == pytest.approx(
+        load_profile("a100-sxm-80gb-spec").gemm_efficiency.eff_max * applied)
+    tri = af["Triton FlashAttention slowdown"]
+    assert tri["value"] == pytest.approx(1.8 * fac["triton_attention"])
+    assert tri["source"].startswith("fitted by parsim calibrate")
 
 
 def test_explain_prints_bracketed_names():

@@ -181,6 +181,16 @@ def test_triton_attention_kernel_runs_at_flashattention2s_time_times_the_publish
     assert all(np.allclose(i.seconds[0], i.seconds[1]) for n, i in items.items() if n != "attention (causal)")
     slow, fast = (predict(spec, p, hw).step_time_s for p in plans[::-1])
     assert slow > fast
+    # a calibrated profile's triton factor scales that kernel's time only (the FA2 plan keeps its time)
+    from parsim.calibrate import PARAMETERS, apply
+
+    cal = apply(hw, {"triton_attention": 0.8})
+    att_cal = {i.name: i for i in layer_compute_items(spec, b, Shapes(spec, b), cal, False)}[
+        "attention (causal)"].seconds
+    assert att_cal[0] == pytest.approx(att[0])
+    assert att_cal[1] == pytest.approx(att[0] * TRITON_ATTENTION_SLOWDOWN * 0.8)
+    lo, hi = PARAMETERS["triton_attention"][1:]
+    assert lo * TRITON_ATTENTION_SLOWDOWN == pytest.approx(1.3) and hi * TRITON_ATTENTION_SLOWDOWN == pytest.approx(2.5)
 
 
 def test_interleaved_rows_without_a_virtual_stage_count_are_predicted_with_the_frameworks_default():

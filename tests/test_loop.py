@@ -115,6 +115,25 @@ def test_a_parameter_the_folds_fit_apart_is_shown_poorly_identified():
     assert res["unidentified"] == {}
     assert "compile_memory_factor" not in C.GPU_PARAMETERS and "comm_interference" not in C.GPU_PARAMETERS
 
+def test_an_architectures_gemm_factor_applies_to_that_architecture_only():
+    """``gemm_eff_max_ampere`` multiplies the GEMM factor on A100 profiles; Hopper, Blackwell and CPU profiles keep
+    ``gemm_eff_max`` alone, and without Ampere rows the ratio has nothing to move it from 1 (the prior)."""
+    from parsim.hardware import gpu_architecture
+
+    factors = {"gemm_eff_max": 0.7, "gemm_eff_max_ampere": 1.1}
+    for name, arch in (("a100-sxm-80gb-spec", "ampere"), ("h100-sxm-spec", "hopper"), ("h200-spec", "hopper"),
+                       ("b200-spec", "blackwell"), ("cpu-gloo-2", None)):
+        hw = load_profile(name)
+        assert gpu_architecture(hw.device_name) == arch
+        expect = min(1.0, hw.gemm_efficiency.eff_max * 0.7 * (1.1 if arch == "ampere" else 1.0))
+        assert C.apply(hw, factors).gemm_efficiency.eff_max == pytest.approx(expect)
+    hw = load_profile("cpu-gloo-2")
+    rows = _synthetic_rows(hw, {"gemm_eff_max": 0.8})
+    res = C.calibrate(rows, {hw.name: hw}, ("gemm_eff_max", "gemm_eff_max_ampere"), k=3)
+    assert res["factors"]["gemm_eff_max"] == pytest.approx(0.8, rel=0.05)
+    assert res["factors"]["gemm_eff_max_ampere"] == pytest.approx(1.0, abs=0.01)
+
+
 def test_calibrated_profile_carries_its_interval_and_provenance(tmp_path):
     hw = load_profile("cpu-gloo-2")
     rows = _synthetic_rows(hw, {"comm_scale_dp": 1.3})

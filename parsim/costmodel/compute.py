@@ -169,7 +169,8 @@ def _attention_item(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfi
     0.55, slowed Megatron-Bridge's TE rows by 15% of their step time]. Where the speedup is 1 (A100: TE runs
     FlashAttention there) the kernel is the same and the factor stays. Plans on the Triton FlashAttention kernel
     (``attention_kernel`` triton: llm-foundry's MPT runs) take FlashAttention-2's time x TRITON_ATTENTION_SLOWDOWN
-    (the FlashAttention-2 paper's comparison of the two kernels)."""
+    (the FlashAttention-2 paper's comparison of the two kernels) x the calibrated profile's
+    ``corrections.triton_attention_factor`` (fitted by ``parsim calibrate`` within the paper's range)."""
     a_flops = attention_flops(spec, sh)
     if hw.attention_keys_efficiency is None:
         eff, t = hw.attention_efficiency(a_flops), hw.attention_efficiency.time_s(a_flops, peak)
@@ -181,7 +182,8 @@ def _attention_item(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfi
         speedup = speedup / float(hw.corrections.get("flash_attention_factor", 1.0))
     boost = np.where(b.te_layers, np.minimum(speedup, 1.0 / np.maximum(eff, 1e-12)), 1.0)
     # the Triton FlashAttention kernel (``attention_kernel`` triton) at FlashAttention-2's speed / 1.8
-    boost = boost / np.where(b.attention_kernel == ATTENTION_KERNEL_CODES["triton"], TRITON_ATTENTION_SLOWDOWN, 1.0)
+    triton = TRITON_ATTENTION_SLOWDOWN * float(hw.corrections.get("triton_attention_factor", 1.0))
+    boost = boost / np.where(b.attention_kernel == ATTENTION_KERNEL_CODES["triton"], triton, 1.0)
     return ComputeItem("attention (causal)", "attention", a_flops, eff * boost, t / boost, False)
 
 

@@ -10,12 +10,18 @@ import numpy as np
 
 from ..blockshape import plan_block_shapes, plan_head_shape
 from ..codec import canonical_axes, canonical_key
-from ..hardware import EfficiencyCurve, HardwareProfile
+from ..hardware import EfficiencyCurve, HardwareProfile, gpu_architecture
 from ..plan import Plan
 from ..results import Prediction
 from ..spec import ModelSpec
 from .comm import AXIS_CLASS, axis_class_scale
-from .compute import ADAMW_BYTES_PER_PARAM, block_overheads, host_issue_times, layer_compute_items
+from .compute import (
+    ADAMW_BYTES_PER_PARAM,
+    TRITON_ATTENTION_SLOWDOWN,
+    block_overheads,
+    host_issue_times,
+    layer_compute_items,
+)
 from .layers import FIRST, LAST, Shapes, inflight, kept_by_ac_mode, local_experts, saved_tensors
 from .step import evaluate_one, prediction_from, stage_rank
 
@@ -102,7 +108,13 @@ def _source(hw: HardwareProfile, key: str, calibrated: str | None = None) -> str
     fitted = hw.calibration.get("factors", {}) if isinstance(hw.calibration, dict) else {}
     if calibrated is not None and calibrated in fitted:
         cal = hw.calibration
-        return (f"fitted by parsim calibrate (x{float(fitted[calibrated]):.3g} on the profile's value; "
+        factor, arch = float(fitted[calibrated]), gpu_architecture(hw.device_name)
+        mine = f"{calibrated}_{arch}"  # an architecture's own ratio (calibrate.ARCH_PARAMETERS)
+        where = ""
+        if arch is not None and mine in fitted:
+            factor *= float(fitted[mine])
+            where = f", {mine} x{float(fitted[mine]):.3g} included"
+        return (f"fitted by parsim calibrate (x{factor:.3g} on the profile's value{where}; "
                 f"{cal.get('n_rows', '?')} rows, {str(cal.get('date', ''))[:10]})")
     if key == "default":
         return "default: not in the profile"
@@ -163,6 +175,12 @@ def _compute_factors(plan: Plan, hw: HardwareProfile) -> list[dict]:
         rows.append(_row("compile_memory_bound_factor", hw.compile_memory_bound_factor,
                          "memory-bound time under torch.compile (x)",
                          _source(hw, "compile_memory_bound_factor", "compile_memory_factor")))
+    if plan.attention_kernel == "triton":
+        tri = TRITON_ATTENTION_SLOWDOWN * float(hw.corrections.get("triton_attention_factor", 1.0))
+        rows.append(_row("Triton FlashAttention slowdown", tri,
+                         "attention time on the Triton FlashAttention kernel over FlashAttention-2's (x)",
+                         _source(hw, "default", "triton_attention") if "triton_attention_factor" in hw.corrections
+                         else "TRITON_ATTENTION_SLOWDOWN (the FlashAttention-2 paper's 1.3-2.5x, its middle)"))
     if plan.te_layers:
         rows.append(_row("fused_attention_speedup", hw.fused_attention_speedup,
                          "attention under Transformer Engine layers (efficiency x, capped at 1; over the spec-sheet "
