@@ -13,6 +13,10 @@ sequence, dtype and compile. What a shape does not capture is named, and such pl
 * a MoE block is measured with its local experts (n_experts / ep) and the full top-k, so each local expert gets
   the tokens it gets under EP (T * ep * k / E); the router is sized for the local experts (d x E/ep instead of
   d x E: a few per cent of the block's smallest GEMM); top-k above the local experts (ep > E / k) is not measured;
+* EP with whole experts under TP (etp = 1): each TP rank routes a contiguous 1/tp of the tokens
+  (``executor.model.MoE._tp_forward``, torchtitan's ReordererSequenceParallel), so the block is measured with its
+  router and routed experts on T / tp tokens (``moe_token_div`` = tp) and its attention and shared experts on all
+  T, as the rank runs them;
 * float8 needs a GPU with float8 GEMMs (the profiler refuses it elsewhere); AC and the recompute it adds are the
   cost model's (recompute = forward for full AC, its selective share for per-op AC), from the measured forward.
 """
@@ -44,19 +48,31 @@ class BlockShape:
     norm: str
     qk_norm: bool
     bias: bool
+    moe_token_div: int = 1  # the routed experts take 1/this of the tokens (EP with whole experts under TP)
+
+    def __post_init__(self):
+        if self.moe_token_div < 1 or (self.moe_token_div > 1 and not self.moe):
+            raise ValueError(f"moe_token_div {self.moe_token_div} needs a MoE block and >= 1")
 
     @property
     def key(self) -> str:
-        return "|".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in asdict(self).items())
+        # (moe_token_div at 1 is left out: the keys of every block measured before it existed stay valid)
+        d = asdict(self)
+        if d["moe_token_div"] == 1:
+            del d["moe_token_div"]
+        return "|".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in d.items())
 
     @property
     def moe(self) -> bool:
         return self.n_experts > 0
 
     def local_spec(self) -> ModelSpec:
-        """A one-layer model with these widths: the block the profiler builds and times."""
+        """A one-layer model with these widths: the block the profiler builds and times. Shared experts whose
+        width on the rank is not a whole number of expert widths (one shared expert under TP) are one expert
+        width more here (a ``MoESpec`` counts them in experts); the profiler builds them at ``d_ff_shared``
+        exactly (``profiler.blocks.measure_block``), and only a stand-in's composed ratio reads this spec."""
         moe = (MoESpec(n_experts=self.n_experts, top_k=self.top_k, d_ff_expert=self.d_ff_expert,
-                       n_shared_experts=self.d_ff_shared // self.d_ff_expert) if self.moe else None)
+                       n_shared_experts=-(-self.d_ff_shared // self.d_ff_expert)) if self.moe else None)
         return ModelSpec(name=f"block:{self.key}", n_layers=1, d_model=self.d_model, n_heads=self.n_heads,
                          n_kv_heads=self.n_kv_heads, d_ff=max(self.d_ff, 1), vocab_size=2,
                          head_dim=self.head_dim, mlp=self.mlp, norm=self.norm, qk_norm=self.qk_norm, bias=self.bias,
@@ -73,15 +89,18 @@ def block_shape(spec: ModelSpec, moe: bool, *, tp: int, ep: int, etp: int, micro
     if spec.n_heads % tp or spec.n_kv_heads % tp:
         return None
     d_ff = d_ff_expert = d_ff_shared = n_experts = top_k = 0
+    token_div = 1
     if moe:
         m = spec.moe
         if m is None or m.n_experts % ep or m.top_k > m.n_experts // ep or m.d_ff_expert % etp:
             return None
-        if tp > 1 and etp == 1:  # EP with whole experts under TP: each TP rank routes 1/tp of the tokens
+        # EP with whole experts under TP: each TP rank routes 1/tp of the tokens
+        token_div = tp if tp > 1 and etp == 1 else 1
+        if (micro_batch * seq_len) % token_div:
             return None
         n_experts, top_k, d_ff_expert = m.n_experts // ep, m.top_k, m.d_ff_expert // etp
         shared = m.n_shared_experts * m.d_ff_expert  # the executor's shared experts: one FFN this wide
-        if shared % tp or (shared // tp) % d_ff_expert:  # built as whole local experts' widths
+        if shared % tp:
             return None
         d_ff_shared = shared // tp
     else:
@@ -92,7 +111,7 @@ def block_shape(spec: ModelSpec, moe: bool, *, tp: int, ep: int, etp: int, micro
                       head_dim=spec.head_dim, d_ff=d_ff, n_experts=n_experts, top_k=top_k, d_ff_expert=d_ff_expert,
                       d_ff_shared=d_ff_shared, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype,
                       compile=compile, float8=float8, mlp=spec.mlp, norm=spec.norm, qk_norm=spec.qk_norm,
-                      bias=spec.bias)
+                      bias=spec.bias, moe_token_div=token_div)
 
 
 def plan_block_shapes(spec: ModelSpec, plan) -> dict[str, BlockShape | None]:

@@ -46,8 +46,9 @@ def block_forward_flops(shape: BlockShape) -> float:
     mats = 3 if shape.mlp == "swiglu" else 2
     if shape.moe:
         # (routed experts are SwiGLU whatever the model's MLP: ``ModelSpec.routed_expert_matrices``)
-        mlp = 2 * tokens * shape.d_model * (3 * shape.top_k * shape.d_ff_expert + mats * shape.d_ff_shared)
-        mlp += 2 * tokens * shape.d_model * shape.n_experts
+        routed = tokens // shape.moe_token_div  # (EP with whole experts under TP: the rank's share of the tokens)
+        mlp = 2 * routed * shape.d_model * (3 * shape.top_k * shape.d_ff_expert + shape.n_experts)
+        mlp += 2 * tokens * shape.d_model * mats * shape.d_ff_shared
     else:
         mlp = 2 * tokens * shape.d_model * mats * shape.d_ff
     return float(proj + sdpa + mlp)

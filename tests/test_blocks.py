@@ -26,8 +26,16 @@ def test_local_shapes_follow_tp_ep_etp_and_refuse_what_one_block_cannot_stand_fo
     mix = PRESETS["mixtral-8x7b"]
     m = plan_block_shapes(mix, Plan(dp_shard=8, ep=4, seq_len=4096))["moe"]
     assert (m.n_experts, m.top_k, m.d_ff_expert) == (2, 2, 14336)
-    assert block_shape(mix, True, tp=2, ep=2, etp=1, micro_batch=1, seq_len=4096, cp=1, dtype="bfloat16",
-                       compile=False, float8=False) is None  # whole experts under TP route 1/tp of the tokens
+    # whole experts under TP: each TP rank routes 1/tp of the tokens (the executor's MoE._tp_forward); the keys of
+    # blocks without the split are the keys measured before the field existed
+    w = block_shape(mix, True, tp=2, ep=2, etp=1, micro_batch=1, seq_len=4096, cp=1, dtype="bfloat16",
+                    compile=False, float8=False)
+    assert (w.moe_token_div, w.n_experts, w.n_heads, w.d_ff_expert) == (2, 4, 16, 14336)
+    assert "moe_token_div=2" in w.key and "moe_token_div" not in m.key
+    assert block_shape(mix, True, tp=2, ep=2, etp=1, micro_batch=1, seq_len=4095, cp=1, dtype="bfloat16",
+                       compile=False, float8=False) is None  # tokens the split would leave uneven
+    assert block_shape(mix, True, tp=2, ep=1, etp=2, micro_batch=1, seq_len=4096, cp=1, dtype="bfloat16",
+                       compile=False, float8=False).moe_token_div == 1  # TP-sharded experts see every token
     assert plan_block_shapes(PRESETS["deepseek-v3"], Plan(dp_shard=64, seq_len=4096))["dense"] is None  # MLA
     keys = {dataclasses.replace(s, **kw).key for kw in ({}, {"compile": False}, {"dtype": "float32"},
                                                          {"micro_batch": 1})}
@@ -272,3 +280,24 @@ def test_the_executor_runs_float8_on_cuda_without_tp_only():
     for other in (dataclasses.replace(plan, dp_shard=1, tp=2), dataclasses.replace(plan, float8_recipe="rowwise")):
         with pytest.raises(ParsimError, match="scaled matmul"):
             check_executable(other, device_type="cuda")
+
+
+def test_the_profiler_measures_a_moe_block_on_its_ranks_share_of_the_tokens():
+    """EP with whole experts under TP: the routed experts run on T / tp tokens, attention on all T; the block's
+    forward FLOPs (the stand-in budget's measure) count the router and routed experts on the share only."""
+    pytest.importorskip("torch")
+    from parsim.profiler.blocks import measure_block
+    from parsim.remeasure import block_forward_flops
+
+    spec = load_model("tiny-moe")
+    plan = Plan(dp_shard=1, tp=2, ep=2, etp=1, seq_len=64, local_batch_size=2, param_dtype="float32")
+    shape = plan_block_shapes(spec, plan)["moe"]
+    assert shape is not None and shape.moe_token_div == 2
+    whole = dataclasses.replace(shape, moe_token_div=1)
+    tokens = shape.micro_batch * shape.seq_len
+    routed_flops = 2 * tokens * shape.d_model * (3 * shape.top_k * shape.d_ff_expert + shape.n_experts)
+    assert block_forward_flops(whole) - block_forward_flops(shape) == pytest.approx(routed_flops / 2)
+    m = measure_block(shape, reps=2, warmup=1)
+    assert m["fwd_s"] > 0 and m["bwd_s"] > 0
+    with pytest.raises(ValueError, match="moe_token_div"):
+        dataclasses.replace(plan_block_shapes(load_model("tiny"), Plan(seq_len=64))["dense"], moe_token_div=2)

@@ -39,6 +39,29 @@ def steady_times(fn, reps: int, cuda: bool) -> list[float]:
     return out
 
 
+class _TokenShareBlock(torch.nn.Module):
+    """A MoE block as one rank of EP with whole experts under TP runs it (``blockshape.BlockShape.moe_token_div``,
+    ``executor.model.MoE._tp_forward``): attention, the norm before the experts and the shared experts over all
+    T tokens (the norm runs over T / tp under sequence parallel: as for every block, measured without SP), the
+    router, the routed experts and the residual over the rank's contiguous T / div. Collectives are not in it
+    (the cost model's)."""
+
+    def __init__(self, blk, div: int):
+        super().__init__()
+        self.blk, self.div = blk, div
+
+    def forward(self, x, rope):
+        blk = self.blk
+        h = x + blk.attention(blk.attention_norm(x), rope)
+        d = h.shape[-1]
+        n = h.shape[0] * h.shape[1] // self.div
+        hn = blk.ffn_norm(h)
+        y = h.reshape(-1, d)[:n] + blk.moe._routed(hn.reshape(-1, d)[:n], blk.moe.router.weight)
+        if blk.moe.shared_experts is not None:
+            y = y + blk.moe.shared_experts(hn).reshape(-1, d)[:n]
+        return y
+
+
 def measure_block(shape: BlockShape, device: torch.device | None = None, reps: int = 5, warmup: int = 2,
                   threads: int | None = 1) -> dict:
     """Forward and backward seconds of one block of ``shape`` (medians of ``reps``, after ``warmup``)."""
@@ -53,13 +76,20 @@ def measure_block(shape: BlockShape, device: torch.device | None = None, reps: i
         torch.set_num_threads(threads)
     dtype = getattr(torch, shape.dtype)
     spec = shape.local_spec()
-    blk = Block(spec, 0).to(device=device, dtype=dtype)
+    blk = Block(spec, 0)
+    if shape.moe and shape.d_ff_shared:  # the shared experts at their exact width on the rank (local_spec)
+        from ..executor.model import FeedForward
+
+        blk.moe.shared_experts = FeedForward(spec, shape.d_ff_shared)
+    blk = blk.to(device=device, dtype=dtype)
     if shape.float8:  # torchao's tensorwise float8 linears (a float8 block was timed in bf16 before)
         convert_to_float8(blk)
     if shape.compile:
         # a fresh compile per shape: every block shares Block.forward's code object, and past dynamo's recompile
         # limit (8) a further shape silently runs eager (seen measuring 14 compiled shapes in one process)
         torch._dynamo.reset()
+    if shape.moe_token_div > 1:
+        blk = _TokenShareBlock(blk, shape.moe_token_div)
     run = torch.compile(blk) if shape.compile else blk
     rope = rope_cache(spec.head_dim, shape.seq_len).to(device)
     x = torch.randn(shape.micro_batch, shape.seq_len, spec.d_model, device=device, dtype=dtype, requires_grad=True)
