@@ -242,7 +242,8 @@ def _schedule_factors(plan: Plan, hw: HardwareProfile, b) -> list[dict]:
         rows.append(_row("optimizer step: bytes per parameter at the memory-bound bandwidth", ADAMW_BYTES_PER_PARAM,
                          "the optimizer step (AdamW traffic / (bandwidth x memory_efficiency))", "derived"))
     for key, what in (("fsdp_unit", "framework_fsdp: per FSDP reduce-scatter call"),
-                      ("tp_block", "framework_tp: per TP block and microbatch")):
+                      ("tp_block", "framework_tp: per TP block and microbatch"),
+                      ("ep_block", "framework_ep: per MoE block and microbatch under EP")):
         if f"{key}_fixed_s" in c:
             rows.append(_row(f"{key}: fixed s, s per byte", [float(c[f"{key}_fixed_s"]),
                              float(c[f"{key}_s_per_byte"])], what + " (x compute_scale)",

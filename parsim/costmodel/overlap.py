@@ -24,7 +24,8 @@ def async_tp_exposed_fraction(b: PlanBatch, hw: HardwareProfile, tp_s, gemm_s) -
     return np.where(b.async_tp, frac, 1.0)
 
 
-def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledger, n_layers, M) -> dict:
+def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledger, n_layers, M,
+                        n_moe_layers=0) -> dict:
     """What FSDP2 and DTensor TP spend beside their collectives and the blocks' compute, from the profile's
     measured quantities (``profiler.frameworks``: a wrapped block stack minus its unwrapped twin issuing the same
     collectives, on 2 ranks; ``fit.fit_framework_overheads``) [measured]:
@@ -35,7 +36,11 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
       expert FSDP) and, where the shard group is 1 (replicate only), the all-reduces of the whole unit;
     * ``framework_tp`` = layers x microbatches x (``tp_block_fixed_s`` + ``tp_block_s_per_byte`` x one gathered
       activation, micro batch x sequence / cp x d_model x param bytes) where tp > 1: DTensor dispatch and
-      redistribution per block, forward + backward (AC's recompute not included).
+      redistribution per block, forward + backward (AC's recompute not included);
+    * ``framework_ep`` = MoE layers x microbatches x (``ep_block_fixed_s`` + ``ep_block_s_per_byte`` x the rank's
+      routed rows, micro batch x sequence / cp (/ tp where whole experts sit under TP: the rank routes its share)
+      x top_k x d_model x param bytes) where ep > 1: the routing counts read on the host, the permutations around
+      the all-to-alls and their autograd, forward + backward.
 
     CPU work, so ranks sharing cores stretch it like compute (``compute_scale``). Profiles without the quantities
     (spec sheets, profiles measured before) add nothing and keep their breakdown keys."""
@@ -61,6 +66,12 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
         act = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) * float(spec.d_model) * b.param_bytes
         per_block = float(c["tp_block_fixed_s"]) + float(c["tp_block_s_per_byte"]) * act
         out["framework_tp"] = np.where(b.tp > 1, n_layers * M * per_block, 0.0) * scale
+    if "ep_block_fixed_s" in c and spec.moe is not None:
+        share = np.where((b.tp > 1) & (b.etp_eff == 1), b.tp, 1)
+        rows = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) / share * spec.moe.top_k
+        per_block = float(c["ep_block_fixed_s"]) + float(c["ep_block_s_per_byte"]) * rows * spec.d_model * \
+            b.param_bytes
+        out["framework_ep"] = np.where(b.ep > 1, n_moe_layers * M * per_block, 0.0) * scale
     return out
 
 

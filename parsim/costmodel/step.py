@@ -221,7 +221,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     for axis, tt in cm.ledger.exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
         tb["comm_" + axis] = tt
     tb["comm_interference"] = interference(hw, cm.ledger)
-    tb.update(framework_overheads(spec, b, hw, cm.ledger, rv.n_layers, M))
+    tb.update(framework_overheads(spec, b, hw, cm.ledger, rv.n_layers, M, rv.n_of.get(True, 0)))
     return RankStep(step_s=sum(tb.values()), time_breakdown_s=tb, ledger=cm.ledger,
                     peak=rank_peak(b, sh, hw, rv, c, phases) if phases is not None else None)
 

@@ -1,6 +1,7 @@
-"""Framework overhead, measured: what FSDP2 and DTensor tensor parallelism spend beside their collectives and
-the blocks' own compute (hooks, copy-in / copy-out of the flat all-gather buffers, the gradient chunk-cat,
-DTensor dispatch and redistribution bookkeeping). One process per rank under torchrun, 2 ranks:
+"""Framework overhead, measured: what FSDP2, DTensor tensor parallelism and expert parallelism spend beside their
+collectives and the blocks' own compute (hooks, copy-in / copy-out of the flat all-gather buffers, the gradient
+chunk-cat, DTensor dispatch and redistribution bookkeeping; EP's routing bookkeeping: the counts read on the host,
+the token permutations around the all-to-alls, their autograd). One process per rank under torchrun, 2 ranks:
 
     torchrun --nproc-per-node 2 -m parsim.profiler.frameworks --out samples.json
 
@@ -10,6 +11,8 @@ both alike:
 
 * the framework form, wrapped by the executor's own ``apply_fsdp`` (dp_shard = 2, reshard after forward
   ``default`` and ``never``) or ``apply_tp`` (tp = 2, sequence parallel);
+* for EP, MoE blocks under the executor's ``apply_ep`` (ep = 2, dp2ep) against the blocks holding only the
+  rank's experts, issuing the all-to-alls of balanced routing explicitly (``_ep_pair``);
 * its twin: the same blocks unwrapped (under TP at the local widths: half the heads and the FFN) issuing the
   same collectives explicitly, same ops, same bytes (FSDP: an all-gather of the unit per unshard and a
   reduce-scatter of its gradient; TP + SP: per block an all-gather and a reduce-scatter of the activations
@@ -35,6 +38,7 @@ from ..procs import die_with_parent
 
 WIDTHS = (128, 256, 512)  # d_model of the probe blocks: FSDP units of 0.8, 3.1 and 12.6 MB in float32
 TP_SEQ = 256  # TP probes: gathered activations of 0.13, 0.26 and 0.52 MB in float32
+EP_EXPERTS, EP_TOP_K = 8, 2  # EP probes: 8 experts, top 2, over the world; routed rows of 64 x 2 tokens
 
 
 def _cuda() -> bool:
@@ -143,6 +147,56 @@ def _tp_pair(d_model, layers, seq, dtype, dev):
     return framework, twin, full.numel() * dtype.itemsize, 0
 
 
+def _moe_spec(d_model: int, layers: int, n_experts: int):
+    from ..spec import ModelSpec, MoESpec
+
+    return ModelSpec(name=f"moeprobe{d_model}", n_layers=layers, d_model=d_model, n_heads=8, n_kv_heads=4,
+                     d_ff=d_model, vocab_size=128, head_dim=d_model // 8,
+                     moe=MoESpec(n_experts=n_experts, top_k=EP_TOP_K, d_ff_expert=d_model))
+
+
+def _ep_pair(d_model, layers, seq, dtype, dev):
+    """(framework step, twin step, routed bytes per rank and block, 0): expert parallelism over the world
+    (dp2ep, the executor's ``apply_ep`` and ``MoE._ep_forward``) against the same blocks holding the rank's local
+    experts only, issuing the same all-to-alls explicitly at the balanced sizes (per block forward: the counts'
+    exchange, the dispatch and the combine of tokens x top_k rows; backward: the two token all-to-alls again)."""
+    from ..executor.model import rope_cache
+    from ..executor.parallelize import Meshes, apply_ep
+    from ..plan import Plan
+
+    world = dist.get_world_size()
+    plan = Plan(dp_shard=world, ep=world, seq_len=seq, local_batch_size=1,
+                param_dtype=str(dtype).removeprefix("torch."), reduce_dtype=str(dtype).removeprefix("torch."))
+    spec = _moe_spec(d_model, layers, EP_EXPERTS)
+    wrapped = _Stack(spec).to(dev, dtype)
+    apply_ep([wrapped], plan, Meshes(plan, dev.type))
+    plain = _Stack(_moe_spec(d_model, layers, EP_EXPERTS // world)).to(dev, dtype)
+    rope = rope_cache(spec.head_dim, seq).to(dev)
+    x = torch.randn(1, seq, d_model, device=dev, dtype=dtype, requires_grad=True)
+    rows = seq * EP_TOP_K
+    send, recv = (torch.zeros(rows * d_model, device=dev, dtype=dtype) for _ in range(2))
+    c_send = torch.zeros(world * (EP_EXPERTS // world), device=dev, dtype=torch.int64)
+    c_recv = torch.empty_like(c_send)
+
+    def framework():
+        wrapped(x, rope).sum().backward()
+
+    def twin():
+        h = x
+        for blk in plain.layers.values():
+            dist.all_to_all_single(c_recv, c_send)
+            c_recv.tolist()  # the executor reads the counts on the host
+            for _ in range(2):  # dispatch, combine
+                dist.all_to_all_single(recv, send)
+            h = blk(h, rope)
+        h.sum().backward()
+        for _ in plain.layers:  # their mirrors in backward
+            for _ in range(2):
+                dist.all_to_all_single(recv, send)
+
+    return framework, twin, rows * d_model * dtype.itemsize, 0
+
+
 def _time_pair(framework, twin, reps: int, warmup: int, sync) -> tuple[list[float], list[float]]:
     def once(fn):
         sync()
@@ -171,12 +225,14 @@ def measure(widths=WIDTHS, layers: int = 6, seq: int = 64, reps: int = 15, warmu
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     out = []
     for d in widths:
-        probes = [("fsdp", "default"), ("fsdp", "never"), ("tp", "")]
+        probes = [("fsdp", "default"), ("fsdp", "never"), ("tp", ""), ("ep", "")]
         for kind, raf in probes:
             if kind == "fsdp":
                 fw, tw, nbytes, calls = _fsdp_pair(d, layers, seq, dtype, dev, raf)
-            else:
+            elif kind == "tp":
                 fw, tw, nbytes, calls = _tp_pair(d, layers, TP_SEQ, dtype, dev)
+            else:
+                fw, tw, nbytes, calls = _ep_pair(d, layers, seq, dtype, dev)
             tf, tt = _time_pair(fw, tw, reps, warmup, sync)
             mf, mt = statistics.median(tf), statistics.median(tt)
             out.append({"kind": kind, "reshard_after_forward": raf, "d_model": d, "layers": layers,

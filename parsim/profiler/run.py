@@ -185,7 +185,7 @@ def run_framework_probe(out: Path, device: str | None, timeout_s: float, quick: 
 
 def with_framework_samples(hw: HardwareProfile, fw: dict) -> HardwareProfile:
     """The profile with the probe's raw samples (``samples.frameworks``) and the quantities fitted from them
-    (``corrections``: fsdp_unit_*, tp_block_*; see ``fit.fit_framework_overheads``)."""
+    (``corrections``: fsdp_unit_*, tp_block_*, ep_block_*; see ``fit.fit_framework_overheads``)."""
     import dataclasses
 
     from .fit import fit_framework_overheads
