@@ -38,7 +38,7 @@ from .codec import encode
 from .costmodel.compute import block_overheads
 from .costmodel.step import evaluate
 from .errors import ParsimError
-from .hardware import EfficiencyCurve, HardwareProfile, gpu_architecture
+from .hardware import ARCH_FACTORS, EfficiencyCurve, HardwareProfile, arch_factor_names
 from .plan import Plan, interval_group
 from .spec import ModelSpec, load_model
 
@@ -82,7 +82,7 @@ DEFAULT_PARAMETERS = ("gemm_eff_max", "memory_efficiency", "compile_memory_facto
 # is fitted since stop 52 within the range the FlashAttention-2 paper measured (1.3-2.5x, arXiv 2307.08691 sec.
 # 4.1; the bounds of the factor on the assumed 1.8): the one attention factor had been pulled by two kernels —
 # llm-foundry's long-sequence rows asking for a faster Triton kernel, torchtitan's SDPA rows for a slower
-# FlashAttention-2 — and met them halfway. Fitted x0.80 (slowdown 1.45, fold range 0.79-0.86); out of fold
+# FlashAttention-2 — and met them halfway. Fitted x0.80 (slowdown 1.45, fold range 0.77-0.86); out of fold
 # 8.27% / 27.6% -> 7.93% / 22.8% (tokens/s mean / max), torchtitan 12.0% -> 10.3%.
 #
 # Ampere's GEMM ceiling is its own (``gemm_eff_max_ampere``, a ratio to the one fitted on the other GPUs, so that
@@ -93,8 +93,8 @@ DEFAULT_PARAMETERS = ("gemm_eff_max", "memory_efficiency", "compile_memory_facto
 # at 512 tokens to -2% at 32k), the Hopper rows asking for x0.70 of MAMF and the Ampere rows for ~x0.78. Our own
 # Hopper measurements show the same gap from the other side: steps composed from GEMM / attention / bandwidth
 # curves measured on the same GPU were 16-19% (H100) and 23-26% (H200) faster than the steps
-# (``bench/reports/gpu-acceptance*``). Fitted x1.11 on Ampere (fold range 1.07-1.13; 0.78 of MAMF against 0.70);
-# out of fold 7.93% / 22.8% -> 7.32% / 18.9%. A Blackwell profile takes the others' factor (no row here).
+# (``bench/reports/gpu-acceptance*``). Fitted x1.11 on Ampere (fold range 1.08-1.15; 0.78 of MAMF against 0.70);
+# out of fold 7.93% / 22.8% -> 7.32% / 19.0%. A Blackwell profile takes the others' factor (no row here).
 GPU_PARAMETERS = ("gemm_eff_max", "attention_eff_max", "float8_eff_max", "memory_efficiency", "comm_scale_tp",
                   "comm_scale_dp", "comm_scale_ep", "comm_scale_all_reduce", "triton_attention",
                   "gemm_eff_max_ampere")
@@ -108,17 +108,12 @@ ALPHA = 0.1  # 90% intervals
 SOFT_L1_SCALE = 0.1  # [assumed] residuals beyond ~10% count linearly, not quadratically (outlier-robust)
 
 
-# parameter -> (the parameter it multiplies, the GPU architecture it applies to: ``hardware.gpu_architecture``)
-ARCH_PARAMETERS = {"gemm_eff_max_ampere": ("gemm_eff_max", "ampere")}
-
-
 def apply(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
     """The profile with every factor applied (factors missing from the dict are 1). An architecture's factor
-    (``ARCH_PARAMETERS``) multiplies its base factor on that architecture's profiles only."""
+    (``hardware.ARCH_FACTORS``) multiplies its base factor on that architecture's profiles only."""
     f = {k: float(factors.get(k, 1.0)) for k in PARAMETERS}
-    arch = gpu_architecture(hw.device_name)
-    for name, (base, on) in ARCH_PARAMETERS.items():
-        if arch == on:
+    for name, (base, _on) in ARCH_FACTORS.items():
+        if name in arch_factor_names(base, hw.device_name):
             f[base] *= f[name]
     ov_f, ov_b = block_overheads(hw)
     corr = dict(hw.corrections)

@@ -403,7 +403,7 @@ def _sub(cls, d, where: str):
 
 
 # GPU architecture by the marketing names in ``device_name`` (NVIDIA's data-center parts): what a calibration
-# factor of one architecture applies to (``calibrate.ARCH_PARAMETERS``)
+# factor of one architecture applies to (``ARCH_FACTORS``)
 GPU_ARCHITECTURES = (("ampere", ("A100", "A800")), ("hopper", ("H100", "H200", "H800", "H20", "GH200")),
                      ("blackwell", ("B100", "B200", "GB200", "B300")))
 
@@ -417,6 +417,17 @@ def gpu_architecture(device_name: str) -> str | None:
         if words & set(names):
             return arch
     return None
+
+
+# calibration parameter -> (the parameter it multiplies, the architecture whose profiles it applies to): a ratio to
+# the factor every other GPU takes (``calibrate.apply``; shown by ``predict --explain``)
+ARCH_FACTORS = {"gemm_eff_max_ampere": ("gemm_eff_max", "ampere")}
+
+
+def arch_factor_names(base: str, device_name: str) -> list[str]:
+    """The architecture factors (``ARCH_FACTORS``) that multiply ``base`` on a profile of ``device_name``."""
+    arch = gpu_architecture(device_name)
+    return [n for n, (b, on) in ARCH_FACTORS.items() if b == base and on == arch]
 
 
 def profile_write_dir() -> Path:

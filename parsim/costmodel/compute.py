@@ -182,9 +182,14 @@ def _attention_item(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfi
         speedup = speedup / float(hw.corrections.get("flash_attention_factor", 1.0))
     boost = np.where(b.te_layers, np.minimum(speedup, 1.0 / np.maximum(eff, 1e-12)), 1.0)
     # the Triton FlashAttention kernel (``attention_kernel`` triton) at FlashAttention-2's speed / 1.8
-    triton = TRITON_ATTENTION_SLOWDOWN * float(hw.corrections.get("triton_attention_factor", 1.0))
-    boost = boost / np.where(b.attention_kernel == ATTENTION_KERNEL_CODES["triton"], triton, 1.0)
+    boost = boost / np.where(b.attention_kernel == ATTENTION_KERNEL_CODES["triton"], triton_slowdown(hw), 1.0)
     return ComputeItem("attention (causal)", "attention", a_flops, eff * boost, t / boost, False)
+
+
+def triton_slowdown(hw: HardwareProfile) -> float:
+    """The Triton FlashAttention kernel's time over FlashAttention-2's on ``hw``: TRITON_ATTENTION_SLOWDOWN x the
+    calibrated profile's ``corrections.triton_attention_factor`` (1 where the profile has none)."""
+    return TRITON_ATTENTION_SLOWDOWN * float(hw.corrections.get("triton_attention_factor", 1.0))
 
 
 def compute_peak(hw: HardwareProfile, b: PlanBatch) -> np.ndarray:

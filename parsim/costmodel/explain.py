@@ -10,18 +10,12 @@ import numpy as np
 
 from ..blockshape import plan_block_shapes, plan_head_shape
 from ..codec import canonical_axes, canonical_key
-from ..hardware import EfficiencyCurve, HardwareProfile, gpu_architecture
+from ..hardware import EfficiencyCurve, HardwareProfile, arch_factor_names
 from ..plan import Plan
 from ..results import Prediction
 from ..spec import ModelSpec
 from .comm import AXIS_CLASS, axis_class_scale
-from .compute import (
-    ADAMW_BYTES_PER_PARAM,
-    TRITON_ATTENTION_SLOWDOWN,
-    block_overheads,
-    host_issue_times,
-    layer_compute_items,
-)
+from .compute import ADAMW_BYTES_PER_PARAM, block_overheads, host_issue_times, layer_compute_items, triton_slowdown
 from .layers import FIRST, LAST, Shapes, inflight, kept_by_ac_mode, local_experts, saved_tensors
 from .step import evaluate_one, prediction_from, stage_rank
 
@@ -108,12 +102,11 @@ def _source(hw: HardwareProfile, key: str, calibrated: str | None = None) -> str
     fitted = hw.calibration.get("factors", {}) if isinstance(hw.calibration, dict) else {}
     if calibrated is not None and calibrated in fitted:
         cal = hw.calibration
-        factor, arch = float(fitted[calibrated]), gpu_architecture(hw.device_name)
-        mine = f"{calibrated}_{arch}"  # an architecture's own ratio (calibrate.ARCH_PARAMETERS)
-        where = ""
-        if arch is not None and mine in fitted:
-            factor *= float(fitted[mine])
-            where = f", {mine} x{float(fitted[mine]):.3g} included"
+        factor, where = float(fitted[calibrated]), ""
+        for mine in arch_factor_names(calibrated, hw.device_name):  # the architecture's own ratio, if fitted
+            if mine in fitted:
+                factor *= float(fitted[mine])
+                where += f", {mine} x{float(fitted[mine]):.3g} included"
         return (f"fitted by parsim calibrate (x{factor:.3g} on the profile's value{where}; "
                 f"{cal.get('n_rows', '?')} rows, {str(cal.get('date', ''))[:10]})")
     if key == "default":
@@ -176,8 +169,7 @@ def _compute_factors(plan: Plan, hw: HardwareProfile) -> list[dict]:
                          "memory-bound time under torch.compile (x)",
                          _source(hw, "compile_memory_bound_factor", "compile_memory_factor")))
     if plan.attention_kernel == "triton":
-        tri = TRITON_ATTENTION_SLOWDOWN * float(hw.corrections.get("triton_attention_factor", 1.0))
-        rows.append(_row("Triton FlashAttention slowdown", tri,
+        rows.append(_row("Triton FlashAttention slowdown", triton_slowdown(hw),
                          "attention time on the Triton FlashAttention kernel over FlashAttention-2's (x)",
                          _source(hw, "default", "triton_attention") if "triton_attention_factor" in hw.corrections
                          else "TRITON_ATTENTION_SLOWDOWN (the FlashAttention-2 paper's 1.3-2.5x, its middle)"))
