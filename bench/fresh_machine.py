@@ -56,7 +56,8 @@ def rescore(folder: Path, prefix: str) -> list[dict]:
                         "profile": hw.name, "plans": s.get("n"), "step_mean": s.get("step_time_mape"),
                         "step_max": s.get("step_time_max_ape"), "spearman": s.get("spearman"),
                         "top1_regret": s.get("top1_regret"), "rule_step_mean": rule.get("step_time_mape"),
-                        "rule_step_max": rule.get("step_time_max_ape"), "rule_spearman": rule.get("spearman")})
+                        "rule_step_max": rule.get("step_time_max_ape"), "rule_spearman": rule.get("spearman"),
+                        "round_ape_mean": (s.get("repeatability") or {}).get("round_ape_mean")})
     return out
 
 
@@ -69,12 +70,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     rows = [r for f in a.folders for r in rescore(f, a.profile_prefix)]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-    print("| model | ranks | plans | variant | step mean / max | Spearman | top-1 regret | rule mean / max / rho |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | ranks | plans | variant | step mean / max | Spearman | top-1 regret | rule mean / max / rho "
+          "| rounds from median |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['ranks']} | {r['plans']} | {r['variant']} | {pct(r['step_mean'])} / "
               f"{pct(r['step_max'])} | {r['spearman']:.2f} | {pct(r['top1_regret'])} | {pct(r['rule_step_mean'])} / "
-              f"{pct(r['rule_step_max'])} / {r['rule_spearman']:.2f} |")
+              f"{pct(r['rule_step_max'])} / {r['rule_spearman']:.2f} | {pct(r['round_ape_mean'])} |")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 0

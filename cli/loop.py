@@ -40,8 +40,9 @@ def print_summary(summary: dict) -> None:
     con.print(t)
     mb = summary.get("measured_blocks")
     if mb:
-        con.print(f"measured blocks: {mb['shapes']} local shapes, {mb['measured_now']} measured now in "
-                  f"{mb['measurement_wall_s']:.1f} s")
+        rounds = f", timed at the start of each of {mb['rounds']} rounds (the median kept)" if mb.get("rounds") else ""
+        con.print(f"measured blocks: {mb['shapes']} local shapes{rounds}, {mb['measured_now']} measured after the "
+                  f"runs; {mb['measurement_wall_s']:.1f} s in all")
     comps = summary.get("components")
     if comps:  # what each component is on the curves and with measured blocks, as a share of the measured step
         ct = Table(title="step components, median share of the measured step (every plan: components.csv)")
@@ -52,6 +53,10 @@ def print_summary(summary: dict) -> None:
         con.print(ct)
     if summary.get("top1_regret") is not None:
         con.print(f"top-1 regret (worst comparable set): {pct(summary['top1_regret'])}")
+    rep = summary.get("repeatability")
+    if rep:
+        con.print(f"repeatability: a round's median is {pct(rep['round_ape_mean'])} from the plan's median on "
+                  f"average (max {pct(rep['round_ape_max'])}, {rep['n']} plans): the floor under the step error here")
     if summary.get("memory_mape") is not None:
         con.print(f"peak memory: mean |err| {pct(summary['memory_mape'])}, max {pct(summary['memory_max_ape'])} "
                   f"over {summary['memory_n']} rows")

@@ -654,8 +654,9 @@ def validate(
     rounds: int = typer.Option(2, "--rounds", help="interleaved repetitions of every plan"),
     steps: int = typer.Option(5, "--steps", help="timed steps per run (after 2 warm-up steps)"),
     max_plans: int = typer.Option(0, "--max-plans", help="run only the first N plans of the space (0: all)"),
-    measure_blocks: bool = typer.Option(False, "--measure-blocks", help="measured tier: measure every plan's blocks "
-                                        "at its local shapes first (kept in the profile) and predict with them; "
+    measure_blocks: bool = typer.Option(False, "--measure-blocks", help="measured tier: time every plan's blocks "
+                                        "at its local shapes at the start of every round (DIR/blocks.jsonl) and "
+                                        "predict with each time's median over the rounds (kept in the profile); "
                                         "the summary without them is written beside"),
     timeout: float = typer.Option(600.0, "--timeout", help="seconds per run"),
     as_json: bool = typer.Option(False, "--json"),

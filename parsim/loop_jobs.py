@@ -75,8 +75,13 @@ def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | No
     hw = profile_measured_here(profile or f"cpu-gloo-{nproc}", nproc, log)  # this machine's, before anything runs
     out = Path(out_dir)
     task = f"{model} on {nproc} ranks"
+    before_round = None
+    if measure_blocks:  # the blocks timed at the start of every round, beside the steps (measure_block_round)
+        shapes = _measured_shapes([(spec, p) for p in plans])
+        before_round = lambda r: measure_block_round(out, r, shapes, progress)  # noqa: E731
     V.run_measured(model, nproc, out, rounds=rounds, steps=steps, timeout_s=timeout_s, plans=plans,
-                   progress=(lambda done, total, what: progress(task, done, total, what)) if progress else None)
+                   progress=(lambda done, total, what: progress(task, done, total, what)) if progress else None,
+                   before_round=before_round)
     return measured_summary(out, profile, hw, measure_blocks, progress, log)
 
 
@@ -90,13 +95,14 @@ def measured_summary(out: Path, profile: str | None, hw, measure_blocks: bool = 
     from . import validate as V
 
     lines = V.load_measurements(out / "measurements.jsonl")
+    block_rounds = read_block_rounds(out)
     rows, rows_curves, walls, n_shapes = [], [], {}, 0
     for nproc in sorted({ln["nproc"] for ln in lines}):
         prof = hw if profile else profile_measured_here(f"cpu-gloo-{nproc}", nproc, log)
         sel = [ln for ln in lines if ln["nproc"] == nproc]
         if measure_blocks:  # the curves alone: without any block the profile already holds
             rows_curves += V.measured_rows(sel, dataclasses.replace(prof, measured_blocks={}))
-            prof, w, n = _with_measured_blocks(prof, sel, progress)
+            prof, w, n = _with_measured_blocks(prof, sel, progress, block_rounds)
             walls.update(w)
             n_shapes += n
         rows += V.measured_rows(sel, prof)
@@ -104,7 +110,9 @@ def measured_summary(out: Path, profile: str | None, hw, measure_blocks: bool = 
     meta: dict = {"tier": "measured", "profile": profile or "cpu-gloo-<ranks>"}
     if measure_blocks:
         meta["measured_blocks"] = {"shapes": n_shapes, "measured_now": len(walls),
-                                   "measurement_wall_s": sum(walls.values())}
+                                   "measurement_wall_s": sum(walls.values()) + sum(
+                                       float(b["measurement"].get("wall_s") or 0.0) for b in block_rounds),
+                                   "rounds": len({b["round"] for b in block_rounds})}
         meta["without_measured_blocks"] = V.summarize(rows_curves)
         meta["components"] = _components(out, V.component_differences(rows_curves, rows))
     V.write_results(out, rows, summary, meta)
@@ -160,20 +168,95 @@ def measure_plan_shapes(plan_file: str, out: str, out_dir: str | None, model: st
             "measurement_wall_s": sum(walls.values())}
 
 
-def _with_measured_blocks(hw, lines: list[dict], progress: Progress | None = None):
-    """The profile with a block and the ends measured at every local shape of the plans in ``lines`` (measured
-    here, written to the profile folder under the profile's name); (profile, {key: wall s}, number of shapes)."""
+def _measured_shapes(pairs) -> list:
+    """The distinct measurable shapes (blocks and ends) of (spec, plan) pairs, in order."""
     from .blockshape import plan_measured_shapes
-    from .hardware import profile_write_dir
+
+    shapes = [s for spec, plan in pairs for s in plan_measured_shapes(spec, plan) if s]
+    return list(dict.fromkeys(shapes))
+
+
+def _with_measured_blocks(hw, lines: list[dict], progress: Progress | None = None,
+                          block_rounds: list[dict] | None = None):
+    """The profile with a block and the ends measured at every local shape of the plans in ``lines``: the median
+    over validate's rounds where ``block_rounds`` has them (``round_medians``), else measured now; written to the
+    profile folder under the profile's name. (profile, {key: wall s of those measured now}, number of shapes)."""
+    import dataclasses
+
+    from .hardware import atomic_write_json, profile_write_dir
     from .plan import Plan
     from .spec import load_model
 
-    shapes = []
-    for ln in lines:
-        shapes += [s for s in plan_measured_shapes(load_model(ln["model"]), Plan.from_dict(ln["plan"])) if s]
-    shapes = list(dict.fromkeys(shapes))
-    hw, walls = measure_blocks_into(hw, shapes, profile_write_dir() / f"{hw.name}.json", progress)
+    shapes = _measured_shapes([(load_model(ln["model"]), Plan.from_dict(ln["plan"])) for ln in lines])
+    path = profile_write_dir() / f"{hw.name}.json"
+    keys = {s.key for s in shapes}
+    medians = {k: v for k, v in round_medians(block_rounds or []).items() if k in keys}
+    if medians:
+        hw = dataclasses.replace(hw, measured_blocks={**hw.measured_blocks, **medians})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, hw.to_dict())
+    hw, walls = measure_blocks_into(hw, shapes, path, progress)
     return hw, walls, len(shapes)
+
+
+BLOCK_ROUNDS = "blocks.jsonl"
+ROUND_MEDIAN_KEYS = ("fwd_s", "bwd_s", "emb_fwd_s", "emb_bwd_s", "out_fwd_s", "out_bwd_s")
+
+
+def read_block_rounds(out: Path) -> list[dict]:
+    """The block measurements validate made at the start of its rounds (``DIR/blocks.jsonl``: round, key,
+    measurement), [] without."""
+    import json
+
+    path = out / BLOCK_ROUNDS
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def measure_block_round(out: Path, r: int, shapes, progress: Progress | None = None) -> None:
+    """Time every shape once more at the start of validate's round ``r`` (those this round has not timed yet) and
+    append each to ``DIR/blocks.jsonl``. Measured once, a burst of a few seconds, the blocks take the machine's
+    speed of that moment: on a shared 2-core machine blocks of one burst ran 10-40% slower than the same blocks
+    a day later, and every prediction made with them moved alike. Timed in every round, interleaved with the
+    steps, their median sees the drift the plans' medians see. Float8 shapes need a GPU (skipped off one)."""
+    import json
+
+    from .profiler.blocks import measure_shape
+
+    have = {(b["round"], b["key"]) for b in read_block_rounds(out)}
+    todo = [s for s in shapes if (r, s.key) not in have]
+    out.mkdir(parents=True, exist_ok=True)
+    task = f"round {r + 1}: timing {len(todo)} block shapes"
+    for i, shape in enumerate(todo):
+        if progress:
+            progress(task, i, len(todo), shape.key[:40])
+        try:
+            line = {"round": r, "key": shape.key, "measurement": measure_shape(shape)}
+        except ValueError:  # a float8 block off a GPU
+            continue
+        with open(out / BLOCK_ROUNDS, "a") as f:  # one line per shape: an interrupt loses at most one
+            f.write(json.dumps(line) + "\n")
+    if progress:
+        progress(task, len(todo), len(todo), "")
+
+
+def round_medians(block_rounds: list[dict]) -> dict:
+    """Per shape key, its measurement with each time the median over the rounds that timed it (``rounds``: how
+    many, ``round_range_s``: each time's lowest and highest)."""
+    import statistics
+
+    by_key: dict[str, list[dict]] = {}
+    for b in block_rounds:
+        by_key.setdefault(b["key"], []).append(b["measurement"])
+    out = {}
+    for key, ms in by_key.items():
+        entry = dict(ms[-1])
+        fields = [f for f in ROUND_MEDIAN_KEYS if all(f in m for m in ms)]
+        entry.update({f: statistics.median(m[f] for m in ms) for f in fields}, rounds=len(ms),
+                     round_range_s={f: [min(m[f] for m in ms), max(m[f] for m in ms)] for f in fields})
+        out[key] = entry
+    return out
 
 
 def measure_blocks_into(hw, shapes, path: Path, progress: Progress | None = None):

@@ -3,7 +3,8 @@
 * measured here (tier 2): every plan of a small space is predicted with this machine's profile and run for real
   with the executor (torchrun + gloo on CPU); rounds are interleaved (round r runs every plan once, in a rotated
   order) so that slow drifts of a shared machine spread over all plans; each run keeps the median of its steps and
-  the plan keeps the median over rounds and the spread of every step. Results are appended to
+  the plan keeps the median over rounds and the spread of every step (``repeatability``: how far a round's median
+  falls from the plan's, the floor under the step error that the machine's drift sets). Results are appended to
   ``measurements.jsonl`` keyed by plan_id + model + ranks + executor code version and reused when the command is
   run again (interrupt it, run it again: finished runs are not repeated). A failed plan is a recorded row.
 * published (tier 3): every row of a CSV in the schema of ``shared/published/dev.csv`` is predicted with its
@@ -38,7 +39,7 @@ ROW_KEYS = ("tier", "source", "table", "model", "spec", "plan_id", "describe", "
             "reason",
             "measured_step_s", "measured_spread_s", "predicted_step_s", "interval_s", "measured_peak_bytes",
             "predicted_peak_bytes", "predicted_reserved_bytes", "measured_memory_kind", "fits", "time_breakdown_s",
-            "model_work_s", "confidence", "plan", "profile")
+            "model_work_s", "confidence", "plan", "profile", "measured_rounds_s")
 MEASURED_SEQ, MEASURED_GLOBAL_BATCH = 256, 8
 
 
@@ -128,9 +129,12 @@ def load_measurements(path: Path) -> list[dict]:
 
 def run_measured(model: str, nproc: int, out_dir: Path, *, rounds: int = 2, steps: int = 5, warmup: int = 2,
                  timeout_s: float = 600.0, plans: list[Plan] | None = None,
-                 progress: Callable[[int, int, str], None] | None = None) -> list[dict]:
+                 progress: Callable[[int, int, str], None] | None = None,
+                 before_round: Callable[[int], None] | None = None) -> list[dict]:
     """Run every plan ``rounds`` times, interleaved; append each run to measurements.jsonl; return all lines of
-    this model and rank count (those of earlier invocations included)."""
+    this model and rank count (those of earlier invocations included). ``before_round(r)`` is called once before
+    the first run of each round that has a run left to do (``--measure-blocks`` times the blocks there, so that
+    they see the machine's drift as the steps do)."""
     from .executor.launch import run_plan
 
     spec = load_model(model)
@@ -140,12 +144,16 @@ def run_measured(model: str, nproc: int, out_dir: Path, *, rounds: int = 2, step
     version = executor_version()
     done = {(r["key"], r["round"]) for r in load_measurements(path)}
     todo = [(r, p) for r in range(rounds) for p in plans[r % len(plans):] + plans[:r % len(plans)]]
+    started: set[int] = set()
     for n, (r, plan) in enumerate(todo):
         key = _key(model, plan, nproc, version)
         if progress:
             progress(n, len(todo), f"{model} {plan.describe()} round {r + 1}")
         if (key, r) in done:
             continue
+        if before_round and r not in started:
+            started.add(r)
+            before_round(r)
         m = run_plan(model, plan, nproc, steps=steps, warmup=warmup, timeout_s=timeout_s, device="cpu")
         line = {"key": key, "round": r, "model": model, "nproc": nproc, "version": version,
                 "plan": plan.to_dict(), "measurement": m.to_dict()}
@@ -173,7 +181,8 @@ def measured_rows(lines: list[dict], hw: HardwareProfile) -> list[dict]:
                          confidence="high")
         if good:
             steps = [s for m in good for s in m["step_times_s"] if s is not None]
-            row.update(status="ok", measured_step_s=float(np.median([m["median_step_time_s"] for m in good])),
+            rounds_s = [float(m["median_step_time_s"]) for m in good]
+            row.update(status="ok", measured_step_s=float(np.median(rounds_s)), measured_rounds_s=rounds_s,
                        measured_spread_s=[min(steps), max(steps)],
                        measured_peak_bytes=float(max(m["peak_memory_bytes"] for m in good)))
         else:
@@ -509,12 +518,33 @@ def summarize(rows: list[dict], predicted_key: str = "predicted_step_s") -> dict
         out["memory_mape_if_allocated"] = float(np.mean(alloc))
     if any(r["tier"] == "measured" for r in ok):
         out["top1_regret"] = _top1_regret(ok)
+        rep = repeatability(ok)
+        if rep:
+            out["repeatability"] = rep
     if any(r["tier"] == "published" for r in rows):
         out["fit_check"] = _fit_check(rows)
         out["by_source"] = {s: _step_stats([r for r in ok if r["source"] == s], predicted_key,
                                            None if rule is None else rule[[r["source"] == s for r in ok]])
                             for s in sorted({str(r["source"]) for r in ok})}
     return out
+
+
+def repeatability(rows: list[dict]) -> dict | None:
+    """How far the runs of one plan fall from the figure the plan is scored against (the median over its rounds), over
+    the rows measured in 2+ rounds: ``round_ape_mean`` is the mean over plans of the mean |round / median - 1|, the
+    error a prediction equal to one round's measurement would score — the floor under ``step_time_mape`` that the
+    machine's own drift sets (a shared machine's neighbours, frequency, caches), not the model. ``round_ape_max`` the
+    largest such deviation. None without repeated rows. [derived; nothing fitted]"""
+    devs = []
+    for r in rows:
+        rs = [x for x in (r.get("measured_rounds_s") or []) if x]
+        if len(rs) >= 2 and r.get("measured_step_s"):
+            devs.append([abs(x / r["measured_step_s"] - 1.0) for x in rs])
+    if not devs:
+        return None
+    return {"n": len(devs), "rounds_max": max(len(d) for d in devs),
+            "round_ape_mean": float(np.mean([np.mean(d) for d in devs])),
+            "round_ape_max": float(max(max(d) for d in devs))}
 
 
 def predicted_memory(row: dict) -> float:

@@ -49,6 +49,17 @@ def test_top1_regret_and_low_confidence_rows():
     assert s["top1_regret"] == pytest.approx(1.0)  # picked 2.0 s, best measured 1.0 s
 
 
+def test_repeatability_is_each_round_against_the_plans_median():
+    """Two plans measured in 2 and 3 rounds: the figure a prediction equal to one round would score."""
+    rows = [_row(1.0, 1.0, measured_rounds_s=[0.9, 1.1]), _row(2.0, 2.0, measured_rounds_s=[2.0, 1.6, 3.0]),
+            _row(4.0, 4.0, measured_rounds_s=[4.0])]  # one round: nothing to compare
+    rep = V.summarize(rows)["repeatability"]
+    assert rep["n"] == 2 and rep["rounds_max"] == 3
+    assert rep["round_ape_mean"] == pytest.approx((0.1 + (0.0 + 0.2 + 0.5) / 3) / 2)
+    assert rep["round_ape_max"] == pytest.approx(0.5)
+    assert "repeatability" not in V.summarize([_row(1.0, 1.0), _row(2.0, 2.5)])
+
+
 def test_conformal_halfwidth():
     r = np.arange(1, 20) / 100.0  # 19 residuals: k = ceil(20 * 0.9) = 18 -> the 18th smallest
     assert C.conformal_halfwidth(r) == pytest.approx(0.18)
@@ -336,3 +347,55 @@ def test_validate_with_measured_blocks_scores_both_and_keeps_the_blocks(tmp_path
     measured.clear()
     measured_summary(tmp_path / "v", "cpu-gloo-2", kept, measure_blocks=True)
     assert measured == []  # kept in the profile: nothing measured twice
+
+
+def test_blocks_timed_in_every_round_give_their_median(tmp_path, monkeypatch):
+    """``validate --measure-blocks`` times the blocks at the start of every round (``before_round``), once per
+    round even when resumed, and predicts with each time's median over the rounds (the fake machine drifts: x1,
+    x3, x2 by round)."""
+    import parsim.executor.launch as launch
+    import parsim.profiler.blocks as blocks
+    from parsim.loop_jobs import _measured_shapes, measure_block_round, measured_summary
+
+    monkeypatch.setenv("PARSIM_PROFILES_DIR", str(tmp_path / "profiles"))
+    def fake_run(model, plan, nproc, **kw):  # a step time per plan
+        t = 0.1 + int(plan.plan_id[:4], 16) % 100 / 1000
+        return Measurement(plan_id=plan.plan_id, kind="run", status="ok", step_times_s=(t,), median_step_time_s=t,
+                           peak_memory_bytes=1e6)
+
+    monkeypatch.setattr(launch, "run_plan", fake_run)
+    drift = {"x": 1.0}
+
+    def fake_block(shape, device=None, reps=5):
+        t = shape.micro_batch * shape.seq_len * 1e-6 * drift["x"]
+        return {"fwd_s": t, "bwd_s": 2 * t, "wall_s": 0.01, "device": "fake"}
+
+    def fake_head(shape, device=None, reps=5):
+        t = shape.micro_batch * shape.seq_len * 1e-7 * drift["x"]
+        return {"emb_fwd_s": t, "emb_bwd_s": t, "out_fwd_s": t, "out_bwd_s": 2 * t, "wall_s": 0.01, "device": "fake"}
+
+    monkeypatch.setattr(blocks, "measure_block", fake_block)
+    monkeypatch.setattr(blocks, "measure_head", fake_head)
+    plans = [p for p in V.measured_plans(PRESETS["tiny"], 2) if p.cp == 1][:3]
+    shapes = _measured_shapes([(PRESETS["tiny"], p) for p in plans])
+    out = tmp_path / "v"
+    rounds_seen = []
+
+    def before(r):
+        rounds_seen.append(r)
+        drift["x"] = (1.0, 3.0, 2.0)[r]
+        measure_block_round(out, r, shapes)
+
+    V.run_measured("tiny", 2, out, rounds=3, plans=plans, before_round=before)
+    assert rounds_seen == [0, 1, 2]
+    V.run_measured("tiny", 2, out, rounds=3, plans=plans, before_round=before)
+    assert rounds_seen == [0, 1, 2]  # all done: no round started again
+    s = measured_summary(out, "cpu-gloo-2", load_profile("cpu-gloo-2"), measure_blocks=True)
+    assert s["measured_blocks"]["measured_now"] == 0 and s["measured_blocks"]["rounds"] == 3
+    kept = load_profile(str(tmp_path / "profiles" / "cpu-gloo-2.json"))
+    for shape in shapes:
+        entry = kept.measured_blocks[shape.key]
+        assert entry["rounds"] == 3
+        f = "fwd_s" if "fwd_s" in entry else "out_fwd_s"
+        lo, hi = entry["round_range_s"][f]
+        assert entry[f] == pytest.approx(2 * lo) and hi == pytest.approx(3 * lo)
