@@ -78,7 +78,7 @@ def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | No
     before_round = None
     if measure_blocks:  # the blocks timed at the start of every round, beside the steps (measure_block_round)
         shapes = _measured_shapes([(spec, p) for p in plans])
-        before_round = lambda r: measure_block_round(out, r, shapes, progress)  # noqa: E731
+        before_round = lambda r: measure_block_round(out, r, shapes, progress, sharing_ranks=nproc)  # noqa: E731
     V.run_measured(model, nproc, out, rounds=rounds, steps=steps, timeout_s=timeout_s, plans=plans,
                    progress=(lambda done, total, what: progress(task, done, total, what)) if progress else None,
                    before_round=before_round)
@@ -191,7 +191,10 @@ def _with_measured_blocks(hw, lines: list[dict], progress: Progress | None = Non
     path = profile_write_dir() / f"{hw.name}.json"
     keys = {s.key for s in shapes}
     medians = {k: v for k, v in round_medians(block_rounds or []).items() if k in keys}
-    if medians:
+    sharing = round_core_sharing(block_rounds or [], int(lines[0]["nproc"])) if lines else None
+    if sharing is not None:
+        hw = dataclasses.replace(hw, corrections={**hw.corrections, "compute_scale": sharing})
+    if medians or sharing is not None:
         hw = dataclasses.replace(hw, measured_blocks={**hw.measured_blocks, **medians})
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, hw.to_dict())
@@ -214,17 +217,35 @@ def read_block_rounds(out: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def measure_block_round(out: Path, r: int, shapes, progress: Progress | None = None) -> None:
+def _core_sharing_key(ranks: int) -> str:
+    return f"core_sharing|ranks={ranks}"
+
+
+def measure_block_round(out: Path, r: int, shapes, progress: Progress | None = None, sharing_ranks: int = 0) -> None:
     """Time every shape once more at the start of validate's round ``r`` (those this round has not timed yet) and
     append each to ``DIR/blocks.jsonl``. Measured once, a burst of a few seconds, the blocks take the machine's
     speed of that moment: on a shared 2-core machine blocks of one burst ran 10-40% slower than the same blocks
     a day later, and every prediction made with them moved alike. Timed in every round, interleaved with the
-    steps, their median sees the drift the plans' medians see. Float8 shapes need a GPU (skipped off one)."""
+    steps, their median sees the drift the plans' medians see. Float8 shapes need a GPU (skipped off one). With
+    ``sharing_ranks`` > 1 the core-sharing factor of that many single-threaded processes
+    (``profiler.compute.core_sharing_sample``, the profile's ``compute_scale``, which multiplies every rank's
+    compute) is timed in the round too: on 4 ranks here it read 2.05 and 2.20 in two profiles made 10 minutes
+    apart, a 7% move of every 4-rank prediction."""
     import json
 
     from .profiler.blocks import measure_shape
 
     have = {(b["round"], b["key"]) for b in read_block_rounds(out)}
+    if sharing_ranks > 1 and (r, _core_sharing_key(sharing_ranks)) not in have:
+        from .profiler.compute import core_sharing_sample
+
+        if progress:
+            progress(f"round {r + 1}: core sharing of {sharing_ranks} processes", 0, 1)
+        line = {"round": r, "key": _core_sharing_key(sharing_ranks),
+                "measurement": core_sharing_sample(sharing_ranks, rounds=1)}
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / BLOCK_ROUNDS, "a") as f:
+            f.write(json.dumps(line) + "\n")
     todo = [s for s in shapes if (r, s.key) not in have]
     out.mkdir(parents=True, exist_ok=True)
     task = f"round {r + 1}: timing {len(todo)} block shapes"
@@ -241,6 +262,15 @@ def measure_block_round(out: Path, r: int, shapes, progress: Progress | None = N
         progress(task, len(todo), len(todo), "")
 
 
+def round_core_sharing(block_rounds: list[dict], ranks: int) -> float | None:
+    """The median over validate's rounds of the core-sharing factor of ``ranks`` processes (at least 1), None where
+    no round timed it."""
+    import statistics
+
+    f = [b["measurement"]["factor"] for b in block_rounds if b["key"] == _core_sharing_key(ranks)]
+    return max(1.0, float(statistics.median(f))) if f else None
+
+
 def round_medians(block_rounds: list[dict]) -> dict:
     """Per shape key, its measurement with each time the median over the rounds that timed it (``rounds``: how
     many, ``round_range_s``: each time's lowest and highest)."""
@@ -248,7 +278,8 @@ def round_medians(block_rounds: list[dict]) -> dict:
 
     by_key: dict[str, list[dict]] = {}
     for b in block_rounds:
-        by_key.setdefault(b["key"], []).append(b["measurement"])
+        if not b["key"].startswith("core_sharing|"):
+            by_key.setdefault(b["key"], []).append(b["measurement"])
     out = {}
     for key, ms in by_key.items():
         entry = dict(ms[-1])

@@ -350,11 +350,12 @@ def test_validate_with_measured_blocks_scores_both_and_keeps_the_blocks(tmp_path
 
 
 def test_blocks_timed_in_every_round_give_their_median(tmp_path, monkeypatch):
-    """``validate --measure-blocks`` times the blocks at the start of every round (``before_round``), once per
-    round even when resumed, and predicts with each time's median over the rounds (the fake machine drifts: x1,
-    x3, x2 by round)."""
+    """``validate --measure-blocks`` times the blocks and the core sharing at the start of every round
+    (``before_round``), once per round even when resumed, and predicts with each time's and the factor's median
+    over the rounds (the fake machine drifts: x1, x3, x2 by round)."""
     import parsim.executor.launch as launch
     import parsim.profiler.blocks as blocks
+    import parsim.profiler.compute as pcompute
     from parsim.loop_jobs import _measured_shapes, measure_block_round, measured_summary
 
     monkeypatch.setenv("PARSIM_PROFILES_DIR", str(tmp_path / "profiles"))
@@ -376,6 +377,8 @@ def test_blocks_timed_in_every_round_give_their_median(tmp_path, monkeypatch):
 
     monkeypatch.setattr(blocks, "measure_block", fake_block)
     monkeypatch.setattr(blocks, "measure_head", fake_head)
+    monkeypatch.setattr(pcompute, "core_sharing_sample", lambda ranks, rounds=2: {
+        "kind": "core_sharing", "ranks": ranks, "factor": 0.9 + 0.1 * drift["x"], "wall_s": 0.01})
     plans = [p for p in V.measured_plans(PRESETS["tiny"], 2) if p.cp == 1][:3]
     shapes = _measured_shapes([(PRESETS["tiny"], p) for p in plans])
     out = tmp_path / "v"
@@ -384,7 +387,7 @@ def test_blocks_timed_in_every_round_give_their_median(tmp_path, monkeypatch):
     def before(r):
         rounds_seen.append(r)
         drift["x"] = (1.0, 3.0, 2.0)[r]
-        measure_block_round(out, r, shapes)
+        measure_block_round(out, r, shapes, sharing_ranks=2)
 
     V.run_measured("tiny", 2, out, rounds=3, plans=plans, before_round=before)
     assert rounds_seen == [0, 1, 2]
@@ -393,6 +396,7 @@ def test_blocks_timed_in_every_round_give_their_median(tmp_path, monkeypatch):
     s = measured_summary(out, "cpu-gloo-2", load_profile("cpu-gloo-2"), measure_blocks=True)
     assert s["measured_blocks"]["measured_now"] == 0 and s["measured_blocks"]["rounds"] == 3
     kept = load_profile(str(tmp_path / "profiles" / "cpu-gloo-2.json"))
+    assert kept.corrections["compute_scale"] == pytest.approx(1.1)  # the median of 1.0, 1.2, 1.1
     for shape in shapes:
         entry = kept.measured_blocks[shape.key]
         assert entry["rounds"] == 3
