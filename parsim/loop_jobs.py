@@ -232,6 +232,7 @@ def measure_block_round(out: Path, r: int, shapes, progress: Progress | None = N
     compute) is timed in the round too: on 4 ranks here it read 2.05 and 2.20 in two profiles made 10 minutes
     apart, a 7% move of every 4-rank prediction."""
     import json
+    import time
 
     from .profiler.blocks import measure_shape
 
@@ -241,8 +242,10 @@ def measure_block_round(out: Path, r: int, shapes, progress: Progress | None = N
 
         if progress:
             progress(f"round {r + 1}: core sharing of {sharing_ranks} processes", 0, 1)
+        t0 = time.perf_counter()
+        sample = core_sharing_sample(sharing_ranks, rounds=1)
         line = {"round": r, "key": _core_sharing_key(sharing_ranks),
-                "measurement": core_sharing_sample(sharing_ranks, rounds=1)}
+                "measurement": {**sample, "wall_s": time.perf_counter() - t0}}
         out.mkdir(parents=True, exist_ok=True)
         with open(out / BLOCK_ROUNDS, "a") as f:
             f.write(json.dumps(line) + "\n")
