@@ -9,7 +9,9 @@ variants of that profile, so that each measured quantity's share of the accuracy
 * ``curves + measured optimizer``: no measured block or end;
 * ``curves``: none of the three (framework overhead kept in all four: it is measured once per machine).
 
-Nothing is fitted to the measured steps (uncalibrated profiles), so these figures are out of sample.
+Nothing is fitted to the measured steps (uncalibrated profiles), so these figures are out of sample. The last column
+is validate's ``repeatability``: how far one round's median falls from the plan's median, on average (the floor the
+machine's drift puts under the step error).
 
     PARSIM_PROFILES_DIR=/tmp/fresh parsim validate --model tiny --nproc-per-node 2 --out /tmp/v-tiny-2 --rounds 1 \\
         --measure-blocks
