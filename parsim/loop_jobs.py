@@ -192,10 +192,9 @@ def _with_measured_blocks(hw, lines: list[dict], progress: Progress | None = Non
     keys = {s.key for s in shapes}
     medians = {k: v for k, v in round_medians(block_rounds or []).items() if k in keys}
     sharing = round_core_sharing(block_rounds or [], int(lines[0]["nproc"])) if lines else None
-    if sharing is not None:
-        hw = dataclasses.replace(hw, corrections={**hw.corrections, "compute_scale": sharing})
     if medians or sharing is not None:
-        hw = dataclasses.replace(hw, measured_blocks={**hw.measured_blocks, **medians})
+        hw = dataclasses.replace(hw, measured_blocks={**hw.measured_blocks, **medians}, corrections={
+            **hw.corrections, **({"compute_scale": sharing} if sharing is not None else {})})
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, hw.to_dict())
     hw, walls = measure_blocks_into(hw, shapes, path, progress)
@@ -206,19 +205,19 @@ BLOCK_ROUNDS = "blocks.jsonl"
 ROUND_MEDIAN_KEYS = ("fwd_s", "bwd_s", "emb_fwd_s", "emb_bwd_s", "out_fwd_s", "out_bwd_s")
 
 
+CORE_SHARING = "core_sharing|"  # the key prefix of the core-sharing lines of blocks.jsonl
+
+
 def read_block_rounds(out: Path) -> list[dict]:
     """The block measurements validate made at the start of its rounds (``DIR/blocks.jsonl``: round, key,
     measurement), [] without."""
-    import json
+    from .validate import load_measurements
 
-    path = out / BLOCK_ROUNDS
-    if not path.is_file():
-        return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return load_measurements(out / BLOCK_ROUNDS)
 
 
 def _core_sharing_key(ranks: int) -> str:
-    return f"core_sharing|ranks={ranks}"
+    return f"{CORE_SHARING}ranks={ranks}"
 
 
 def measure_block_round(out: Path, r: int, shapes, progress: Progress | None = None, sharing_ranks: int = 0) -> None:
@@ -231,10 +230,10 @@ def measure_block_round(out: Path, r: int, shapes, progress: Progress | None = N
     (``profiler.compute.core_sharing_sample``, the profile's ``compute_scale``, which multiplies every rank's
     compute) is timed in the round too: on 4 ranks here it read 2.05 and 2.20 in two profiles made 10 minutes
     apart, a 7% move of every 4-rank prediction."""
-    import json
     import time
 
     from .profiler.blocks import measure_shape
+    from .validate import append_line
 
     have = {(b["round"], b["key"]) for b in read_block_rounds(out)}
     if sharing_ranks > 1 and (r, _core_sharing_key(sharing_ranks)) not in have:
@@ -244,23 +243,18 @@ def measure_block_round(out: Path, r: int, shapes, progress: Progress | None = N
             progress(f"round {r + 1}: core sharing of {sharing_ranks} processes", 0, 1)
         t0 = time.perf_counter()
         sample = core_sharing_sample(sharing_ranks, rounds=1)
-        line = {"round": r, "key": _core_sharing_key(sharing_ranks),
-                "measurement": {**sample, "wall_s": time.perf_counter() - t0}}
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / BLOCK_ROUNDS, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        append_line(out / BLOCK_ROUNDS, {"round": r, "key": _core_sharing_key(sharing_ranks),
+                                         "measurement": {**sample, "wall_s": time.perf_counter() - t0}})
     todo = [s for s in shapes if (r, s.key) not in have]
-    out.mkdir(parents=True, exist_ok=True)
     task = f"round {r + 1}: timing {len(todo)} block shapes"
     for i, shape in enumerate(todo):
         if progress:
             progress(task, i, len(todo), shape.key[:40])
         try:
-            line = {"round": r, "key": shape.key, "measurement": measure_shape(shape)}
+            m = measure_shape(shape)
         except ValueError:  # a float8 block off a GPU
             continue
-        with open(out / BLOCK_ROUNDS, "a") as f:  # one line per shape: an interrupt loses at most one
-            f.write(json.dumps(line) + "\n")
+        append_line(out / BLOCK_ROUNDS, {"round": r, "key": shape.key, "measurement": m})  # one line per shape
     if progress:
         progress(task, len(todo), len(todo), "")
 
@@ -281,7 +275,7 @@ def round_medians(block_rounds: list[dict]) -> dict:
 
     by_key: dict[str, list[dict]] = {}
     for b in block_rounds:
-        if not b["key"].startswith("core_sharing|"):
+        if not b["key"].startswith(CORE_SHARING):
             by_key.setdefault(b["key"], []).append(b["measurement"])
     out = {}
     for key, ms in by_key.items():

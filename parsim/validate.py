@@ -116,7 +116,8 @@ def _key(model: str, plan: Plan, nproc: int, version: str) -> str:
 
 
 def load_measurements(path: Path) -> list[dict]:
-    """Lines of measurements.jsonl; a torn last line (an interrupted write) is ignored."""
+    """Lines of a JSON-lines file (measurements.jsonl, blocks.jsonl); a torn last line (an interrupted write) is
+    ignored."""
     out = []
     if path.exists():
         for line in path.read_text().splitlines():
@@ -125,6 +126,14 @@ def load_measurements(path: Path) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+def append_line(path: Path, line: dict) -> None:
+    """Append one JSON line to ``path``, flushed: an interrupt loses at most the line under way."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+        f.flush()
 
 
 def run_measured(model: str, nproc: int, out_dir: Path, *, rounds: int = 2, steps: int = 5, warmup: int = 2,
@@ -155,11 +164,8 @@ def run_measured(model: str, nproc: int, out_dir: Path, *, rounds: int = 2, step
             started.add(r)
             before_round(r)
         m = run_plan(model, plan, nproc, steps=steps, warmup=warmup, timeout_s=timeout_s, device="cpu")
-        line = {"key": key, "round": r, "model": model, "nproc": nproc, "version": version,
-                "plan": plan.to_dict(), "measurement": m.to_dict()}
-        with open(path, "a") as f:  # one line per run, flushed: an interrupt loses at most the run under way
-            f.write(json.dumps(line) + "\n")
-            f.flush()
+        append_line(path, {"key": key, "round": r, "model": model, "nproc": nproc, "version": version,
+                           "plan": plan.to_dict(), "measurement": m.to_dict()})  # one line per run
     if progress:
         progress(len(todo), len(todo), "done")
     keys = {_key(model, p, nproc, version) for p in plans}
