@@ -108,6 +108,9 @@ def test_loss_parity_with_single_process(model, kw, references):
     assert len(m.losses) == STEPS
     assert m.losses == pytest.approx(references[model], abs=2e-5)
     assert m.median_step_time_s > 0 and m.peak_memory_bytes > 0 and m.comm_bytes
+    # a compiled plan's timed steps ran compiled code: the counting step's dispatch mode made dynamo skip the
+    # blocks for the rest of the process before (worker.compile_after_modes)
+    assert (m.provenance["compiled_graphs"] >= 1) == plan.compile
 
 
 @pytest.mark.slow

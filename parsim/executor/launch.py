@@ -100,6 +100,7 @@ def _merge(plan: Plan, res: dict, prov: dict) -> Measurement:
     prov.update(memory_source=r0.get("memory_source", ""), peak_memory_rank=peak_rank,
                 peak_memory_bytes_per_rank={r["rank"]: r["peak_memory_bytes"] for r in ranks},
                 comm_counts=r0.get("comm_counts", {}),
+                compiled_graphs=r0.get("compiled_graphs"),
                 step_time_p90_s=sorted(times)[max(0, int(round(0.9 * len(times))) - 1)] if times else None)
     tps = plan.global_batch_size * plan.seq_len / med / plan.world_size if med else None
     reserved = [r["memory_breakdown_bytes"]["reserved_peak"] for r in ranks

@@ -205,6 +205,12 @@ def _run(args, device, rank, world) -> dict:
                       meshes.expert_norm_group(), expert_ids)
         return contrib
 
+    def fwd_bwd_only(i: int) -> None:
+        """Step ``i``'s forward and backward with the gradients dropped: the parameters stay as they were."""
+        with loss_context(plan, device.type):
+            _step(i)
+        opt.zero_grad(set_to_none=True)
+
     def _step(i: int) -> torch.Tensor:
         data = batch_for_step(i, plan.global_batch_size, seq, spec.vocab_size)
         mine = data[dp_rank * lbs * ga:(dp_rank + 1) * lbs * ga].to(device)
@@ -244,17 +250,20 @@ def _run(args, device, rank, world) -> dict:
 
     losses, times = [], []
     comm, counts, peak, breakdown, mem_note = {}, {}, None, {}, ""
-    total = args.warmup + args.steps
+    total, count = args.warmup + args.steps, not os.environ.get("PARSIM_NO_COUNT")
+    track = min(1, total - 1) if device.type == "cpu" else None
     for i in range(total):
+        if i == first_plain(count, track):
+            compile_after_modes(plan, lambda: fwd_bwd_only(total), sync)  # untimed
         sync()
         t0 = time.perf_counter()
-        if i == 0 and not os.environ.get("PARSIM_NO_COUNT"):  # collective bytes of one step (not timed)
+        if i == 0 and count:  # collective bytes of one step (not timed)
             counter = CommCounter(meshes.axis_of_group())
             with counter:
                 contrib = step(i)
             losses.append(logged(contrib))
             comm, counts = counter.bytes, counter.counts
-        elif i == min(1, total - 1) and device.type == "cpu":  # tensor-level memory of one step (not timed)
+        elif i == track:  # tensor-level memory of one step (not timed)
             lo, peak, breakdown, peak_op = track_step(lambda i=i: step(i), parts, opt,
                                                       pipeline_buffers=recv_buffers(stages))
             mem_note = f"parsim PeakTracker: tensor-level peak of live storages during one step (CPU), at {peak_op}"
@@ -280,7 +289,38 @@ def _run(args, device, rank, world) -> dict:
         _profiled_step(lambda: logged(step(total)), os.environ["PARSIM_TORCH_PROFILE"], rank, sync)
     return {"losses": losses, "step_times_s": times, "median_step_time_s": statistics.median(times) if times else None,
             "peak_memory_bytes": peak, "memory_breakdown_bytes": breakdown, "memory_source": mem_note,
-            "comm_bytes": comm, "comm_counts": counts}
+            "comm_bytes": comm, "comm_counts": counts, "compiled_graphs": compiled_graphs()}
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo captured in this process (0 when nothing was compiled: a compiled plan run eager)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+def first_plain(count: bool, track: int | None) -> int:
+    """The first step run under none of parsim's dispatch modes: step 0 counts collectives (unless
+    PARSIM_NO_COUNT), step ``track`` tracks memory (CPU)."""
+    i = 0
+    while (i == 0 and count) or i == track:
+        i += 1
+    return i
+
+
+def compile_after_modes(plan: Plan, run_step, sync) -> None:
+    """Before the first timed step of a compiled plan: forget what dynamo decided under the counting and tracking
+    steps and compile in one more, untimed forward and backward (``run_step``; the parameters unchanged, so the
+    losses follow the trajectory of a run without it). Those steps run under parsim's TorchDispatchModes
+    (``measure.CommCounter``, ``PeakTracker``), where dynamo does not trace ("non-infra torch dispatch mode
+    present") and marks the blocks' code to be skipped for the rest of the process: before this, every compiled
+    plan was timed eager (found on an H200, 2026-11-28: no Triton kernel in the profiled step of a compile run; on
+    CPU no frame traced). Their collective bytes and the CPU tensor-level memory stay those of the eager step."""
+    if not plan.compile:
+        return
+    torch._dynamo.reset()
+    run_step()
+    sync()
 
 
 def _profiled_step(run_step, out_prefix: str, rank: int, sync) -> None:
