@@ -298,4 +298,6 @@ def print_orders(doc: dict) -> None:
         med = ac["median_step_time_s"]
         f = ac["recompute_factor"]
         con.print("AC wrapping compile: step " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in med.items() if v)
-                  + (f"; recompute factor {f:.2f} (used by the cost model)" if f is not None else "; no factor"))
+                  + (f"; recompute factor {f:.2f} (used by the cost model)" if f is not None else
+                     "; recompute inside compile within the baseline's spread: no factor (the cost model assumes "
+                     "2x)"))

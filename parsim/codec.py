@@ -497,6 +497,10 @@ EXECUTOR_RULES: tuple[Rule, ...] = (
          lambda p, s: "float8 training (torchao's float8 linears) needs CUDA's scaled matmul: the executor runs it "
                       "on CUDA without TP and with the tensorwise recipe (executor.float8); a cost-model option "
                       "here"),
+    Rule("compile under TP", False, lambda b, s: b.compile & (b.tp > 1),
+         lambda p, s: "the executor's TP blocks do not compile on torch 2.13: without AC the compiled block's "
+                      "backward hands an eager redistribute a plain tensor (AttributeError: _local_tensor), with AC "
+                      "dynamo captures no graph and the plan would run eager; a cost-model option here"),
     Rule("MLA", True, lambda b, s: np.full(np.shape(b.pp), s.mla is not None),
          lambda p, s: f"{s.name}: the executor has no multi-head latent attention"),
     Rule("learned positions", True, lambda b, s: np.full(np.shape(b.pp), s.max_position_embeddings > 0),

@@ -76,6 +76,17 @@ def test_a_crashed_worker_says_why():
     assert _cause("no cause here\n") == ""
 
 
+def test_compiled_plans_compile_on_the_first_step_no_mode_of_parsims_watches():
+    """Step 0 counts collectives and, on CPU, step 1 tracks memory, each under a TorchDispatchMode where dynamo
+    does not trace; the compile (worker.compile_after_modes) comes before the first step under neither."""
+    from parsim.executor.worker import first_plain
+
+    assert first_plain(count=True, track=1) == 2  # CPU
+    assert first_plain(count=True, track=None) == 1  # CUDA
+    assert first_plain(count=False, track=1) == 0  # PARSIM_NO_COUNT
+    assert first_plain(count=False, track=0) == 1  # one step in all, tracked
+
+
 @pytest.fixture(scope="module")
 def references():
     return {m: reference_losses(PRESETS[m], G, S, STEPS, "sgd") for m in ("tiny", "tiny-moe")}

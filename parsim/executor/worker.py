@@ -315,12 +315,15 @@ def compile_after_modes(plan: Plan, run_step, sync) -> None:
     (``measure.CommCounter``, ``PeakTracker``), where dynamo does not trace ("non-infra torch dispatch mode
     present") and marks the blocks' code to be skipped for the rest of the process: before this, every compiled
     plan was timed eager (found on an H200, 2026-11-28: no Triton kernel in the profiled step of a compile run; on
-    CPU no frame traced). Their collective bytes and the CPU tensor-level memory stay those of the eager step."""
+    CPU no frame traced). Their collective bytes and the CPU tensor-level memory stay those of the eager step. A
+    compile that captures no graph (seen: TP blocks under AC) fails the run instead of timing it eager."""
     if not plan.compile:
         return
     torch._dynamo.reset()
     run_step()
     sync()
+    if not compiled_graphs():  # a compiled plan timed eager is a wrong measurement, not a slow one
+        raise RuntimeError("torch.compile captured no graph: the plan would run eager")
 
 
 def _profiled_step(run_step, out_prefix: str, rank: int, sync) -> None:
