@@ -309,14 +309,15 @@ def first_plain(count: bool, track: int | None) -> int:
 
 
 def compile_after_modes(plan: Plan, run_step, sync) -> None:
-    """Before the first timed step of a compiled plan: forget what dynamo decided under the counting and tracking
-    steps and compile in one more, untimed forward and backward (``run_step``; the parameters unchanged, so the
-    losses follow the trajectory of a run without it). Those steps run under parsim's TorchDispatchModes
-    (``measure.CommCounter``, ``PeakTracker``), where dynamo does not trace ("non-infra torch dispatch mode
-    present") and marks the blocks' code to be skipped for the rest of the process: before this, every compiled
-    plan was timed eager (found on an H200, 2026-11-28: no Triton kernel in the profiled step of a compile run; on
-    CPU no frame traced). Their collective bytes and the CPU tensor-level memory stay those of the eager step. A
-    compile that captures no graph (seen: TP blocks under AC) fails the run instead of timing it eager."""
+    """Before the first step under none of parsim's modes (a compiled plan): forget what dynamo decided under the
+    counting and tracking steps and compile in one more, untimed forward and backward (``run_step``; the parameters
+    unchanged, so the losses follow the trajectory of a run without it). Those steps run under parsim's
+    TorchDispatchModes (``measure.CommCounter``, ``PeakTracker``), where dynamo does not trace ("non-infra torch
+    dispatch mode present") and marks the blocks' code to be skipped for the rest of the process: before this,
+    every compiled plan was timed eager (found on an H200, 2026-11-28: no Triton kernel in the profiled step of a
+    compile run; on CPU no frame traced). Their collective bytes and the CPU tensor-level memory stay those of the
+    eager step. A compile that captures no graph (seen: TP blocks under AC) fails the run instead of timing it
+    eager."""
     if not plan.compile:
         return
     torch._dynamo.reset()
