@@ -54,14 +54,13 @@ BLOCK_CASES = (
 def _kernels(prof) -> dict:
     """Device time of the profiled region by kernel class (``bench.gpu_step_profile``'s classes), the top ten
     kernels and how many kernels launched."""
-    from bench.gpu_step_profile import KERNEL_CLASSES, NOT_KERNELS
+    from bench.gpu_step_profile import NOT_KERNELS, kernel_class
 
     rows = [(e.key, e.count, float(e.self_device_time_total)) for e in prof.key_averages()
             if not re.match(NOT_KERNELS, e.key) and e.self_device_time_total > 0]
     by: dict[str, float] = {}
     for name, _, us in rows:
-        cls = next((c for c, pat in KERNEL_CLASSES if re.search(pat, name, re.I)), "other")
-        by[cls] = by.get(cls, 0.0) + us / 1e3
+        by[kernel_class(name)] = by.get(kernel_class(name), 0.0) + us / 1e3
     top = sorted(rows, key=lambda r: -r[2])[:10]
     return {"ms_by_class": {k: round(v, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
             "kernel_ms": round(sum(r[2] for r in rows) / 1e3, 3), "launches": sum(r[1] for r in rows),

@@ -30,20 +30,22 @@ KERNEL_CLASSES = (("gemm", r"nvjet|gemm|cutlass|sm90_xmma|cublas"), ("attention"
                   ("other elementwise", r"elementwise|vectorized|unrolled"))
 
 
-def summarize(paths: list[str]):
-    """Device milliseconds per kernel class of each ``PARSIM_TORCH_PROFILE`` CSV (one column per file)."""
+def kernel_class(name: str) -> str:
+    """The class of ``KERNEL_CLASSES`` a kernel's name falls in ("other" if none)."""
     import re
 
-    import pandas as pd
+    return next((c for c, pat in KERNEL_CLASSES if re.search(pat, name, re.I)), "other")
 
-    def cls(name: str) -> str:
-        return next((c for c, pat in KERNEL_CLASSES if re.search(pat, name, re.I)), "other")
+
+def summarize(paths: list[str]):
+    """Device milliseconds per kernel class of each ``PARSIM_TORCH_PROFILE`` CSV (one column per file)."""
+    import pandas as pd
 
     cols = {}
     for path in paths:
         d = pd.read_csv(path)
         k = d[~d["name"].str.match(NOT_KERNELS) & (d["self_device_us"] > 0)]
-        by = (k.groupby(k["name"].map(cls))["self_device_us"].sum() / 1e3)
+        by = (k.groupby(k["name"].map(kernel_class))["self_device_us"].sum() / 1e3)
         by["total (kernels)"] = k["self_device_us"].sum() / 1e3
         cols[Path(path).name.split(".")[0]] = by
     return pd.DataFrame(cols).fillna(0.0)

@@ -252,8 +252,9 @@ def _run(args, device, rank, world) -> dict:
     comm, counts, peak, breakdown, mem_note = {}, {}, None, {}, ""
     total, count = args.warmup + args.steps, not os.environ.get("PARSIM_NO_COUNT")
     track = min(1, total - 1) if device.type == "cpu" else None
+    plain0 = first_plain(count, track)
     for i in range(total):
-        if i == first_plain(count, track):
+        if i == plain0:
             compile_after_modes(plan, lambda: fwd_bwd_only(total), sync)  # untimed
         sync()
         t0 = time.perf_counter()
