@@ -64,7 +64,11 @@ def setup(dry_run: bool, n_gpus: int, layers: int) -> Setup:
     if dry_run:
         return Setup("tiny", 2, 128, 4, 1, "float32", base, quick=True)
     more = (("selective-op AC", {"ac": "selective-op"}), ("layer:2 AC", {"ac": "layer:2"}),
-            ("compile", {"compile": True}), ("float8 compile", {"float8": True, "compile": True}),
+            ("compile", {"compile": True}), ("selective-op AC compile", {"ac": "selective-op", "compile": True}),
+            ("full AC compile", {"ac": "full", "compile": True}),
+            ("full AC wrapping compile", {"ac": "full", "compile": True,
+                                          "wrapper_order": ("pp", "tp", "compile", "ac", "fsdp")}),
+            ("float8 compile", {"float8": True, "compile": True}),
             ("float8 eager", {"float8": True}))  # float8: torchao's tensorwise linears (executor.float8), CUDA only
     return Setup("llama3-8b", layers, 4096, 8, max(1, n_gpus), "bfloat16", base + more, quick=False)
 

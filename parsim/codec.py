@@ -497,10 +497,13 @@ EXECUTOR_RULES: tuple[Rule, ...] = (
          lambda p, s: "float8 training (torchao's float8 linears) needs CUDA's scaled matmul: the executor runs it "
                       "on CUDA without TP and with the tensorwise recipe (executor.float8); a cost-model option "
                       "here"),
-    Rule("compile under TP", False, lambda b, s: b.compile & (b.tp > 1),
-         lambda p, s: "the executor's TP blocks do not compile on torch 2.13: without AC the compiled block's "
-                      "backward hands an eager redistribute a plain tensor (AttributeError: _local_tensor), with AC "
-                      "dynamo captures no graph and the plan would run eager; a cost-model option here"),
+    Rule("compile over full AC under TP", False,
+         lambda b, s: b.compile & (b.tp > 1) & ~b.ac_wraps_compile
+         & ((b.ac == AC_MODES["full"]) | (b.ac == AC_MODES["layer"])),
+         lambda p, s: "torch 2.13 does not compile a checkpointed TP block: AOTAutograd saves the TP DeviceMesh with "
+                      "the block's tensors and fails (\"expected all tensors_saved_with_vc_check to be Tensors\"); "
+                      "selective-op AC, AC wrapping compile (wrapper order ..., compile, ac, ...) and no AC run; a "
+                      "cost-model option here"),
     Rule("MLA", True, lambda b, s: np.full(np.shape(b.pp), s.mla is not None),
          lambda p, s: f"{s.name}: the executor has no multi-head latent attention"),
     Rule("learned positions", True, lambda b, s: np.full(np.shape(b.pp), s.max_position_embeddings > 0),

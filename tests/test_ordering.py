@@ -108,9 +108,13 @@ def test_stored_matrix_is_well_formed():
 @pytest.mark.slow
 def test_orders_case_executes_every_permutation(tmp_path):
     pytest.importorskip("torch")
+    import torch
+
     from parsim.executor.orders import orders_of, run_orders
 
     out = tmp_path / "orders.json"
+    kept = {"cases": {"other": {"rows": []}}, "ac_wraps_compile": {"factor": 1.4}}
+    out.write_text(json.dumps({"by_torch_version": {torch.__version__.split("+")[0]: kept}}))
     data = run_orders(["pp-tp"], str(out), steps=1, timeout_s=300, cost_repeats=0)
     rows = data["cases"]["pp-tp"]["rows"]
     assert [tuple(r["order"]) for r in rows] == orders_of(("pp", "tp"))
@@ -118,3 +122,5 @@ def test_orders_case_executes_every_permutation(tmp_path):
     assert all(r["outcome"] in ("ran", "failed", "differs") for r in rows)
     stored = json.loads(out.read_text())["by_torch_version"][data["torch"]]
     assert stored["cases"]["pp-tp"]["rows"] == rows
+    # the cases and the cost measured before are kept
+    assert stored["cases"]["other"] == kept["cases"]["other"] and stored["ac_wraps_compile"] == {"factor": 1.4}

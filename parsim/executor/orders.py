@@ -31,10 +31,12 @@ LOSS_TOL = 2e-5  # [measured] the parity tests' tolerance: summation-order diffe
 
 CASES = {
     # name: (model, plan kwargs, the wrappers permuted)
-    # compile apart from TP: the executor refuses TP + compile (codec's "compile under TP"), so the orders of
-    # compile are observed on FSDP blocks and those of TP without compile (before stop 54 one case permuted all four,
-    # and no run compiled anything: worker.compile_after_modes)
+    # before stop 54 one case permuted tp, ac, compile and fsdp and no run compiled anything
+    # (worker.compile_after_modes); TP blocks compile since stop 55 except under a compiled full checkpoint (codec's
+    # "compile over full AC under TP"), so the orders of TP and compile are observed with selective-op AC
     "tp-ac-fsdp": ("tiny", dict(dp_shard=2, tp=2, local_batch_size=4, ac="full"), ("tp", "ac", "fsdp")),
+    "tp-compile-fsdp": ("tiny", dict(dp_shard=2, tp=2, local_batch_size=4, ac="selective-op", compile=True),
+                        ("tp", "compile", "fsdp")),
     "ac-compile-fsdp": ("tiny", dict(dp_shard=2, local_batch_size=4, ac="full", compile=True),
                         ("ac", "compile", "fsdp")),
     "pp-ac-fsdp": ("tiny", dict(pp=2, dp_shard=2, local_batch_size=4, micro_batch_size=2, ac="full"),
@@ -124,6 +126,9 @@ def run_orders(cases: list[str], out: str, steps: int = 3, timeout_s: float = 60
     if os.path.exists(out):
         with open(out) as f:
             store = json.load(f)
-    store.setdefault("by_torch_version", {})[data["torch"]] = data
+    # merged case by case: a run of some cases keeps the others and a cost measured before (a run of one case once
+    # replaced this torch version's whole matrix)
+    prev = store.setdefault("by_torch_version", {}).get(data["torch"], {})
+    store["by_torch_version"][data["torch"]] = {**prev, **data, "cases": {**prev.get("cases", {}), **data["cases"]}}
     atomic_write_json(out, store)
     return data

@@ -282,8 +282,32 @@ def apply_compile(parts, plan: Plan, meshes):
     if not plan.compile:
         return
     for m in parts:
+        if plan.tp > 1 and getattr(m, "tok_embeddings", None) is not None:
+            m.tok_embeddings.register_forward_hook(_wait_async_output)
         for block in m.layers.values():
             block.compile()
+
+
+class _WaitAsync(torch.autograd.Function):
+    """Identity that waits an AsyncCollectiveTensor (the TP embedding's output: RowwiseParallel redistributes
+    it with ``async_op=True``) into the plain tensor it holds, so the first compiled block gets a plain input.
+    Handed the subclass itself, the compiled block's backward gave the embedding's eager Redistribute a plain
+    gradient ("'Tensor' object has no attribute '_local_tensor'", torch 2.13 CPU, tp 2 with and without SP).
+    Eager TP waits at the first op that reads the tensor, the norm that follows: the same point."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.wait().view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _wait_async_output(module, args, out):
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return _WaitAsync.apply(out) if isinstance(out, AsyncCollectiveTensor) else None
 
 
 def apply_ep(parts, plan: Plan, meshes: Meshes):
