@@ -268,6 +268,8 @@ def _run(args, device, rank, world) -> dict:
             lo, peak, breakdown, peak_op = track_step(lambda i=i: step(i), parts, opt,
                                                       pipeline_buffers=recv_buffers(stages))
             mem_note = f"parsim PeakTracker: tensor-level peak of live storages during one step (CPU), at {peak_op}"
+            if plan.compile:  # dynamo runs the blocks eager under a dispatch mode: this step was not compiled
+                mem_note += "; an eager step (a compiled plan's CPU peak is not tracked)"
             losses.append(logged(lo))
         else:
             if device.type == "cuda" and i == args.warmup:
