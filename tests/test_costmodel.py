@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 
 from parsim.costmodel import predict
@@ -39,6 +40,34 @@ def test_breakdowns_sum_to_totals(spec, kw):
     assert all(v >= 0 for v in pred.memory_breakdown_bytes.values())
     assert all(v >= 0 for v in pred.time_breakdown_s.values())
     assert pred.step_time_s > 0 and 0 < pred.mfu < 1
+
+
+def test_pipeline_on_shared_cores_is_bounded_by_the_mean_stage():
+    """Ranks sharing cores (compute_scale s > 1): a pipeline rank's compute and bubble take the larger of the cores'
+    bound (the mean stage's stretched compute) and its critical path at full speed; with s = 1 the plain bubble."""
+    from types import SimpleNamespace
+
+    from parsim.costmodel.pipeline import shared_cores
+
+    b = SimpleNamespace(pp=np.array([4]), pp_stages_per_rank=np.array([1]))
+    one = SimpleNamespace(corrections={})
+    f, bub = shared_cores(b, one, 4.0, 1.0, 0.2, 0.2, 0.1)
+    assert f[0] == 1.0 and bub[0] == pytest.approx(3 * 0.2)  # (pp - 1) microbatch-times, the mean unused
+    two = SimpleNamespace(corrections={"compute_scale": 2.0})
+    # own stretched 4 x 0.2 = 0.8; cores 4 x 0.1 = 0.4; critical path 4 x 0.1 + 3 x 0.1 = 0.7: compute x 0.875
+    f, bub = shared_cores(b, two, 4.0, 1.0, 0.2, 0.2, 0.1)
+    assert f[0] == pytest.approx(0.875) and bub[0] == 0.0
+    # a rank lighter than the mean waits for the cores: no factor, the difference is bubble
+    f, bub = shared_cores(b, two, 4.0, 1.0, 0.1, 0.1, 0.2)
+    assert f[0] == 1.0 and bub[0] == pytest.approx(4 * 0.2 - 4 * 0.1)
+    # without a mean, the bound before stop 55: own stretched compute
+    f, bub = shared_cores(b, two, 4.0, 1.0, 0.2, 0.2)
+    assert f[0] == 1.0 and bub[0] == 0.0
+    # a whole prediction on the 4-rank CPU profile (s = 2): breakdown sums, nothing negative
+    p = predict(PRESETS["tiny"], Plan(pp=4, seq_len=256, local_batch_size=4, micro_batch_size=1,
+                                      param_dtype="float32"), load_profile("cpu-gloo-4"))
+    assert math.isclose(sum(p.time_breakdown_s.values()), p.step_time_s, rel_tol=1e-9)
+    assert all(v >= 0 for v in p.time_breakdown_s.values())
 
 
 def test_memory_falls_as_dp_shard_tp_pp_grow():

@@ -140,7 +140,7 @@ def _compute_factors(plan: Plan, hw: HardwareProfile) -> list[dict]:
         ov_src = "default: the profile has no block sample (0)"
     rows = [
         _row("compute_scale", cs, "every compute term (layers, the model's ends, the optimizer step, framework "
-             "overheads) is multiplied by it; the pipeline bubble gives the shared cores back (pipeline.bubble)",
+             "overheads) is multiplied by it; the pipeline bubble gives the shared cores back (pipeline.shared_cores)",
              _source(hw, cs_key)),
         _row("layer overhead forward / backward (s per layer and microbatch)", [ov_f, ov_b],
              "added to each layer's curve time (the 'overhead' item of the layer table)", ov_src)]
@@ -222,7 +222,7 @@ def _schedule_factors(plan: Plan, hw: HardwareProfile, b) -> list[dict]:
                          "activations alive at the memory peak, in microbatches through all of the stage's layers",
                          f"derived from the {plan.pp_schedule} schedule (layers.inflight)"))
         rows.append(_row("pipeline bubble (microbatch times)", ga * (plan.pp - 1) / plan.pp_stages_per_rank,
-                         "pp_bubble = ga x (pp - 1) / v x one microbatch's time (pipeline.bubble)",
+                         "pp_bubble = ga x (pp - 1) / v x one microbatch's time (pipeline.shared_cores)",
                          "derived (Narayanan et al. 2021)"))
     c = hw.corrections
     if "optimizer_s_per_param" in c:

@@ -10,18 +10,28 @@ from ..hardware import HardwareProfile
 SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
 
 
-def bubble(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb):
-    """Pipeline bubble of one rank: ``ga (pp - 1) / v`` microbatch-times (Narayanan et al. 2021, sec. 2.2).
+def shared_cores(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb, mean_compute_mb=None):
+    """(factor on this rank's compute, pipeline bubble) [derived]. The bubble: ``ga (pp - 1) / v`` microbatch-times
+    (Narayanan et al. 2021, sec. 2.2) where ranks do not share cores. ``compute_mb`` is the rank's compute per
+    microbatch already stretched by ``compute_scale`` s; ``mean_compute_mb`` the same mean over the pipeline's
+    stages (every rank sharing the cores runs one of them; None: this rank's).
 
-    Ranks sharing cores (``compute_scale`` s = ranks per core > 1, measured by the profiler): a rank idle in the
-    bubble gives its core to the ranks that share it, so the work is limited by the cores, not stretched on the
-    critical path. With W = M x compute per microbatch at full speed, the step's compute takes
-    ``max(s W, W + bubble at full speed)`` [derived]: the bubble adds time only beyond what the shared cores need
-    anyway. With s = 1 this is the plain bubble."""
+    Two lower bounds of the time a pipeline rank's compute and bubble take; the larger is the estimate:
+    * the cores: together they run every rank's work, the stretched mean per rank, ``M x mean_compute_mb``;
+    * the critical path: this rank's work at full speed plus its bubble at full speed (the cores idle ranks free).
+    Before stop 55 the first bound was this rank's own stretched compute (s x W), as if every rank did the most
+    loaded stage's work: the last stage's output and loss made every pipeline on 4 ranks sharing 2 cores
+    over-predicted (tiny pp 4: +8.7%, tiny-moe pp 4: +23.6%). Where the bounds fall below the stretched compute of
+    a rank heavier than the mean, its compute is scaled down (factor < 1, no bubble); else the factor is 1 and the
+    rest is bubble. With s = 1 (no sharing) the factor is 1 and the bubble the plain one."""
     s = float(hw.corrections.get("compute_scale", 1.0))
     full_speed_mb = t_mb - compute_mb + compute_mb / s  # exposed comm per microbatch is not stretched by s
     bubble1 = ga * (b.pp - 1) / b.pp_stages_per_rank * full_speed_mb
-    return np.maximum(0.0, M * compute_mb / s + bubble1 - M * compute_mb)
+    own = M * compute_mb
+    cores = own if (mean_compute_mb is None or s <= 1.0) else M * mean_compute_mb
+    total = np.maximum(cores, M * compute_mb / s + bubble1)
+    factor = np.where((total < own) & (own > 0), total / np.where(own > 0, own, 1.0), 1.0)
+    return factor, np.maximum(0.0, total - own)
 
 
 def interleaved_actions(pp: int, v: int, m: int, rank: int, compress: bool = False) -> list[tuple[str, int, int]]:

@@ -23,7 +23,8 @@ Time model (sums exactly to ``step_time_s``):
   arXiv:2104.04473, sec. 2.2: bubble fraction (p-1)/m for 1F1B/GPipe, divided by v for interleaving).
 * optimizer: AdamW reads param, grad, exp_avg, exp_avg_sq (fp32) and writes three of them: 28 B/param, plus the
   gradient-norm read of 4 B/param, at HBM speed.
-* measured corrections of the profile: ``compute_scale`` (ranks sharing cores) multiplies compute; the per-layer
+* measured corrections of the profile: ``compute_scale`` (ranks sharing cores) multiplies compute (a pipeline rank
+  heavier than the mean stage less: ``pipeline.shared_cores``); the per-layer
   overheads of ``block_overheads`` (one real block timed by the profiler minus the model's time for it: dispatch,
   autograd and small-kernel costs) is added per layer and microbatch (selective AC recomputes half of it).
 
@@ -71,7 +72,7 @@ from .layers import (
 from .memory import MEMORY_KEYS, PHASES
 from .overlap import async_tp_exposed_fraction, framework_overheads, fsdp_exposed, interference, set_exposed
 from .phases import RankPeak, rank_memory, rank_params, rank_peak, static_bytes
-from .pipeline import bubble
+from .pipeline import shared_cores
 from .reserved import RESERVED_KEYS
 
 TIME_KEYS = ("compute_forward", "compute_backward", "recompute", "pp_bubble", "optimizer")
@@ -97,22 +98,22 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
     costs = {k: layer_costs(spec, b, sh, hw, k, overheads, times=not memory_only) for k in kinds}
     plocal, pshard = layer_params(spec, b, kinds)
     per_rank: list = []
-    for rank in (FIRST, LAST):
-        rv = _rank_view(spec, b, rank, layers, kinds, plocal, pshard)
+    rvs = [_rank_view(spec, b, rank, layers, kinds, plocal, pshard) for rank in (FIRST, LAST)]
+    cs = [rank_compute(spec, b, sh, hw, rv, costs) for rv in rvs]
+    mean_mb = _mean_stage_compute(b, cs)
+    for rank, rv, c in zip((FIRST, LAST), rvs, cs, strict=True):
         if time_bound:
-            c = rank_compute(spec, b, sh, hw, rv, costs)
-            per_rank.append(_time_lower_bound(b, hw, c, rank_params(b, rv)[1], rv.n_tensors))
+            per_rank.append(_time_lower_bound(b, hw, c, rank_params(b, rv)[1], rv.n_tensors, mean_mb))
         elif time_only:
-            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs, with_memory=False))
+            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, c, mean_mb, with_memory=False))
         elif memory_only:
-            c = rank_compute(spec, b, sh, hw, rv, costs)
             phases, _ = rank_memory(spec, b, sh, rank, rv, c, above_bytes)
             pk = rank_peak(b, sh, hw, rv, c, phases)
             static = static_bytes(b, rv)
             per_rank.append([np.where(static > above_bytes, np.maximum(v, static), v)
                              for v in (pk.memory_bytes, pk.reserved_bytes)])
         else:
-            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, costs))
+            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, c, mean_mb))
     if time_bound:
         return {"step_time_lower_bound_s": np.maximum(per_rank[0], per_rank[1])}
     if time_only:
@@ -172,7 +173,17 @@ def _rank_view(spec: ModelSpec, b: PlanBatch, rank: int, layers: dict, kinds: li
                       n_ckpt=n_ckpt, n_tensors=n_tensors)
 
 
-def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: RankCompute, p_opt, n_tensors) -> np.ndarray:
+def _mean_stage_compute(b: PlanBatch, cs: list[RankCompute]):
+    """Compute per microbatch of the pipeline's mean stage: the stages between the first and the last hold blocks
+    only, like the first without its embedding (a lookup), so they count as the first [derived]; without PP the
+    one rank's."""
+    first, last = (c.fwd + c.bwd + c.rec for c in cs)
+    pp = b.pp.astype(float)
+    return ((pp - 1) * first + last) / pp
+
+
+def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: RankCompute, p_opt, n_tensors,
+                      mean_mb=None) -> np.ndarray:
     """A lower bound of one rank's step time over every device order [derived]: ``_evaluate_rank``'s step is
     compute (forward, backward, recompute: the same in every device order) + bubble + optimizer + exposed
     collectives (>= 0) + interference (``comm_interference`` x hidden time >= 0 when the factor is >= 0). The
@@ -186,7 +197,8 @@ def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: RankCompute, p_opt, 
     M = ga * b.n_micro
     compute_mb = c.fwd + c.bwd + c.rec
     opt = optimizer_time_s(hw, p_opt, n_tensors)
-    return M * compute_mb + opt + bubble(b, hw, M, ga, compute_mb, compute_mb)
+    factor, bub = shared_cores(b, hw, M, ga, compute_mb, compute_mb, mean_mb)
+    return M * compute_mb * factor + opt + bub
 
 
 @dataclass(frozen=True)
@@ -201,10 +213,9 @@ class RankStep:
 
 
 def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rank: int, rv: C.RankView,
-                   costs: dict, with_memory: bool = True) -> RankStep:
+                   c: RankCompute, mean_mb, with_memory: bool = True) -> RankStep:
     """Step time (itemized) and peak memory (itemized, the largest of five moments; None without
-    ``with_memory``) of one rank."""
-    c = rank_compute(spec, b, sh, hw, rv, costs)
+    ``with_memory``) of one rank, from its compute ``c`` and the pipeline's mean stage compute ``mean_mb``."""
     phases, p_opt = rank_memory(spec, b, sh, rank, rv, c) if with_memory else (None, rank_params(b, rv)[1])
     ga = b.grad_accum.astype(float)
     M = ga * b.n_micro  # microbatches per step per rank
@@ -216,8 +227,10 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     fsdp_exposed_s = fsdp_exposed(b, hw, cm, c.fwd, c.bwd + c.rec, rv.n_layers)
     set_exposed(cm.ledger, fsdp_exposed_s, cm.fsdp_gather_total_s + cm.fsdp_reduce_total_s, tp_ratio)
     opt = optimizer_time_s(hw, p_opt, rv.n_tensors)
-    tb = {"compute_forward": M * c.fwd, "compute_backward": M * c.bwd, "recompute": M * c.rec,
-          "pp_bubble": bubble(b, hw, M, ga, c.fwd + c.bwd + c.rec, t_mb), "optimizer": opt}
+    # ranks sharing cores: a pipeline rank heavier than the mean stage is stretched less (pipeline.shared_cores)
+    share, bub = shared_cores(b, hw, M, ga, c.fwd + c.bwd + c.rec, t_mb, mean_mb)
+    tb = {"compute_forward": M * c.fwd * share, "compute_backward": M * c.bwd * share, "recompute": M * c.rec * share,
+          "pp_bubble": bub, "optimizer": opt}
     for axis, tt in cm.ledger.exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
         tb["comm_" + axis] = tt
     tb["comm_interference"] = interference(hw, cm.ledger)
