@@ -587,7 +587,8 @@ def redistribute(
 @guarded
 def orders(
     case: Optional[list[str]] = typer.Option(None, "--case", help="case to run (repeatable) [all]: "
-                                             "tp-ac-fsdp, ac-compile-fsdp, pp-ac-fsdp, pp-tp, moe-ep-tp-ac-fsdp"),
+                                             "tp-ac-fsdp, tp-compile-fsdp, ac-compile-fsdp, pp-ac-fsdp, pp-tp, "
+                                             "moe-ep-tp-ac-fsdp"),
     stored: bool = typer.Option(False, "--stored", help="show the stored matrix of the installed torch, run nothing"),
     out: str = typer.Option("profiles/orders.json", "--out", help="data file the matrix is merged into"),
     steps: int = typer.Option(3, "--steps", help="timed steps per run (after 2 warm-up steps)"),

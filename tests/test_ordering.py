@@ -105,6 +105,18 @@ def test_stored_matrix_is_well_formed():
             assert O.is_legal(o, rules)
 
 
+def test_orders_help_names_every_case():
+    """The CLI's --case help is written out (the CLI does not import torch for it): it names every case."""
+    import inspect
+
+    pytest.importorskip("torch")
+    from cli import main
+    from parsim.executor.orders import CASES
+
+    helped = inspect.signature(main.orders).parameters["case"].default.help
+    assert set(helped.split(": ", 1)[1].split(", ")) == set(CASES)
+
+
 @pytest.mark.slow
 def test_orders_case_executes_every_permutation(tmp_path):
     pytest.importorskip("torch")
