@@ -341,6 +341,11 @@ def run(
     spec, plan, _ = build_plan(flags)
     if device not in (None, "cpu"):
         raise ParsimError(f"--device takes only cpu (to force gloo on a GPU machine), got {device!r}")
+    from parsim.ordering import order_refusal
+
+    why = order_refusal(plan)
+    if why:  # e.g. compile before TP trains with other losses (parsim orders, case tp-compile-fsdp)
+        raise ParsimError(why)
     check_int("--nproc-per-node", nproc_per_node, 1, 1024)
     check_int("--steps", steps, 1, 1_000_000)
     check_int("--warmup", warmup, 0, 1_000_000)

@@ -73,6 +73,27 @@ def is_legal(order: tuple[str, ...], rules: tuple[OrderRule, ...] | None = None)
     return not any(r.forbids for r in violations(order, effective_rules() if rules is None else rules))
 
 
+def active_wrappers(plan) -> frozenset[str]:
+    """The wrappers that change ``plan``'s model (as the executor's ``apply_*`` skip the others): pp and tp above
+    1, AC other than none, compile, FSDP wherever a data-parallel or CP axis is above 1."""
+    on = {"pp": plan.pp > 1, "tp": plan.tp > 1, "ac": plan.ac != "none", "compile": bool(plan.compile),
+          "fsdp": plan.dp_replicate * plan.dp_shard * plan.cp > 1}
+    return frozenset(w for w, yes in on.items() if yes)
+
+
+def order_refusal(plan, rules: tuple[OrderRule, ...] | None = None) -> str:
+    """Why ``plan``'s wrapper order cannot run correctly ("" when it can): the first forbidding rule (effective:
+    written, revised by the observed matrix) it breaks between two wrappers the plan applies. Where a wrapper is
+    off its position changes nothing, so its rules do not bind. ``parsim run`` refuses such a plan; ``parsim
+    orders`` runs them on purpose (through the executor directly) to observe what they do."""
+    on = active_wrappers(plan)
+    for r in violations(plan.wrapper_order, effective_rules() if rules is None else rules):
+        if r.forbids and r.first in on and r.then in on:
+            return (f"wrapper order {','.join(plan.wrapper_order)} puts {r.then} before {r.first}, which does not "
+                    f"run correctly ({r.kind}): {r.reason}")
+    return ""
+
+
 def searched_orders(ac_on: bool, compile_on: bool, rules: tuple[OrderRule, ...] | None = None
                     ) -> list[tuple[str, ...]]:
     """Orders the search evaluates, derived from the rules: legal orders breaking no version-dependent rule, one

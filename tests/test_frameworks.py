@@ -28,15 +28,20 @@ def test_fit_recovers_fixed_and_per_byte_overheads():
     assert fit_framework_overheads([s for s in samples if s["kind"] == "tp"]).keys() == {"tp_block_fixed_s",
                                                                                          "tp_block_s_per_byte"}
     ep = [{"kind": "ep", "unit_bytes": b, "overhead_per_block_s": 4e-3 + 2e-8 * b} for b in (6e4, 1.3e5, 2.6e5)]
-    q = fit_framework_overheads(samples + ep)
+    tp_moe = [{"kind": "tp_moe", "unit_bytes": b, "overhead_per_block_s": 9e-3 + 2.5e-8 * b} for b in (1e5, 3e5, 5e5)]
+    q = fit_framework_overheads(samples + ep + tp_moe)
     assert q["ep_block_fixed_s"] == pytest.approx(4e-3, rel=1e-6)
     assert q["ep_block_s_per_byte"] == pytest.approx(2e-8, rel=1e-6)
+    assert q["tp_moe_block_fixed_s"] == pytest.approx(9e-3, rel=1e-6)
+    assert q["tp_moe_block_s_per_byte"] == pytest.approx(2.5e-8, rel=1e-6)
+    assert q["tp_block_fixed_s"] == pytest.approx(6e-3, rel=1e-6)  # the dense block's fit is its own
 
 
 def _profile(**corr):
     hw = load_profile("cpu-gloo-2")
     return dataclasses.replace(hw, corrections={**{k: v for k, v in hw.corrections.items()
-                                                   if not k.startswith(("fsdp_unit_", "tp_block_", "ep_block_"))},
+                                                   if not k.startswith(("fsdp_unit_", "tp_block_", "tp_moe_block_",
+                                                                        "ep_block_"))},
                                                 **corr})
 
 
@@ -69,6 +74,26 @@ def test_tp_overhead_per_block_and_microbatch_grows_with_the_gathered_activation
     assert no_tp.time_breakdown_s.get("framework_tp", 0.0) == 0.0  # zero components are left out
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_tp_overhead_of_moe_layers_is_the_moe_blocks(ep):
+    """Under TP a MoE layer is charged the MoE block's quantities, a dense layer the dense block's; a profile
+    measured before the MoE probe charges every layer the dense block's."""
+    moe = PRESETS["tiny-moe"]
+    plan = Plan(tp=2, dp_shard=ep, ep=ep, etp=1, seq_len=128, local_batch_size=1, global_batch_size=2 * ep,
+                param_dtype="float32", reduce_dtype="float32")  # gradient accumulation 2: two microbatches
+    act = 1 * 128 * moe.d_model * 4
+    dense_q = {"tp_block_fixed_s": 1e-3, "tp_block_s_per_byte": 1e-9}
+    both = predict(moe, plan, _profile(**dense_q, tp_moe_block_fixed_s=3e-3, tp_moe_block_s_per_byte=2e-9))
+    scale = float(_profile().corrections.get("compute_scale", 1.0))
+    want = 2 * (moe.n_dense_layers * (1e-3 + 1e-9 * act) + moe.n_moe_layers * (3e-3 + 2e-9 * act)) * scale
+    assert moe.n_dense_layers > 0 and moe.n_moe_layers > 0
+    assert both.time_breakdown_s["framework_tp"] == pytest.approx(want)
+    assert sum(both.time_breakdown_s.values()) == pytest.approx(both.step_time_s)
+    dense_only = predict(moe, plan, _profile(**dense_q))
+    assert dense_only.time_breakdown_s["framework_tp"] == pytest.approx(2 * moe.n_layers * (1e-3 + 1e-9 * act)
+                                                                         * scale)
+
+
 @pytest.mark.parametrize("degrees, share", [({"dp_shard": 2, "ep": 2}, 1), ({"tp": 2, "ep": 2, "etp": 1}, 2)])
 def test_ep_overhead_per_moe_block_and_microbatch_grows_with_the_routed_rows(degrees, share):
     """Per MoE layer on the rank and microbatch, against the rows the rank routes (tokens x top_k x d_model; with
@@ -98,13 +123,13 @@ def test_probe_measures_fsdp_and_tp_against_their_twins_on_two_gloo_ranks(tmp_pa
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     kinds = {(s["kind"], s["reshard_after_forward"], s["d_model"]) for s in doc["samples"]}
-    assert kinds == {(k, raf, d) for k, raf in (("fsdp", "default"), ("fsdp", "never"), ("tp", ""), ("ep", ""))
-                     for d in (128, 256)}
+    assert kinds == {(k, raf, d) for k, raf in (("fsdp", "default"), ("fsdp", "never"), ("tp", ""), ("tp_moe", ""),
+                                                ("ep", "")) for d in (128, 256)}
     for s in doc["samples"]:
         assert s["framework_s"] > 0 and s["twin_s"] > 0 and s["world"] == 2 and s["dtype"] == "float32"
     fsdp = {s["d_model"]: s["unit_bytes"] for s in doc["samples"] if s["kind"] == "fsdp"}
     assert fsdp[256] == 4 * sum(p for p in (256 * 256 * 2 + 2 * 256 * 128, 3 * 256 * 768, 2 * 256))
     q = fit_framework_overheads(doc["samples"])
-    assert all(v >= 0 for v in q.values()) and len(q) == 6
+    assert all(v >= 0 for v in q.values()) and len(q) == 8
     ep = {s["d_model"]: s["unit_bytes"] for s in doc["samples"] if s["kind"] == "ep"}
     assert ep[256] == 64 * 2 * 256 * 4  # the rank's routed rows: seq x top_k x d_model, float32

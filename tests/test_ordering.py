@@ -136,3 +136,39 @@ def test_orders_case_executes_every_permutation(tmp_path):
     assert stored["cases"]["pp-tp"]["rows"] == rows
     # the cases and the cost measured before are kept
     assert stored["cases"]["other"] == kept["cases"]["other"] and stored["ac_wraps_compile"] == {"factor": 1.4}
+
+
+def test_run_refuses_an_order_that_breaks_a_forbidding_rule_between_applied_wrappers(monkeypatch):
+    """`parsim run` refuses compile before TP (observed: other losses) in one line, exit 2, nothing launched; the
+    same order with compile off (the rule does not bind: compile's position changes nothing) reaches the launcher."""
+    pytest.importorskip("torch")
+    from typer.testing import CliRunner
+
+    import parsim.executor.launch as launch
+    from parsim.cli.main import app
+    from parsim.plan import Plan
+    from parsim.results import Measurement
+
+    rules = O.RULES + (O.OrderRule("tp", "compile", "observed-fundamental", "other losses (test)"),)
+    monkeypatch.setattr(O, "effective_rules", lambda: rules)
+    bad = ("pp", "compile", "ac", "tp", "fsdp")
+    plan = Plan(dp_shard=2, tp=2, compile=True, wrapper_order=bad)
+    assert "puts compile before tp" in O.order_refusal(plan) and "other losses (test)" in O.order_refusal(plan)
+    assert O.order_refusal(Plan(dp_shard=2, tp=2, compile=False, wrapper_order=bad)) == ""
+    assert O.order_refusal(Plan(dp_shard=4, tp=1, compile=True, wrapper_order=bad)) == ""  # tp off
+    assert O.order_refusal(Plan(dp_shard=2, tp=2, compile=True)) == ""
+    launched = []
+
+    def record(model, plan, *a, **kw):
+        launched.append(plan)
+        return Measurement(plan_id=plan.plan_id, kind="run", status="error", error="recorded, not launched")
+
+    monkeypatch.setattr(launch, "run_plan", record)
+    base = ["run", "--model", "tiny", "--gpus", "4", "--dp-shard", "2", "--tp", "2", "--order", ",".join(bad),
+            "--nproc-per-node", "4", "--json"]
+    r = CliRunner().invoke(app, base + ["--compile"])
+    assert r.exit_code == 2 and not launched
+    assert "puts compile before tp" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, base)
+    assert r.exit_code == 0, r.output
+    assert len(launched) == 1 and launched[0].wrapper_order == bad

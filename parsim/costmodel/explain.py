@@ -235,6 +235,7 @@ def _schedule_factors(plan: Plan, hw: HardwareProfile, b) -> list[dict]:
                          "the optimizer step (AdamW traffic / (bandwidth x memory_efficiency))", "derived"))
     for key, what in (("fsdp_unit", "framework_fsdp: per FSDP reduce-scatter call"),
                       ("tp_block", "framework_tp: per TP block and microbatch"),
+                      ("tp_moe_block", "framework_tp: per MoE block under TP and microbatch"),
                       ("ep_block", "framework_ep: per MoE block and microbatch under EP")):
         if f"{key}_fixed_s" in c:
             rows.append(_row(f"{key}: fixed s, s per byte", [float(c[f"{key}_fixed_s"]),

@@ -36,7 +36,10 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
       expert FSDP) and, where the shard group is 1 (replicate only), the all-reduces of the whole unit;
     * ``framework_tp`` = layers x microbatches x (``tp_block_fixed_s`` + ``tp_block_s_per_byte`` x one gathered
       activation, micro batch x sequence / cp x d_model x param bytes) where tp > 1: DTensor dispatch and
-      redistribution per block, forward + backward (AC's recompute not included);
+      redistribution per block, forward + backward (AC's recompute not included); MoE layers take the MoE
+      block's quantities (``tp_moe_block_*``, measured on MoE blocks under TP: the gather into a replicated
+      DTensor, the partial-sum output, the DTensor router, experts and shared-expert linears) where the profile
+      has them, the dense block's otherwise;
     * ``framework_ep`` = MoE layers x microbatches x (``ep_block_fixed_s`` + ``ep_block_s_per_byte`` x the rank's
       routed rows, micro batch x sequence / cp (/ tp where whole experts sit under TP: the rank routes its share)
       x top_k x d_model x param bytes) where ep > 1: the routing counts read on the host, the permutations around
@@ -65,7 +68,11 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
     if "tp_block_fixed_s" in c:
         act = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) * float(spec.d_model) * b.param_bytes
         per_block = float(c["tp_block_fixed_s"]) + float(c["tp_block_s_per_byte"]) * act
-        out["framework_tp"] = np.where(b.tp > 1, n_layers * M * per_block, 0.0) * scale
+        per_moe = per_block
+        if "tp_moe_block_fixed_s" in c:
+            per_moe = float(c["tp_moe_block_fixed_s"]) + float(c["tp_moe_block_s_per_byte"]) * act
+        blocks = (n_layers - n_moe_layers) * per_block + n_moe_layers * per_moe
+        out["framework_tp"] = np.where(b.tp > 1, M * blocks, 0.0) * scale
     if "ep_block_fixed_s" in c and spec.moe is not None:
         share = np.where((b.tp > 1) & (b.etp_eff == 1), b.tp, 1)
         rows = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) / share * spec.moe.top_k

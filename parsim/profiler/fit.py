@@ -83,6 +83,8 @@ def fit_framework_overheads(samples: list[dict]) -> dict:
     * ``tp_block_fixed_s`` / ``tp_block_s_per_byte``: per tensor-parallel block and microbatch, forward +
       backward, against the bytes of one gathered activation: DTensor dispatch, sharding propagation and
       redistribution bookkeeping.
+    * ``tp_moe_block_fixed_s`` / ``tp_moe_block_s_per_byte``: the same for a MoE block under TP (experts
+      TP-sharded, one shared expert), which replaces the dense block's quantities for the MoE layers.
     * ``ep_block_fixed_s`` / ``ep_block_s_per_byte``: per MoE block and microbatch under expert parallelism,
       forward + backward, against the bytes of the rank's routed rows (tokens x top_k x d_model): the routing
       counts' exchange read on the host, the permutations around the all-to-alls, their autograd.
@@ -90,7 +92,7 @@ def fit_framework_overheads(samples: list[dict]) -> dict:
     A negative difference (the twin slower: noise) counts as 0; no samples of a kind, no quantities."""
     out: dict = {}
     for kind, size_key, prefix in (("fsdp", "unit_bytes", "fsdp_unit"), ("tp", "unit_bytes", "tp_block"),
-                                   ("ep", "unit_bytes", "ep_block")):
+                                   ("tp_moe", "unit_bytes", "tp_moe_block"), ("ep", "unit_bytes", "ep_block")):
         rows = [s for s in samples if s.get("kind") == kind]
         if not rows:
             continue

@@ -13,6 +13,10 @@ both alike:
   ``default`` and ``never``) or ``apply_tp`` (tp = 2, sequence parallel);
 * for EP, MoE blocks under the executor's ``apply_ep`` (ep = 2, dp2ep) against the blocks holding only the
   rank's experts, issuing the all-to-alls of balanced routing explicitly (``_ep_pair``);
+* for MoE under TP, MoE blocks (one shared expert) under ``apply_tp`` (tp = 2, sequence parallel, experts
+  TP-sharded on their hidden dimension: etp = tp) against the same blocks at the local widths (``_tp_moe_pair``):
+  the MoE's own DTensor steps (the gather into a replicated DTensor, the partial-sum output, the router's and the
+  experts' DTensor weights, the shared expert's DTensor linears) cost more than a dense MLP's;
 * its twin: the same blocks unwrapped (under TP at the local widths: half the heads and the FFN) issuing the
   same collectives explicitly, same ops, same bytes (FSDP: an all-gather of the unit per unshard and a
   reduce-scatter of its gradient; TP + SP: per block an all-gather and a reduce-scatter of the activations
@@ -107,7 +111,6 @@ def _fsdp_pair(d_model, layers, seq, dtype, dev, raf: str):
 
 def _tp_pair(d_model, layers, seq, dtype, dev):
     """(framework step, twin step, activation bytes per collective, 0): TP + SP over the world."""
-    from ..executor.model import rope_cache
     from ..executor.parallelize import Meshes, apply_tp
     from ..plan import Plan
 
@@ -118,9 +121,19 @@ def _tp_pair(d_model, layers, seq, dtype, dev):
     wrapped = _Stack(spec).to(dev, dtype)
     apply_tp([wrapped], plan, Meshes(plan, dev.type))
     plain = _Stack(_spec(d_model, layers, tp=world)).to(dev, dtype)
-    rope = rope_cache(spec.head_dim, seq).to(dev)
+    return _sp_pair(wrapped, plain, spec.head_dim, d_model, seq, dtype, dev)
+
+
+def _sp_pair(wrapped, plain, head_dim, d_model, seq, dtype, dev):
+    """The framework step of a TP + SP block stack and its twin: the local-width stack issuing, per block, an
+    all-gather and a reduce-scatter of the activations before and after attention and the MLP (or MoE), and their
+    mirrors in backward."""
     from torch.distributed.tensor import DTensor
 
+    from ..executor.model import rope_cache
+
+    world = dist.get_world_size()
+    rope = rope_cache(head_dim, seq).to(dev)
     x_full = torch.randn(1, seq, d_model, device=dev, dtype=dtype)
     x_local = x_full.chunk(world, dim=1)[dist.get_rank()].detach().requires_grad_(True)
     shard = torch.zeros(seq // world * d_model, device=dev, dtype=dtype)
@@ -147,12 +160,35 @@ def _tp_pair(d_model, layers, seq, dtype, dev):
     return framework, twin, full.numel() * dtype.itemsize, 0
 
 
-def _moe_spec(d_model: int, layers: int, n_experts: int):
+def _moe_spec(d_model: int, layers: int, n_experts: int, tp: int = 1, n_shared: int = 0):
+    """MoE probe blocks (every layer MoE); at ``tp`` > 1 the local widths of etp = tp (heads, experts' and shared
+    expert's hidden dimension / tp)."""
     from ..spec import ModelSpec, MoESpec
 
-    return ModelSpec(name=f"moeprobe{d_model}", n_layers=layers, d_model=d_model, n_heads=8, n_kv_heads=4,
-                     d_ff=d_model, vocab_size=128, head_dim=d_model // 8,
-                     moe=MoESpec(n_experts=n_experts, top_k=EP_TOP_K, d_ff_expert=d_model))
+    return ModelSpec(name=f"moeprobe{d_model}", n_layers=layers, d_model=d_model, n_heads=8 // tp,
+                     n_kv_heads=4 // tp, d_ff=d_model, vocab_size=128, head_dim=d_model // 8,
+                     moe=MoESpec(n_experts=n_experts, top_k=EP_TOP_K, d_ff_expert=d_model // tp,
+                                 n_shared_experts=n_shared))
+
+
+def _tp_moe_pair(d_model, layers, seq, dtype, dev):
+    """(framework step, twin step, activation bytes per collective, 0): MoE blocks (8 experts, top 2, one shared
+    expert) under TP + SP over the world, experts TP-sharded (etp = tp, ``MoE._tp_forward``), against the same
+    blocks at the local widths, every token routed through the rank's slice of the experts, issuing the same
+    collectives explicitly: per block an all-gather and a reduce-scatter of the activations around attention and
+    around the MoE, and their mirrors in backward (what the executor's MoE under TP issues: the router's partial
+    gradient is reduced with the step's gradients, not per microbatch)."""
+    from ..executor.parallelize import Meshes, apply_tp
+    from ..plan import Plan
+
+    world = dist.get_world_size()
+    plan = Plan(tp=world, dp_shard=1, seq_len=seq, local_batch_size=1, sequence_parallel=True,
+                param_dtype=str(dtype).removeprefix("torch."), reduce_dtype=str(dtype).removeprefix("torch."))
+    spec = _moe_spec(d_model, layers, EP_EXPERTS, n_shared=1)
+    wrapped = _Stack(spec).to(dev, dtype)
+    apply_tp([wrapped], plan, Meshes(plan, dev.type))
+    plain = _Stack(_moe_spec(d_model, layers, EP_EXPERTS, tp=world, n_shared=1)).to(dev, dtype)
+    return _sp_pair(wrapped, plain, spec.head_dim, d_model, seq, dtype, dev)
 
 
 def _ep_pair(d_model, layers, seq, dtype, dev):
@@ -225,18 +261,20 @@ def measure(widths=WIDTHS, layers: int = 6, seq: int = 64, reps: int = 15, warmu
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     out = []
     for d in widths:
-        probes = [("fsdp", "default"), ("fsdp", "never"), ("tp", ""), ("ep", "")]
+        probes = [("fsdp", "default"), ("fsdp", "never"), ("tp", ""), ("tp_moe", ""), ("ep", "")]
         for kind, raf in probes:
             if kind == "fsdp":
                 fw, tw, nbytes, calls = _fsdp_pair(d, layers, seq, dtype, dev, raf)
             elif kind == "tp":
                 fw, tw, nbytes, calls = _tp_pair(d, layers, TP_SEQ, dtype, dev)
+            elif kind == "tp_moe":
+                fw, tw, nbytes, calls = _tp_moe_pair(d, layers, TP_SEQ, dtype, dev)
             else:
                 fw, tw, nbytes, calls = _ep_pair(d, layers, seq, dtype, dev)
             tf, tt = _time_pair(fw, tw, reps, warmup, sync)
             mf, mt = statistics.median(tf), statistics.median(tt)
             out.append({"kind": kind, "reshard_after_forward": raf, "d_model": d, "layers": layers,
-                        "seq_len": TP_SEQ if kind == "tp" else seq,
+                        "seq_len": TP_SEQ if kind.startswith("tp") else seq,
                         "world": dist.get_world_size(), "dtype": str(dtype).removeprefix("torch."),
                         "unit_bytes": nbytes, "fsdp_calls_per_unit": calls, "framework_s": mf, "twin_s": mt,
                         "framework_spread_s": max(tf) - min(tf), "twin_spread_s": max(tt) - min(tt),
