@@ -16,8 +16,9 @@ both alike:
 * for MoE under TP, MoE blocks (one shared expert) under ``apply_tp`` (tp = 2, sequence parallel, experts
   TP-sharded on their hidden dimension: etp = tp) against the same blocks at the local widths (``_tp_moe_pair``):
   the MoE's own DTensor steps (the gather into a replicated DTensor, the partial-sum output, the router's and the
-  experts' DTensor weights, the shared expert's DTensor linears), which the dense probe does not run (on 2 gloo
-  ranks 1-5 ms a block more than the dense block's at 128-256 wide, within the spread at 512);
+  experts' DTensor weights, the shared expert's DTensor linears), which the dense probe does not run (four
+  probes on 2 gloo ranks: +0.7 / +1.1 / +5.2 ms a block on average over the dense block's at 128 / 256 / 512
+  wide, within the probes' run-to-run spread);
 * its twin: the same blocks unwrapped (under TP at the local widths: half the heads and the FFN) issuing the
   same collectives explicitly, same ops, same bytes (FSDP: an all-gather of the unit per unshard and a
   reduce-scatter of its gradient; TP + SP: per block an all-gather and a reduce-scatter of the activations
