@@ -175,6 +175,11 @@ class PlanBatch:
     def world(self):
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
+    @cached_property
+    def fsdp_applied(self):
+        """Per plan, whether FSDP2 wraps the model (``Plan.fsdp_applied``)."""
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
 
 _DTYPE_BYTES = np.array([DTYPE_BYTES[d] for d in DTYPES], dtype=np.int64)
 

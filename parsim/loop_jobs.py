@@ -29,28 +29,38 @@ def profile_for_this_machine(name: str, log: Log = log_to_stderr):
 
 
 def profile_measured_here(name: str, nproc: int | None = None, log: Log = log_to_stderr):
-    """The profile to predict runs on this machine with: ``name`` when it describes this machine (or is not a
-    measured CPU profile: spec sheets and GPU profiles describe hardware elsewhere); otherwise this machine's own,
-    ``<name>-<machine tag>``, loaded when an earlier call measured it, else measured now with ``parsim profile``
-    defaults (about a minute on 2 cores) and kept beside the others. ``validate --model`` and ``search --execute``
-    use it: a prediction set beside a measurement must describe the machine that measured."""
+    """The profile to predict runs on this machine with: ``name`` when it describes this machine as the current
+    profiler would (or is not a measured CPU profile: spec sheets and GPU profiles describe hardware elsewhere);
+    otherwise this machine's own, ``<name>-<machine tag>``, loaded when an earlier call measured it, else measured
+    now with ``parsim profile`` defaults (2-3 minutes on 2 cores) and kept beside the others. A profile is
+    re-measured when it was measured on another machine, or on this one by an earlier profiler that did not
+    measure what the step spends beside the curves (``machine.missing_quantities``: framework overhead, the
+    optimizer step, core sharing). ``validate --model`` and ``search --execute`` use it: a prediction set beside a
+    measurement must describe the machine that measured, with what the profiler measures today."""
     from .hardware import load_profile
-    from .machine import machine_tag, warning
+    from .machine import machine_tag, missing_quantities, warning
+
+    def why_not(p) -> str | None:
+        w = warning(p)
+        if w:
+            return f"it was measured on another machine ({w})"
+        missing = missing_quantities(p)
+        return f"it was measured before the profiler measured {', '.join(missing)}" if missing else None
 
     hw = load_profile(name)
-    if not warning(hw):
+    why = why_not(hw)
+    if why is None:
         return hw
     own = f"{hw.name}-{machine_tag()}"
     try:
         mine = load_profile(own)
-        if not warning(mine):
-            log(f"profile {hw.name} was measured on another machine: using this machine's {own}")
+        if why_not(mine) is None:
+            log(f"profile {hw.name}: {why}; using this machine's {own}")
             return mine
     except ParsimError:
         pass
     n = nproc or int(hw.provenance.get("device_count") or 2)
-    log(f"profile {hw.name} was measured on another machine ({warning(hw)}); measuring this one first: "
-        f"parsim profile --nproc-per-node {n} --out {own}")
+    log(f"profile {hw.name}: {why}; measuring this machine first: parsim profile --nproc-per-node {n} --out {own}")
     from .profiler.run import profile as _profile
 
     return _profile(own, n, log=log)

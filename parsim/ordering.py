@@ -77,7 +77,7 @@ def active_wrappers(plan) -> frozenset[str]:
     """The wrappers that change ``plan``'s model (as the executor's ``apply_*`` skip the others): pp and tp above
     1, AC other than none, compile, FSDP wherever a data-parallel or CP axis is above 1."""
     on = {"pp": plan.pp > 1, "tp": plan.tp > 1, "ac": plan.ac != "none", "compile": bool(plan.compile),
-          "fsdp": plan.dp_replicate * plan.dp_shard * plan.cp > 1}
+          "fsdp": plan.fsdp_applied}
     return frozenset(w for w, yes in on.items() if yes)
 
 

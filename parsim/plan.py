@@ -74,6 +74,12 @@ class _PlanValue:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
+    def fsdp_applied(self) -> bool:
+        """Whether the executor wraps the model in FSDP2 (with its mixed precision): some data or context
+        parallelism to shard over (dp_replicate x dp_shard x cp > 1); without it the plan runs under autocast."""
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
+    @property
     def n_microbatches(self) -> int:
         return self.local_batch_size // self.micro_batch_size
 

@@ -136,14 +136,17 @@ def test_hf_model_folders_names_and_unmodelled_features(tmp_path):
 
 def test_a_profile_from_another_machine_is_measured_here_before_running(tmp_path, monkeypatch):
     """`validate --model` and `search --execute` predict runs on this machine: with a measured CPU profile from
-    another machine they profile this one first (``parsim profile`` defaults, under ``<name>-<machine tag>``)."""
+    another machine, or from this one by an older profiler, they profile this one first (``parsim profile``
+    defaults, under ``<name>-<machine tag>``)."""
+    from conftest import as_measured_here
+
     import parsim.machine
     import parsim.profiler.run as profiler_run
     from parsim.hardware import load_profile
     from parsim.loop_jobs import profile_measured_here
     from parsim.machine import this_machine
 
-    d = json.loads(open("profiles/cpu-gloo-2.json").read())
+    d = as_measured_here(json.loads(open("profiles/cpu-gloo-2.json").read()))
     here = this_machine()
     d["provenance"]["machine"] = dict(here, cpu_cores=here["cpu_cores"] + 64)
     other = tmp_path / "cpu-gloo-2.json"
@@ -151,6 +154,10 @@ def test_a_profile_from_another_machine_is_measured_here_before_running(tmp_path
     d["provenance"]["machine"] = here
     mine = tmp_path / "mine.json"
     mine.write_text(json.dumps(d))
+    # measured here, but by a profiler that did not yet measure what a step spends beside the curves
+    d["corrections"] = {"compute_scale": 1.0}
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(d))
     calls = []
 
     def fake_profile(name, nproc, **kw):
@@ -165,3 +172,7 @@ def test_a_profile_from_another_machine_is_measured_here_before_running(tmp_path
     calls.clear()
     assert profile_measured_here(str(mine)).provenance["machine"] == here and not calls  # this machine's: as it is
     assert profile_measured_here("h100-sxm-spec").name == "h100-sxm-spec" and not calls  # not a CPU measurement
+    lines = []
+    hw = profile_measured_here(str(old), log=lines.append)
+    assert calls == [("cpu-gloo-2-t35t0000", 2)] and "optimizer_fixed_s" in hw.corrections
+    assert "before the profiler measured optimizer_fixed_s, fsdp_unit_fixed_s, tp_block_fixed_s" in lines[0]

@@ -136,11 +136,11 @@ def test_torchtitan_toml_keys():
 @pytest.mark.slow
 def test_cli_search_execute_runs_the_top_plan(tmp_path):
     pytest.importorskip("torch")
-    from parsim.machine import this_machine
+    from conftest import as_measured_here
 
     out = tmp_path / "exec.json"
-    prof = json.loads(open("profiles/cpu-gloo-2.json").read())
-    prof["provenance"]["machine"] = this_machine()  # as if measured here: --execute would profile this machine first
+    # as if measured here by the current profiler: --execute would profile this machine first
+    prof = as_measured_here(json.loads(open("profiles/cpu-gloo-2.json").read()))
     (tmp_path / "here.json").write_text(json.dumps(prof))
     r = runner.invoke(app, ["search", "--model", "tiny", "--gpus", "2", "--global-batch-size", "4", "--seq-len", "128",
                             "--profile", str(tmp_path / "here.json"), "--top", "2", "--execute", "1", "--execute-out",

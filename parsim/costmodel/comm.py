@@ -277,7 +277,7 @@ def _tp_partial_grad_records(led: Ledger, spec, b, rv: RankView) -> None:
     under autocast) [derived; trace]."""
     d, L = float(spec.d_model), rv.n_layers
     g, r, tp_on = b.tp, b.rpn["tp"], b.tp > 1
-    fsdp_on = b.dp_replicate * b.dp_shard * b.cp > 1
+    fsdp_on = b.fsdp_applied
     dtype_b = np.where(fsdp_on, np.where(b.pp > 1, b.reduce_bytes, b.param_bytes), 4.0).astype(float)
     per = np.where(fsdp_on, b.grad_accum.astype(float), 4.0)
     norm_tensors = 2.0 if spec.norm == "layernorm" else 1.0
@@ -406,7 +406,7 @@ def _grad_norm_records(led: Ledger, spec, b, rv: RankView) -> None:
     (mesh FSDP x TP; the routed experts join them without EP), the routed experts with EP (mesh expert-FSDP; their
     squared norm then all-reduced over EP, 4 B), and the total over PP (4 B)."""
     one = np.ones(len(b))
-    fsdp_on = b.dp_replicate * b.dp_shard * b.cp > 1
+    fsdp_on = b.fsdp_applied
     cp_axis = b.cp > 1
     fsdp_axis = [("dp_shard", ~cp_axis), ("dp_shard+cp", cp_axis)] if cp_axis.any() else "dp_shard"
     dense_t, expert_t = np.zeros(len(b)), np.zeros(len(b))

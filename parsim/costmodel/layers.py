@@ -111,7 +111,7 @@ class Shapes:
         self.sp_div = np.where(b.sequence_parallel, self.t, 1.0)
         # without data parallelism FSDP applies no mixed precision: autocast keeps the residual stream (block
         # inputs, norm inputs) in fp32 while matmuls produce bf16
-        self.res_b = np.where((b.dp_replicate * b.dp_shard * b.cp == 1) & (b.param_bytes < 4), 4.0,
+        self.res_b = np.where(~b.fsdp_applied & (b.param_bytes < 4), 4.0,
                               b.param_bytes.astype(float))
         # [derived] bytes of an activation element: FSDP2's MixedPrecisionPolicy casts the parameters to
         # param_dtype, so linears, attention and the elementwise ops between them produce param_dtype tensors
@@ -345,7 +345,7 @@ def kept_by_ac_mode(items: list[tuple], e_local=None) -> list[dict]:
 def grad_elem_bytes(b) -> np.ndarray:
     """Bytes of an unsharded weight-gradient element: param_dtype under FSDP (its mixed precision), the fp32
     parameters' own without."""
-    return np.where(b.dp_replicate * b.dp_shard * b.cp > 1, b.param_bytes, 4.0).astype(float)
+    return np.where(b.fsdp_applied, b.param_bytes, 4.0).astype(float)
 
 
 def local_experts(spec: ModelSpec, sh: Shapes) -> np.ndarray:

@@ -341,7 +341,7 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     backward steps and saved tensors over the whole batch (``layers.backward_steps``, ``layers.saved_tensors``).
     ``runs``: the blocks replayed; ``built`` (filled): (MoE?, checkpointed?) -> its ``Block``."""
     pb, rb = b.param_bytes[idx].astype(float), b.reduce_bytes[idx].astype(float)
-    fsdp_on = (b.dp_replicate * b.dp_shard * b.cp > 1)[idx]
+    fsdp_on = b.fsdp_applied[idx]
     gb = grad_elem_bytes(b)[idx]  # unsharded gradients: param dtype under FSDP, the fp32 parameters' without
     S, Se = b.fsdp[idx].astype(float), b.efsdp[idx].astype(float)
     sizes = (pb, gb, rb, S, Se, (b.ep == 1)[idx])

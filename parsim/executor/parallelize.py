@@ -63,7 +63,7 @@ class Meshes:
             self.fsdp = w[names]
         else:
             self.fsdp = shard
-        self.use_fsdp = plan.dp_replicate * plan.dp_shard * plan.cp > 1
+        self.use_fsdp = plan.fsdp_applied
         self.ep = self.efsdp = None
         if plan.ep > 1:
             if plan.ep_from != "dp_shard" or plan.etp != 1:

@@ -293,7 +293,7 @@ def _fake_pipeline_pass(spec, plan: Plan, parts, stage_ids, sends, phase: dict, 
     hidden_shape = (mbs, seq_local, spec.d_model)
     # a stage receives what the previous one sends: its output in param_dtype under FSDP mixed precision,
     # the fp32 residual stream under autocast (no data parallelism); its gradient goes back in that dtype
-    autocast = plan.dp_replicate * plan.dp_shard * plan.cp == 1
+    autocast = not plan.fsdp_applied
     hidden_dtype = torch.float32 if autocast else getattr(torch, plan.param_dtype)
     # this rank's actions in the order torch's schedule runs them (``torch_schedule_order``), with torch's FSDP
     # protocol: every backward without gradient sync or reshard, the gradients reduced by the stage's

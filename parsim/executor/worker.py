@@ -80,7 +80,7 @@ def loss_context(plan: Plan, device_type: str = "cpu"):
         from torch.distributed.tensor.parallel import loss_parallel
 
         stack.enter_context(loss_parallel())
-    if plan.dp_replicate * plan.dp_shard * plan.cp == 1 and plan.param_dtype != "float32":
+    if not plan.fsdp_applied and plan.param_dtype != "float32":
         stack.enter_context(torch.autocast(device_type, dtype=getattr(torch, plan.param_dtype)))
     return stack
 

@@ -113,17 +113,23 @@ def _fsdp_pair(d_model, layers, seq, dtype, dev, raf: str):
 
 def _tp_pair(d_model, layers, seq, dtype, dev):
     """(framework step, twin step, activation bytes per collective, 0): TP + SP over the world."""
+    world = dist.get_world_size()
+    return _tp_sp_pair(_spec(d_model, layers), _spec(d_model, layers, tp=world), seq, dtype, dev)
+
+
+def _tp_sp_pair(spec, local_spec, seq, dtype, dev):
+    """``spec``'s blocks under the executor's ``apply_tp`` (TP + SP over the world) and ``local_spec``'s (the same
+    blocks at the local widths) as ``_sp_pair``'s framework step and twin."""
     from ..executor.parallelize import Meshes, apply_tp
     from ..plan import Plan
 
-    world = dist.get_world_size()
-    plan = Plan(tp=world, dp_shard=1, seq_len=seq, local_batch_size=1, sequence_parallel=True,
-                param_dtype=str(dtype).removeprefix("torch."), reduce_dtype=str(dtype).removeprefix("torch."))
-    spec = _spec(d_model, layers)
+    name = str(dtype).removeprefix("torch.")
+    plan = Plan(tp=dist.get_world_size(), dp_shard=1, seq_len=seq, local_batch_size=1, sequence_parallel=True,
+                param_dtype=name, reduce_dtype=name)
     wrapped = _Stack(spec).to(dev, dtype)
     apply_tp([wrapped], plan, Meshes(plan, dev.type))
-    plain = _Stack(_spec(d_model, layers, tp=world)).to(dev, dtype)
-    return _sp_pair(wrapped, plain, spec.head_dim, d_model, seq, dtype, dev)
+    plain = _Stack(local_spec).to(dev, dtype)
+    return _sp_pair(wrapped, plain, spec.head_dim, spec.d_model, seq, dtype, dev)
 
 
 def _sp_pair(wrapped, plain, head_dim, d_model, seq, dtype, dev):
@@ -180,17 +186,9 @@ def _tp_moe_pair(d_model, layers, seq, dtype, dev):
     collectives explicitly: per block an all-gather and a reduce-scatter of the activations around attention and
     around the MoE, and their mirrors in backward (what the executor's MoE under TP issues: the router's partial
     gradient is reduced with the step's gradients, not per microbatch)."""
-    from ..executor.parallelize import Meshes, apply_tp
-    from ..plan import Plan
-
     world = dist.get_world_size()
-    plan = Plan(tp=world, dp_shard=1, seq_len=seq, local_batch_size=1, sequence_parallel=True,
-                param_dtype=str(dtype).removeprefix("torch."), reduce_dtype=str(dtype).removeprefix("torch."))
-    spec = _moe_spec(d_model, layers, EP_EXPERTS, n_shared=1)
-    wrapped = _Stack(spec).to(dev, dtype)
-    apply_tp([wrapped], plan, Meshes(plan, dev.type))
-    plain = _Stack(_moe_spec(d_model, layers, EP_EXPERTS, tp=world, n_shared=1)).to(dev, dtype)
-    return _sp_pair(wrapped, plain, spec.head_dim, d_model, seq, dtype, dev)
+    return _tp_sp_pair(_moe_spec(d_model, layers, EP_EXPERTS, n_shared=1),
+                       _moe_spec(d_model, layers, EP_EXPERTS, tp=world, n_shared=1), seq, dtype, dev)
 
 
 def _ep_pair(d_model, layers, seq, dtype, dev):
