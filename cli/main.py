@@ -442,7 +442,8 @@ def _check_profile_options(nproc_per_node, resume: bool, restart: bool, device) 
 
 
 def _profile_frameworks(out: str, out_dir, device, as_json: bool) -> None:
-    """``profile --measure-frameworks``: FSDP2 / DTensor TP overhead on 2 ranks into an existing profile."""
+    """``profile --measure-frameworks``: FSDP2 / DTensor TP / EP overhead into an existing profile (on a CPU
+    profile's ranks, on 2 GPUs)."""
     from parsim.errors import ParsimError
     from parsim.profiler.run import add_framework_overheads, resolve_profile_out
 
@@ -504,8 +505,9 @@ def profile(
                                                     "local shapes on this device into the profile --out (which "
                                                     "must exist), nothing else"),
     measure_frameworks: bool = typer.Option(False, "--measure-frameworks", help="measure FSDP2 / DTensor TP "
-                                            "overhead on 2 ranks into the profile --out (which must exist), "
-                                            "nothing else (a new profile of 2+ ranks measures it anyway)"),
+                                            "/ EP overhead (on a CPU profile's ranks, 2 GPUs) into the profile "
+                                            "--out (which must exist), nothing else (a new profile of 2+ ranks "
+                                            "measures it anyway)"),
     interconnect_from: Optional[str] = typer.Option(None, "--interconnect-from", help="one GPU measures no "
                                                     "collective: take GPUs per node, topology and collective fits "
                                                     "from this profile (e.g. h100-sxm-spec); --nproc-per-node 1"),

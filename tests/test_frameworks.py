@@ -133,3 +133,32 @@ def test_probe_measures_fsdp_and_tp_against_their_twins_on_two_gloo_ranks(tmp_pa
     assert all(v >= 0 for v in q.values()) and len(q) == 8
     ep = {s["d_model"]: s["unit_bytes"] for s in doc["samples"] if s["kind"] == "ep"}
     assert ep[256] == 64 * 2 * 256 * 4  # the rank's routed rows: seq x top_k x d_model, float32
+
+
+def test_framework_overhead_divides_out_the_core_sharing_the_probe_ran_under():
+    """A probe run on the profile's ranks (sharing the cores as its plans do) measured the sharing already: the
+    plan's ``compute_scale`` over the probe's (``framework_probe_compute_scale``) stretches it, not the whole of it."""
+    plan = Plan(tp=2, dp_shard=1, seq_len=128, local_batch_size=1, param_dtype="float32", reduce_dtype="float32")
+    q = {"tp_block_fixed_s": 1e-3, "tp_block_s_per_byte": 0.0}
+    two = predict(TINY, plan, _profile(**q, compute_scale=2.0))  # a probe on 2 ranks: the plan's sharing applies
+    same = predict(TINY, plan, _profile(**q, compute_scale=2.0, framework_probe_compute_scale=2.0))
+    drift = predict(TINY, plan, _profile(**q, compute_scale=2.2, framework_probe_compute_scale=2.0))
+    assert two.time_breakdown_s["framework_tp"] == pytest.approx(TINY.n_layers * 1e-3 * 2.0)
+    assert same.time_breakdown_s["framework_tp"] == pytest.approx(TINY.n_layers * 1e-3)
+    assert drift.time_breakdown_s["framework_tp"] == pytest.approx(TINY.n_layers * 1e-3 * 1.1)
+
+
+def test_framework_samples_record_the_sharing_of_the_ranks_they_ran_on():
+    from parsim.profiler.run import framework_probe_ranks, with_framework_samples
+
+    assert framework_probe_ranks("cpu", 4) == 4 and framework_probe_ranks("cpu", 1) == 2
+    assert framework_probe_ranks("cuda", 8) == 2
+    hw = _profile(compute_scale=2.2)
+    hw = dataclasses.replace(hw, provenance={**hw.provenance, "device": "cpu", "ranks_per_node": 4})
+    sample = {"kind": "tp", "unit_bytes": 1e5, "overhead_per_block_s": 1e-3}
+    on4 = with_framework_samples(hw, {"samples": [dict(sample, world=4)]})
+    on_cores = with_framework_samples(hw, {"samples": [dict(sample, world=2)]})
+    assert on4.corrections["framework_probe_compute_scale"] == pytest.approx(2.2)
+    assert on_cores.corrections["framework_probe_compute_scale"] == pytest.approx(
+        max(1.0, 2 / (__import__("os").cpu_count() or 1)))
+    assert on4.samples["frameworks"]["samples"][0]["world"] == 4 and "tp_block_fixed_s" in on4.corrections

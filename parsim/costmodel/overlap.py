@@ -28,7 +28,7 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
                         n_moe_layers=0) -> dict:
     """What FSDP2 and DTensor TP spend beside their collectives and the blocks' compute, from the profile's
     measured quantities (``profiler.frameworks``: a wrapped block stack minus its unwrapped twin issuing the same
-    collectives, on 2 ranks; ``fit.fit_framework_overheads``) [measured]:
+    collectives, on a CPU profile's ranks or 2 GPUs; ``fit.fit_framework_overheads``) [measured]:
 
     * ``framework_fsdp`` = sum over the FSDP gradient reductions of calls x (``fsdp_unit_fixed_s`` +
       ``fsdp_unit_s_per_byte`` x the unit's unsharded gradient bytes): hooks, copy-in / copy-out, chunk-cat and
@@ -45,10 +45,13 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
       x top_k x d_model x param bytes) where ep > 1: the routing counts read on the host, the permutations around
       the all-to-alls and their autograd, forward + backward.
 
-    CPU work, so ranks sharing cores stretch it like compute (``compute_scale``). Profiles without the quantities
-    (spec sheets, profiles measured before) add nothing and keep their breakdown keys."""
+    CPU work, so ranks sharing cores stretch it like compute: by ``compute_scale`` / ``framework_probe_compute_scale``
+    [derived], the plan's core sharing over the one the probe ran under (CPU profiles since stop 57 run it on their
+    own ranks, so the quantities carry the sharing already: the ratio is 1 but for validate's per-round drift of
+    ``compute_scale``; a probe on 2 ranks, 1). Profiles without the quantities (spec sheets, profiles measured
+    before) add nothing and keep their breakdown keys."""
     c, out = hw.corrections, {}
-    scale = float(c.get("compute_scale", 1.0))
+    scale = float(c.get("compute_scale", 1.0)) / float(c.get("framework_probe_compute_scale", 1.0))
     if "fsdp_unit_fixed_s" in c:
         t = np.zeros(len(b))
         for r in ledger.records:

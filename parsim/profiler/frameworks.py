@@ -1,7 +1,8 @@
 """Framework overhead, measured: what FSDP2, DTensor tensor parallelism and expert parallelism spend beside their
 collectives and the blocks' own compute (hooks, copy-in / copy-out of the flat all-gather buffers, the gradient
 chunk-cat, DTensor dispatch and redistribution bookkeeping; EP's routing bookkeeping: the counts read on the host,
-the token permutations around the all-to-alls, their autograd). One process per rank under torchrun, 2 ranks:
+the token permutations around the all-to-alls, their autograd). One process per rank under torchrun, on a CPU
+profile's own ranks (sharing the cores as its plans' ranks do; ``run.framework_probe_ranks``), on 2 GPUs:
 
     torchrun --nproc-per-node 2 -m parsim.profiler.frameworks --out samples.json
 

@@ -104,11 +104,13 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
             comp["samples"].append(core_sharing_sample(nproc_per_node, reps=4 if quick else 8,
                                                        rounds=1 if quick else 2))
         atomic_write_json(comp_f, comp)
-    # 3. framework overhead (FSDP2 / DTensor TP beside their collectives) on 2 ranks, once per machine
+    # 3. framework overhead (FSDP2 / DTensor TP / EP beside their collectives), once per machine: on CPU on the
+    # profile's ranks, sharing the cores as its plans' ranks do; on GPUs on 2
     fw_f = partial / "frameworks.json"
     if nproc_per_node >= 2 and nodes is None and not (resume and fw_f.exists()):
-        log("measuring framework overhead (FSDP2, DTensor TP) on 2 ranks ...")
-        run_framework_probe(fw_f, device, timeout_s, quick=quick)
+        fw_ranks = framework_probe_ranks(dev.type, nproc_per_node)
+        log(f"measuring framework overhead (FSDP2, DTensor TP, EP) on {fw_ranks} ranks ...")
+        run_framework_probe(fw_f, device, timeout_s, quick=quick, nproc=fw_ranks)
     fw = read_json(fw_f, "bad framework samples") if fw_f.exists() else None
     # 4. fit and write
     hw, fit_rows = build_profile(name, coll, comp, dev, nproc_per_node, cmdline=" ".join(sys.argv),
@@ -177,23 +179,49 @@ def _torchrun_module(module: str, args: list[str], nproc_per_node: int, nodes: N
         raise ParsimError(failed.format(why=why) + tail)
 
 
-def run_framework_probe(out: Path, device: str | None, timeout_s: float, quick: bool = False) -> None:
-    """``profiler.frameworks`` under torchrun on 2 ranks of this node: samples to ``out``."""
-    _torchrun_module("parsim.profiler.frameworks", ["--out", str(out)] + (["--quick"] if quick else []), 2, None,
-                     device, timeout_s, "framework-overhead probe failed ({why}): ")
+def framework_probe_ranks(device_type: str, nproc_per_node: int) -> int:
+    """Ranks the framework probe runs on: on CPU the profile's own (its plans' ranks share the cores, and what the
+    framework spends beside its collectives then is measured under that sharing: on a 2-core AVX2 EPYC, 4 ranks
+    read 59 ms per TP block where 2 ranks x the core-sharing factor gave 50, 9.8 ms per FSDP unit against 5.9,
+    and re-scoring stop 57's 4-rank validate runs with the 4-rank probe moved tiny 10.5% / 22.1% -> 9.5% / 17.6%,
+    tiny-moe 8.7% / 24.6% -> 7.3% / 20.5%: one probe, bench/reports/fresh-machine-stop57); on GPUs 2 (no sharing)
+    [measured]."""
+    return max(2, nproc_per_node) if device_type == "cpu" else 2
+
+
+def run_framework_probe(out: Path, device: str | None, timeout_s: float, quick: bool = False,
+                        nproc: int = 2) -> None:
+    """``profiler.frameworks`` under torchrun on ``nproc`` ranks of this node: samples to ``out``."""
+    _torchrun_module("parsim.profiler.frameworks", ["--out", str(out)] + (["--quick"] if quick else []), nproc,
+                     None, device, timeout_s, "framework-overhead probe failed ({why}): ")
+
+
+def probe_compute_scale(hw: HardwareProfile, probe_ranks: int) -> float:
+    """The core-sharing factor the framework probe's ranks ran under: the profile's ``compute_scale`` where the
+    probe ran on the profile's ranks, 1 where it ran on no more ranks than cores (2 ranks on 2 cores read
+    1.00-1.08), else ranks / cores [derived]."""
+    if hw.provenance.get("device", "cpu") != "cpu":
+        return 1.0
+    if probe_ranks == int(hw.provenance.get("ranks_per_node") or 0):
+        return float(hw.corrections.get("compute_scale", 1.0))
+    return max(1.0, probe_ranks / (os.cpu_count() or 1))
 
 
 def with_framework_samples(hw: HardwareProfile, fw: dict) -> HardwareProfile:
     """The profile with the probe's raw samples (``samples.frameworks``) and the quantities fitted from them
-    (``corrections``: fsdp_unit_*, tp_block_*, ep_block_*; see ``fit.fit_framework_overheads``)."""
+    (``corrections``: fsdp_unit_*, tp_block_*, ep_block_*; see ``fit.fit_framework_overheads``), and
+    ``framework_probe_compute_scale``: the core sharing they were measured under (``probe_compute_scale``), which
+    the cost model divides out before it applies a plan's own."""
     import dataclasses
 
     from .fit import fit_framework_overheads
 
     samples = dict(hw.samples) if isinstance(hw.samples, dict) else {}
     samples["frameworks"] = {"samples": fw["samples"], "torch": fw.get("torch"), "backend": fw.get("backend")}
-    return dataclasses.replace(hw, samples=samples,
-                               corrections={**hw.corrections, **fit_framework_overheads(fw["samples"])})
+    ranks = max([int(s.get("world") or 2) for s in fw["samples"]] or [2])
+    return dataclasses.replace(hw, samples=samples, corrections={
+        **hw.corrections, **fit_framework_overheads(fw["samples"]),
+        "framework_probe_compute_scale": probe_compute_scale(hw, ranks)})
 
 
 # what a machine's collectives are, as opposed to its compute: taken whole from another profile by
@@ -242,7 +270,9 @@ def add_framework_overheads(path: Path, device: str | None = None, timeout_s: fl
     hw = HardwareProfile.from_dict(read_json(path, "corrupt profile"), origin=str(path))
     with tempfile.TemporaryDirectory() as tmp:
         f = Path(tmp) / "frameworks.json"
-        run_framework_probe(f, device, timeout_s, quick=quick)
+        ranks = framework_probe_ranks(str(hw.provenance.get("device", "cpu")).split(":")[0],
+                                      int(hw.provenance.get("ranks_per_node") or 2))
+        run_framework_probe(f, device, timeout_s, quick=quick, nproc=ranks)
         hw = with_framework_samples(hw, read_json(f, "bad framework samples"))
     hw.save(path)
     return hw
