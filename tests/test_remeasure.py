@@ -108,11 +108,11 @@ def test_rerank_orders_by_measured_time_and_keeps_both_ranks():
 @pytest.mark.slow
 def test_cli_search_measure_times_blocks_and_reranks(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    from parsim.machine import this_machine
+    from conftest import as_measured_here
 
     monkeypatch.setenv("PARSIM_PROFILES_DIR", str(tmp_path / "profiles"))
-    prof = json.loads(open("profiles/cpu-gloo-2.json").read())
-    prof["provenance"]["machine"] = this_machine()  # as if measured here
+    # as if measured here by the current profiler (else --measure would profile this machine first)
+    prof = as_measured_here(json.loads(open("profiles/cpu-gloo-2.json").read()))
     (tmp_path / "here.json").write_text(json.dumps(prof))
     args = ["search", "--model", "tiny", "--gpus", "4", "--global-batch-size", "8", "--seq-len", "128", "--no-cp",
             "--profile", str(tmp_path / "here.json"), "--top", "3", "--measure", "3", "--json"]
