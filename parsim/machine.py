@@ -54,7 +54,7 @@ def mismatch(provenance: dict, here: dict | None = None) -> str | None:
 
 
 # [derived] what every measured CPU profile of the current profiler holds (``profiler.run``): the core-sharing
-# factor, the optimizer step and, measured on 2 ranks, the framework overhead of FSDP2 and DTensor TP. A profile
+# factor, the optimizer step and, with 2+ ranks, the framework overhead of FSDP2 and DTensor TP. A profile
 # without them predates those measurements: it composes curves and misses what the step spends beside them.
 CURRENT_CPU_QUANTITIES = ("compute_scale", "optimizer_fixed_s")
 CURRENT_MULTI_RANK_QUANTITIES = ("fsdp_unit_fixed_s", "tp_block_fixed_s")
@@ -63,7 +63,7 @@ CURRENT_MULTI_RANK_QUANTITIES = ("fsdp_unit_fixed_s", "tp_block_fixed_s")
 def missing_quantities(hw) -> list[str]:
     """The quantities the current profiler measures that a measured CPU profile lacks (none for spec sheets and
     GPU profiles: they are not re-measured here)."""
-    if hw.source != "measured" or hw.provenance.get("device", "cpu") != "cpu":
+    if not _cpu_measurement(hw):
         return []
     want = CURRENT_CPU_QUANTITIES
     if int(hw.provenance.get("device_count") or 1) >= 2:
@@ -71,10 +71,15 @@ def missing_quantities(hw) -> list[str]:
     return [k for k in want if k not in hw.corrections]
 
 
+def _cpu_measurement(hw) -> bool:
+    """A profile measured on a CPU (spec sheets and GPU profiles describe hardware elsewhere)."""
+    return hw.source == "measured" and hw.provenance.get("device", "cpu") == "cpu"
+
+
 def warning(hw) -> str | None:
     """One line for stderr when a measured CPU profile was not measured on this machine (spec sheets and GPU
     profiles describe hardware elsewhere: no warning)."""
-    if hw.source != "measured" or hw.provenance.get("device", "cpu") != "cpu":
+    if not _cpu_measurement(hw):
         return None
     why = mismatch(hw.provenance)
     if why is None:

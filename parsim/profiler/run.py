@@ -204,7 +204,7 @@ def probe_compute_scale(hw: HardwareProfile, probe_ranks: int) -> float:
         return 1.0
     if probe_ranks == int(hw.provenance.get("ranks_per_node") or 0):
         return float(hw.corrections.get("compute_scale", 1.0))
-    return max(1.0, probe_ranks / (os.cpu_count() or 1))
+    return _ranks_over_cores(probe_ranks)
 
 
 def with_framework_samples(hw: HardwareProfile, fw: dict) -> HardwareProfile:
@@ -466,7 +466,12 @@ def _compute_scale(compute_samples: list[dict], nproc_per_node: int) -> float:
     shared = [s for s in compute_samples if s.get("kind") == "core_sharing"]
     if shared:
         return max(1.0, float(shared[-1]["factor"]))
-    return max(1.0, nproc_per_node / (os.cpu_count() or 1))
+    return _ranks_over_cores(nproc_per_node)
+
+
+def _ranks_over_cores(ranks: int) -> float:
+    """Single-threaded ranks over this CPU's cores, at least 1: the core sharing where none was measured [derived]."""
+    return max(1.0, ranks / (os.cpu_count() or 1))
 
 
 def _block_sample(compute_samples: list[dict]) -> dict:
