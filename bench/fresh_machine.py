@@ -4,7 +4,7 @@ left in its folders (``DIR/measurements.jsonl``) against the profile of this mac
 variants of that profile, so that each measured quantity's share of the accuracy shows:
 
 * ``measured``: blocks and the model's ends (embedding, output + loss) measured at the plans' shapes, the optimizer
-  step measured (``optimizer_*``), framework overhead measured (``fsdp_unit_*``, ``tp_block_*``): the profile as is;
+  step measured (``optimizer_*``), framework overhead measured (``fsdp_call_*``, ``tp_block_*``): the profile as is;
 * ``blocks only``: the measured blocks, without the ends and without the measured optimizer step;
 * ``curves + measured optimizer``: no measured block or end;
 * ``curves``: none of the three (framework overhead kept in all four: it is measured once per machine).

@@ -451,13 +451,13 @@ def _profile_frameworks(out: str, out_dir, device, as_json: bool) -> None:
     if not path.exists():
         raise ParsimError(f"profile {path} does not exist: measure one first (parsim profile --nproc-per-node N)")
     hw = add_framework_overheads(path, device)
-    keys = [k for k in hw.corrections if k.startswith(("fsdp_unit_", "tp_block_"))]
+    keys = [k for k in hw.corrections if k.startswith(("fsdp_call_", "tp_block_"))]
     res = {"profile": str(path), **{k: hw.corrections[k] for k in keys}}
     if as_json:
         emit_json(res)
     else:
-        typer.echo(f"FSDP unit {res.get('fsdp_unit_fixed_s', 0) * 1e3:.2f} ms + "
-                   f"{res.get('fsdp_unit_s_per_byte', 0) * 1e9:.2f} ms/MB per reduction; TP block "
+        typer.echo(f"FSDP {res.get('fsdp_call_fixed_s', 0) * 1e3:.2f} ms + "
+                   f"{res.get('fsdp_call_s_per_byte', 0) * 1e9:.2f} ms/MB per unit and collective call; TP block "
                    f"{res.get('tp_block_fixed_s', 0) * 1e3:.2f} ms + {res.get('tp_block_s_per_byte', 0) * 1e9:.1f}"
                    f" ms/GB per microbatch -> {path}")
 

@@ -57,7 +57,7 @@ def mismatch(provenance: dict, here: dict | None = None) -> str | None:
 # factor, the optimizer step and, with 2+ ranks, the framework overhead of FSDP2 and DTensor TP. A profile
 # without them predates those measurements: it composes curves and misses what the step spends beside them.
 CURRENT_CPU_QUANTITIES = ("compute_scale", "optimizer_fixed_s")
-CURRENT_MULTI_RANK_QUANTITIES = ("fsdp_unit_fixed_s", "tp_block_fixed_s")
+CURRENT_MULTI_RANK_QUANTITIES = ("fsdp_call_fixed_s", "tp_block_fixed_s")
 
 
 def missing_quantities(hw) -> list[str]:

@@ -9,7 +9,7 @@ sys.path.insert(0, str(ROOT))
 # here, today" without measuring one.
 CURRENT_CPU_CORRECTIONS = {
     "compute_scale": 1.0, "optimizer_fixed_s": 3.7e-4, "optimizer_s_per_param": 4.6e-9,
-    "optimizer_s_per_tensor": 4.5e-5, "fsdp_unit_fixed_s": 2.7e-3, "fsdp_unit_s_per_byte": 2.2e-9,
+    "optimizer_s_per_tensor": 4.5e-5, "fsdp_call_fixed_s": 1.3e-3, "fsdp_call_s_per_byte": 8.9e-10,
     "tp_block_fixed_s": 2.2e-2, "tp_block_s_per_byte": 1.4e-8}
 
 

@@ -175,4 +175,4 @@ def test_a_profile_from_another_machine_is_measured_here_before_running(tmp_path
     lines = []
     hw = profile_measured_here(str(old), log=lines.append)
     assert calls == [("cpu-gloo-2-t35t0000", 2)] and "optimizer_fixed_s" in hw.corrections
-    assert "before the profiler measured optimizer_fixed_s, fsdp_unit_fixed_s, tp_block_fixed_s" in lines[0]
+    assert "before the profiler measured optimizer_fixed_s, fsdp_call_fixed_s, tp_block_fixed_s" in lines[0]

@@ -18,11 +18,13 @@ TINY = PRESETS["tiny"]
 
 
 def test_fit_recovers_fixed_and_per_byte_overheads():
-    samples = [{"kind": "fsdp", "unit_bytes": b, "overhead_per_block_s": 2e-3 + 1e-9 * b} for b in (8e5, 3e6, 1.2e7)]
+    # FSDP probes with reshard after forward (3 collective calls per unit) and without (2): per call the same
+    samples = [{"kind": "fsdp", "unit_bytes": b, "fsdp_calls_per_unit": n,
+                "overhead_per_block_s": n * (2e-3 + 1e-9 * b)} for b in (8e5, 3e6, 1.2e7) for n in (3, 2)]
     samples += [{"kind": "tp", "unit_bytes": b, "overhead_per_block_s": 6e-3 + 1.5e-8 * b} for b in (1e5, 3e5, 5e5)]
     q = fit_framework_overheads(samples)
-    assert q["fsdp_unit_fixed_s"] == pytest.approx(2e-3, rel=1e-6)
-    assert q["fsdp_unit_s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
+    assert q["fsdp_call_fixed_s"] == pytest.approx(2e-3, rel=1e-6)
+    assert q["fsdp_call_s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
     assert q["tp_block_fixed_s"] == pytest.approx(6e-3, rel=1e-6)
     assert q["tp_block_s_per_byte"] == pytest.approx(1.5e-8, rel=1e-6)
     assert fit_framework_overheads([s for s in samples if s["kind"] == "tp"]).keys() == {"tp_block_fixed_s",
@@ -40,25 +42,41 @@ def test_fit_recovers_fixed_and_per_byte_overheads():
 def _profile(**corr):
     hw = load_profile("cpu-gloo-2")
     return dataclasses.replace(hw, corrections={**{k: v for k, v in hw.corrections.items()
-                                                   if not k.startswith(("fsdp_unit_", "tp_block_", "tp_moe_block_",
+                                                   if not k.startswith(("fsdp_call_", "tp_block_", "tp_moe_block_",
                                                                         "ep_block_"))},
                                                 **corr})
 
 
-@pytest.mark.parametrize("degrees, reductions", [
-    ({"dp_shard": 2}, 6),  # 4 blocks + embedding + [norm, output]: one reduce-scatter each per step
-    ({"dp_replicate": 2}, 6),  # replicate only: the all-reduce of each whole unit
-    ({"dp_replicate": 2, "dp_shard": 2}, 6),  # HSDP: the reduce-scatter's cycle; the all-reduce after is not another
+@pytest.mark.parametrize("degrees, calls", [
+    # 4 blocks + embedding + [norm, output]: one reduce-scatter each per step, and the unshards before it: the
+    # forward's and the backward's (reshard after forward; torchtitan keeps the last unit gathered after forward)
+    ({"dp_shard": 2}, 5 * 3 + 2),
+    ({"dp_shard": 2, "fsdp_reshard_after_forward": "never"}, 6 * 2),  # one unshard per unit
+    ({"dp_shard": 2, "fsdp_reshard_after_forward": "always"}, 6 * 3),
+    ({"dp_replicate": 2}, 5 * 3 + 2),  # replicate only: the all-reduce of each whole unit, its (local) unshards
+    ({"dp_replicate": 2, "dp_shard": 2}, 5 * 3 + 2),  # HSDP: the reduce-scatter's cycle; the all-reduce is not another
 ])
-def test_fsdp_overhead_is_charged_once_per_unit_and_reduction(degrees, reductions):
+def test_fsdp_overhead_is_charged_per_unit_and_collective_call(degrees, calls):
     plan = Plan(seq_len=128, local_batch_size=1, param_dtype="float32", reduce_dtype="float32", **degrees)
     base = predict(TINY, plan, _profile())
-    got = predict(TINY, plan, _profile(fsdp_unit_fixed_s=1e-3, fsdp_unit_s_per_byte=0.0))
+    got = predict(TINY, plan, _profile(fsdp_call_fixed_s=1e-3, fsdp_call_s_per_byte=0.0))
     assert "framework_fsdp" not in base.time_breakdown_s
     scale = float(_profile().corrections.get("compute_scale", 1.0))
-    assert got.time_breakdown_s["framework_fsdp"] == pytest.approx(reductions * 1e-3 * scale)
-    assert got.step_time_s == pytest.approx(base.step_time_s + reductions * 1e-3 * scale)
+    assert got.time_breakdown_s["framework_fsdp"] == pytest.approx(calls * 1e-3 * scale)
+    assert got.step_time_s == pytest.approx(base.step_time_s + calls * 1e-3 * scale)
     assert sum(got.time_breakdown_s.values()) == pytest.approx(got.step_time_s)
+
+
+def test_fsdp_overhead_under_pp_counts_the_microbatches_unshards():
+    """With PP and reshard after forward a unit gathers m + 1 times per pass (comm.fsdp_gathers_per_pass); without
+    resharding (PP's default) once: the overhead follows."""
+    q = {"fsdp_call_fixed_s": 1e-3, "fsdp_call_s_per_byte": 0.0}
+    plan = Plan(pp=2, dp_shard=2, seq_len=128, local_batch_size=4, micro_batch_size=1, param_dtype="float32",
+                reduce_dtype="float32")
+    default = predict(TINY, plan, _profile(**q)).time_breakdown_s["framework_fsdp"]
+    always = predict(TINY, dataclasses.replace(plan, fsdp_reshard_after_forward="always"),
+                     _profile(**q)).time_breakdown_s["framework_fsdp"]
+    assert always / default == pytest.approx((1 + 4 + 1) / (1 + 1))
 
 
 def test_tp_overhead_per_block_and_microbatch_grows_with_the_gathered_activation():

@@ -316,21 +316,29 @@ def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac)
                 b.rpn["ep"], "forward+backward", "exposed", b.ep > 1)
 
 
+FSDP_OUTPUT_UNIT = "[final norm, output] unit"
+
+
+def fsdp_gathers_per_pass(b, output_unit: bool = False) -> np.ndarray:
+    """All-gathers of one FSDP unit per pass (microbatch group of a step): without PP the forward's, and the
+    backward's when resharded after forward. With PP torch's schedules run every backward without resharding and
+    reshard at the stage's reduce after the last: one all-gather per unit and pass (reshard-after-forward is off
+    under PP by default); resharding after forward, every forward that follows a forward (each resharded its unit)
+    gathers, and every backward that follows a forward: in the F/B sequences of GPipe and 1F1B that is m + 1 (m
+    forwards, the first backward after each run of forwards) [derived from torch 2.13 pipelining/stage.py
+    backward_maybe_with_nosync and perform_reduce_grad; trace]. The [final norm, output] unit follows
+    ``raf_always`` (torchtitan does not reshard the last unit after forward by default)."""
+    raf = b.raf_always if output_unit else b.raf
+    m = b.n_micro.astype(float)
+    return np.where(b.pp > 1, np.where(raf, m + 1.0, 1.0), 1.0 + raf)
+
+
 def _fsdp_units(spec, b, rv: RankView) -> list[tuple]:
     """(name, elements of the rank's shard of one unit (padded per tensor), units on the rank, all-gathers per unit
     and pass, FSDP group): a unit per block (non-expert part, and the experts with it when ep == 1), the
     embedding, the final norm with the output projection (torchtitan's [norm, output] unit; the root holds no
     parameters); routed experts (ep > 1) form their own unit per MoE block over efsdp."""
-    # all-gathers per unit and pass: without PP the forward's, and the backward's when resharded after forward.
-    # With PP torch's schedules run every backward without resharding and reshard at the stage's reduce after the
-    # last: one all-gather per unit and pass (reshard-after-forward is off under PP by default); resharding after
-    # forward, every forward that follows a forward (each resharded its unit) gathers, and every backward that
-    # follows a forward: in the F/B sequences of GPipe and 1F1B that is m + 1 (m forwards, the first backward
-    # after each run of forwards) [derived from torch 2.13 pipelining/stage.py backward_maybe_with_nosync and
-    # perform_reduce_grad; trace]
-    m = b.n_micro.astype(float)
-    gathers = np.where(b.pp > 1, np.where(b.raf, m + 1.0, 1.0), 1.0 + b.raf)
-    out_gathers = np.where(b.pp > 1, np.where(b.raf_always, m + 1.0, 1.0), 1.0 + b.raf_always)
+    gathers, out_gathers = fsdp_gathers_per_pass(b), fsdp_gathers_per_pass(b, output_unit=True)
     ep1 = b.ep == 1
     units = []
     for k in rv.kinds:
@@ -340,7 +348,7 @@ def _fsdp_units(spec, b, rv: RankView) -> list[tuple]:
         if k:
             units.append(("MoE block's routed experts", ex_s, np.where(ep1, 0.0, rv.n_of[k]), gathers, "efsdp"))
     units += [("embedding unit", rv.emb_shard, 1.0, gathers, "fsdp"),
-              ("[final norm, output] unit", rv.norm_shard + rv.outw_shard, 1.0, out_gathers, "fsdp")]
+              (FSDP_OUTPUT_UNIT, rv.norm_shard + rv.outw_shard, 1.0, out_gathers, "fsdp")]
     return units
 
 

@@ -233,7 +233,7 @@ def _schedule_factors(plan: Plan, hw: HardwareProfile, b) -> list[dict]:
     else:
         rows.append(_row("optimizer step: bytes per parameter at the memory-bound bandwidth", ADAMW_BYTES_PER_PARAM,
                          "the optimizer step (AdamW traffic / (bandwidth x memory_efficiency))", "derived"))
-    for key, what in (("fsdp_unit", "framework_fsdp: per FSDP reduce-scatter call"),
+    for key, what in (("fsdp_call", "framework_fsdp: per FSDP unit and collective call (unshard, reduction)"),
                       ("tp_block", "framework_tp: per TP block and microbatch"),
                       ("tp_moe_block", "framework_tp: per MoE block under TP and microbatch"),
                       ("ep_block", "framework_ep: per MoE block and microbatch under EP")):

@@ -30,10 +30,14 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
     measured quantities (``profiler.frameworks``: a wrapped block stack minus its unwrapped twin issuing the same
     collectives, on a CPU profile's ranks or 2 GPUs; ``fit.fit_framework_overheads``) [measured]:
 
-    * ``framework_fsdp`` = sum over the FSDP gradient reductions of calls x (``fsdp_unit_fixed_s`` +
-      ``fsdp_unit_s_per_byte`` x the unit's unsharded gradient bytes): hooks, copy-in / copy-out, chunk-cat and
-      sharded accumulation, one unshard / reduce cycle per reduction. Reductions are the reduce-scatters (FSDP,
-      expert FSDP) and, where the shard group is 1 (replicate only), the all-reduces of the whole unit;
+    * ``framework_fsdp`` = sum over the FSDP units of their collective calls (each unshard and each gradient
+      reduction) x (``fsdp_call_fixed_s`` + ``fsdp_call_s_per_byte`` x the unit's unsharded gradient bytes): hooks,
+      copy-in / copy-out of the all-gather buffer, chunk-cat and sharded accumulation. Per call, not per reduction:
+      over seven probe sets (2 and 4 gloo ranks, three machines) the probe with reshard after forward (3 calls per
+      unit: two unshards, one reduce-scatter) spent 1.45x (median; 0.98-2.7) what the one without (2 calls) did.
+      Reductions are the reduce-scatters (FSDP, expert FSDP) and, where the shard group is 1 (replicate only), the
+      all-reduces of the whole unit; the unshards are ``comm.fsdp_gathers_per_pass`` per reduction (with a shard
+      group of 1 FSDP2 still copies the shard into the unsharded parameter);
     * ``framework_tp`` = layers x microbatches x (``tp_block_fixed_s`` + ``tp_block_s_per_byte`` x one gathered
       activation, micro batch x sequence / cp x d_model x param bytes) where tp > 1: DTensor dispatch and
       redistribution per block, forward + backward (AC's recompute not included); MoE layers take the MoE
@@ -52,22 +56,8 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
     before) add nothing and keep their breakdown keys."""
     c, out = hw.corrections, {}
     scale = float(c.get("compute_scale", 1.0)) / float(c.get("framework_probe_compute_scale", 1.0))
-    if "fsdp_unit_fixed_s" in c:
-        t = np.zeros(len(b))
-        for r in ledger.records:
-            if r.overlap != "fsdp_reduce":
-                continue
-            # FSDP's reduce-scatter over its shard group (dp_shard, dp_shard+cp, efsdp; not the distributed
-            # optimizer's over dp_replicate or edp), or HSDP's all-reduce over dp_replicate (Megatron EP's over edp
-            # is not FSDP)
-            whole_unit = r.op == "reduce_scatter" and r.axis not in ("dp_replicate", "edp")
-            replicate_only = r.op == "all_reduce" and r.axis == "dp_replicate"
-            if not (whole_unit or replicate_only):
-                continue
-            on = np.ones(len(b), bool) if whole_unit else (b.fsdp == 1)
-            per_call = float(c["fsdp_unit_fixed_s"]) + float(c["fsdp_unit_s_per_byte"]) * r.bytes_per_call
-            t = t + np.where(on & (r.calls > 0), r.calls * per_call, 0.0)
-        out["framework_fsdp"] = t * scale
+    if "fsdp_call_fixed_s" in c:
+        out["framework_fsdp"] = _fsdp_calls_s(b, c, ledger) * scale
     if "tp_block_fixed_s" in c:
         act = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) * float(spec.d_model) * b.param_bytes
         per_block = float(c["tp_block_fixed_s"]) + float(c["tp_block_s_per_byte"]) * act
@@ -130,3 +120,23 @@ def set_exposed(ledger, fsdp_exposed, fsdp_total, tp_ratio) -> None:
             r.exposed_s = r.time_s * tp_ratio
         else:
             r.exposed_s = r.time_s
+
+
+def _fsdp_calls_s(b: PlanBatch, c: dict, ledger) -> np.ndarray:
+    """FSDP2's per-call overhead summed over the units' reductions and the unshards that go with each."""
+    t = np.zeros(len(b))
+    for r in ledger.records:
+        if r.overlap != "fsdp_reduce":
+            continue
+        # FSDP's reduce-scatter over its shard group (dp_shard, dp_shard+cp, efsdp; not the distributed
+        # optimizer's over dp_replicate or edp), or HSDP's all-reduce over dp_replicate (Megatron EP's over edp
+        # is not FSDP)
+        whole_unit = r.op == "reduce_scatter" and r.axis not in ("dp_replicate", "edp")
+        replicate_only = r.op == "all_reduce" and r.axis == "dp_replicate"
+        if not (whole_unit or replicate_only):
+            continue
+        on = np.ones(len(b), bool) if whole_unit else (b.fsdp == 1)
+        gathers = C.fsdp_gathers_per_pass(b, output_unit=r.what.endswith(C.FSDP_OUTPUT_UNIT))
+        per_call = float(c["fsdp_call_fixed_s"]) + float(c["fsdp_call_s_per_byte"]) * r.bytes_per_call
+        t = t + np.where(on & (r.calls > 0), r.calls * (1.0 + gathers) * per_call, 0.0)
+    return t

@@ -75,11 +75,12 @@ def fit_framework_overheads(samples: list[dict]) -> dict:
     """The profile's named framework quantities from ``profiler.frameworks`` samples (framework - twin, per block
     and step), each ``t = fixed + bytes x per_byte`` by NNLS on relative errors [measured, fitted here]:
 
-    * ``fsdp_unit_fixed_s`` / ``fsdp_unit_s_per_byte``: per FSDP unit and gradient reduction (one reduce-scatter,
-      or the all-reduce of a replicate-only group) with the unshards around it, against the unit's unsharded
+    * ``fsdp_call_fixed_s`` / ``fsdp_call_s_per_byte``: per FSDP unit and collective call (each unshard, each
+      gradient reduction: a sample's overhead over its ``fsdp_calls_per_unit``), against the unit's unsharded
       bytes: hooks and state changes (fixed), copy-in / copy-out of the flat all-gather buffer, the gradients'
-      chunk-cat and the sharded accumulation (per byte). Probes with reshard after forward and without are fitted
-      together: on 2 gloo ranks the second unshard changed the overhead by less than its spread.
+      chunk-cat and the sharded accumulation (per byte). Probes with reshard after forward (3 calls) and without
+      (2) are fitted together: their overheads differ by about the ratio of their calls (``overlap.framework_
+      overheads``).
     * ``tp_block_fixed_s`` / ``tp_block_s_per_byte``: per tensor-parallel block and microbatch, forward +
       backward, against the bytes of one gathered activation: DTensor dispatch, sharding propagation and
       redistribution bookkeeping.
@@ -91,13 +92,14 @@ def fit_framework_overheads(samples: list[dict]) -> dict:
 
     A negative difference (the twin slower: noise) counts as 0; no samples of a kind, no quantities."""
     out: dict = {}
-    for kind, size_key, prefix in (("fsdp", "unit_bytes", "fsdp_unit"), ("tp", "unit_bytes", "tp_block"),
+    for kind, size_key, prefix in (("fsdp", "unit_bytes", "fsdp_call"), ("tp", "unit_bytes", "tp_block"),
                                    ("tp_moe", "unit_bytes", "tp_moe_block"), ("ep", "unit_bytes", "ep_block")):
         rows = [s for s in samples if s.get("kind") == kind]
         if not rows:
             continue
         x = np.array([float(s[size_key]) for s in rows])
-        t = np.array([max(float(s["overhead_per_block_s"]), 1e-7) for s in rows])
+        calls = np.array([float(s["fsdp_calls_per_unit"]) if kind == "fsdp" else 1.0 for s in rows])
+        t = np.array([max(float(s["overhead_per_block_s"]), 1e-7) for s in rows]) / calls
         coef, _ = _nnls_rel(np.stack([np.ones_like(x), x], axis=1), t)
         out[f"{prefix}_fixed_s"], out[f"{prefix}_s_per_byte"] = float(coef[0]), float(coef[1])
     return out

@@ -209,7 +209,8 @@ def probe_compute_scale(hw: HardwareProfile, probe_ranks: int) -> float:
 
 def with_framework_samples(hw: HardwareProfile, fw: dict) -> HardwareProfile:
     """The profile with the probe's raw samples (``samples.frameworks``) and the quantities fitted from them
-    (``corrections``: fsdp_unit_*, tp_block_*, ep_block_*; see ``fit.fit_framework_overheads``), and
+    (``corrections``: fsdp_call_*, tp_block_*, ep_block_*; see ``fit.fit_framework_overheads``; the per-reduction
+    ``fsdp_unit_*`` of profiles before stop 58 are dropped), and
     ``framework_probe_compute_scale``: the core sharing they were measured under (``probe_compute_scale``), which
     the cost model divides out before it applies a plan's own."""
     import dataclasses
@@ -219,8 +220,9 @@ def with_framework_samples(hw: HardwareProfile, fw: dict) -> HardwareProfile:
     samples = dict(hw.samples) if isinstance(hw.samples, dict) else {}
     samples["frameworks"] = {"samples": fw["samples"], "torch": fw.get("torch"), "backend": fw.get("backend")}
     ranks = max([int(s.get("world") or 2) for s in fw["samples"]] or [2])
+    kept = {k: v for k, v in hw.corrections.items() if not k.startswith("fsdp_unit_")}
     return dataclasses.replace(hw, samples=samples, corrections={
-        **hw.corrections, **fit_framework_overheads(fw["samples"]),
+        **kept, **fit_framework_overheads(fw["samples"]),
         "framework_probe_compute_scale": probe_compute_scale(hw, ranks)})
 
 
