@@ -33,11 +33,13 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
     * ``framework_fsdp`` = sum over the FSDP units of their collective calls (each unshard and each gradient
       reduction) x (``fsdp_call_fixed_s`` + ``fsdp_call_s_per_byte`` x the unit's unsharded gradient bytes): hooks,
       copy-in / copy-out of the all-gather buffer, chunk-cat and sharded accumulation. Per call, not per reduction:
-      over seven probe sets (2 and 4 gloo ranks, three machines) the probe with reshard after forward (3 calls per
-      unit: two unshards, one reduce-scatter) spent 1.45x (median; 0.98-2.7) what the one without (2 calls) did.
-      Reductions are the reduce-scatters (FSDP, expert FSDP) and, where the shard group is 1 (replicate only), the
-      all-reduces of the whole unit; the unshards are ``comm.fsdp_gathers_per_pass`` per reduction (with a shard
-      group of 1 FSDP2 still copies the shard into the unsharded parameter);
+      over eight probe sets (stops 55-58, 2 and 4 gloo ranks, AVX-512 and AVX2 EPYCs) the probe with reshard after
+      forward (3 calls per unit: two unshards, one reduce-scatter) spent 1.45x (median; 0.98-2.71) what the one
+      without (2 calls) did. Reductions are the reduce-scatters (FSDP, expert FSDP) and, where the shard group is 1
+      (replicate only), the all-reduces of the whole unit; the unshards are ``comm.fsdp_gathers_per_pass`` per
+      reduction, replicate only too (FSDP2's world-size-1 unshard still fills the unsharded parameters; inside a
+      tiny step on 2 ranks dp_replicate 2 spent 0.15-0.32 s beside its collectives where dp_shard 2 spent 0.15-0.28,
+      bench/step_collectives.py, bench/reports/fresh-machine-stop58);
     * ``framework_tp`` = layers x microbatches x (``tp_block_fixed_s`` + ``tp_block_s_per_byte`` x one gathered
       activation, micro batch x sequence / cp x d_model x param bytes) where tp > 1: DTensor dispatch and
       redistribution per block, forward + backward (AC's recompute not included); MoE layers take the MoE
