@@ -79,8 +79,8 @@ def fit_framework_overheads(samples: list[dict]) -> dict:
       gradient reduction: a sample's overhead over its ``fsdp_calls_per_unit``), against the unit's unsharded
       bytes: hooks and state changes (fixed), copy-in / copy-out of the flat all-gather buffer, the gradients'
       chunk-cat and the sharded accumulation (per byte). Probes with reshard after forward (3 calls) and without
-      (2) are fitted together: their overheads differ by about the ratio of their calls (``overlap.framework_
-      overheads``).
+      (2) are fitted together: their overheads differ by about the ratio of their calls
+      (``overlap.framework_overheads``).
     * ``tp_block_fixed_s`` / ``tp_block_s_per_byte``: per tensor-parallel block and microbatch, forward +
       backward, against the bytes of one gathered activation: DTensor dispatch, sharding propagation and
       redistribution bookkeeping.
