@@ -4,7 +4,11 @@ left in its folders (``DIR/measurements.jsonl``) against the profile of this mac
 variants of that profile, so that each measured quantity's share of the accuracy shows:
 
 * ``measured``: blocks and the model's ends (embedding, output + loss) measured at the plans' shapes, the optimizer
-  step measured (``optimizer_*``), framework overhead measured (``fsdp_call_*``, ``tp_block_*``): the profile as is;
+  step measured (``optimizer_*``), framework overhead measured (``fsdp_call_*``, ``tp_block_*``): the profile with
+  the folder's rounds applied (block and core-sharing medians; collective curves refitted to the median over the
+  profile's sweep and the rounds', ``parsim.collective_rounds``), as validate predicted;
+* ``measured, the profile's collective sweep``: the same with the collective curves of the profile's one sweep
+  (where the rounds swept the collectives);
 * ``blocks only``: the measured blocks, without the ends and without the measured optimizer step;
 * ``curves + measured optimizer``: no measured block or end;
 * ``curves``: none of the three (framework overhead kept in all four: it is measured once per machine).
@@ -34,13 +38,28 @@ from parsim.hardware import HardwareProfile
 OPT_KEYS = ("optimizer_fixed_s", "optimizer_s_per_param", "optimizer_s_per_tensor")
 
 
-def variants(hw: HardwareProfile) -> dict[str, HardwareProfile]:
+def variants(hw: HardwareProfile, own_sweep: HardwareProfile) -> dict[str, HardwareProfile]:
+    """``hw``: the profile with the folder's rounds applied (blocks, core sharing, collectives); ``own_sweep``: the
+    same with the collective curves of the profile's own sweep alone."""
     blocks = {k: v for k, v in hw.measured_blocks.items() if not k.startswith("head|")}
     no_opt = {k: v for k, v in hw.corrections.items() if k not in OPT_KEYS}
-    return {"measured": hw,
-            "blocks only": dataclasses.replace(hw, measured_blocks=blocks, corrections=no_opt),
+    out = {"measured": hw}
+    if own_sweep.collectives != hw.collectives:
+        out["measured, the profile's collective sweep"] = own_sweep
+    return {**out, "blocks only": dataclasses.replace(hw, measured_blocks=blocks, corrections=no_opt),
             "curves + measured optimizer": dataclasses.replace(hw, measured_blocks={}),
             "curves": dataclasses.replace(hw, measured_blocks={}, corrections=no_opt)}
+
+
+def with_rounds(hw: HardwareProfile, folder: Path, nproc: int) -> tuple[HardwareProfile, HardwareProfile]:
+    """The profile as validate predicted the folder's rows with: its rounds' block and core-sharing medians and its
+    rounds' collective sweeps (the profile on disk keeps the last validate's); and the same with the profile's own
+    collective sweep."""
+    from parsim.collective_rounds import with_round_collectives
+    from parsim.loop_jobs import read_block_rounds, with_round_blocks
+
+    hw = with_round_blocks(hw, read_block_rounds(folder), nproc)
+    return with_round_collectives(hw, folder, nproc), with_round_collectives(hw, folder, nproc, rounds=False)
 
 
 def rescore(folder: Path, prefix: str) -> list[dict]:
@@ -51,7 +70,7 @@ def rescore(folder: Path, prefix: str) -> list[dict]:
     for nproc in sorted({ln["nproc"] for ln in lines}):
         sel = [ln for ln in lines if ln["nproc"] == nproc]
         hw = profile_measured_here(f"{prefix}{nproc}", nproc)
-        for name, prof in variants(hw).items():
+        for name, prof in variants(*with_rounds(hw, folder, nproc)).items():
             s = V.summarize(V.measured_rows(sel, prof))
             rule = s.get("constant_mfu_rule") or {}
             out.append({"folder": str(folder), "model": sel[0]["model"], "ranks": nproc, "variant": name,

@@ -43,6 +43,10 @@ def print_summary(summary: dict) -> None:
         rounds = f", timed at the start of each of {mb['rounds']} rounds (the median kept)" if mb.get("rounds") else ""
         con.print(f"measured blocks: {mb['shapes']} local shapes{rounds}, {mb['measured_now']} measured after the "
                   f"runs; {mb['measurement_wall_s']:.1f} s in all")
+    cr = summary.get("collective_rounds")
+    if cr and cr.get("sweeps"):
+        con.print(f"collectives: swept at the start of {cr['sweeps']} rounds ({cr['measurement_wall_s']:.1f} s), "
+                  "curves refitted to each point's median with the profile's own sweep")
     comps = summary.get("components")
     if comps:  # what each component is on the curves and with measured blocks, as a share of the measured step
         ct = Table(title="step components, median share of the measured step (every plan: components.csv)")

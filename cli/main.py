@@ -663,9 +663,10 @@ def validate(
     steps: int = typer.Option(5, "--steps", help="timed steps per run (after 2 warm-up steps)"),
     max_plans: int = typer.Option(0, "--max-plans", help="run only the first N plans of the space (0: all)"),
     measure_blocks: bool = typer.Option(False, "--measure-blocks", help="measured tier: time every plan's blocks "
-                                        "at its local shapes at the start of every round (DIR/blocks.jsonl) and "
-                                        "predict with each time's median over the rounds (kept in the profile); "
-                                        "the summary without them is written beside"),
+                                        "at its local shapes and sweep the collectives at the start of every "
+                                        "round (DIR/blocks.jsonl, DIR/collectives.jsonl) and predict with each "
+                                        "time's median over the rounds (kept in the profile); the summary without "
+                                        "the blocks is written beside"),
     timeout: float = typer.Option(600.0, "--timeout", help="seconds per run"),
     as_json: bool = typer.Option(False, "--json"),
 ):

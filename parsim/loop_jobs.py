@@ -86,9 +86,14 @@ def validate_measured(model: str, nproc: int, out_dir: str, *, profile: str | No
     out = Path(out_dir)
     task = f"{model} on {nproc} ranks"
     before_round = None
-    if measure_blocks:  # the blocks timed at the start of every round, beside the steps (measure_block_round)
+    if measure_blocks:  # the blocks and the collectives timed at the start of every round, beside the steps
+        from .collective_rounds import measure_collective_round
+
         shapes = _measured_shapes([(spec, p) for p in plans])
-        before_round = lambda r: measure_block_round(out, r, shapes, progress, sharing_ranks=nproc)  # noqa: E731
+
+        def before_round(r: int) -> None:
+            measure_collective_round(out, r, nproc, timeout_s, progress)
+            measure_block_round(out, r, shapes, progress, sharing_ranks=nproc)
     V.run_measured(model, nproc, out, rounds=rounds, steps=steps, timeout_s=timeout_s, plans=plans,
                    progress=(lambda done, total, what: progress(task, done, total, what)) if progress else None,
                    before_round=before_round)
@@ -99,16 +104,20 @@ def measured_summary(out: Path, profile: str | None, hw, measure_blocks: bool = 
                      progress: Progress | None = None, log: Log = log_to_stderr) -> dict:
     """Rows and summary over every measurement in the folder (earlier models and rank counts included). With
     ``measure_blocks`` the plans' blocks are measured at their local shapes first (kept in the profile) and the
-    summary without them is written beside, with the wall time of the measurement."""
+    summary without them is written beside, with the wall time of the measurement. Where validate's rounds timed
+    the collectives, both predict with curves refitted to the sweeps' medians (``collective_rounds``)."""
     import dataclasses
 
     from . import validate as V
+    from .collective_rounds import read_collective_rounds, with_round_collectives
 
     lines = V.load_measurements(out / "measurements.jsonl")
     block_rounds = read_block_rounds(out)
+    coll_rounds = read_collective_rounds(out)
     rows, rows_curves, walls, n_shapes = [], [], {}, 0
     for nproc in sorted({ln["nproc"] for ln in lines}):
         prof = hw if profile else profile_measured_here(f"cpu-gloo-{nproc}", nproc, log)
+        prof = with_round_collectives(prof, out, nproc)
         sel = [ln for ln in lines if ln["nproc"] == nproc]
         if measure_blocks:  # the curves alone: without any block the profile already holds
             rows_curves += V.measured_rows(sel, dataclasses.replace(prof, measured_blocks={}))
@@ -123,6 +132,8 @@ def measured_summary(out: Path, profile: str | None, hw, measure_blocks: bool = 
                                    "measurement_wall_s": sum(walls.values()) + sum(
                                        float(b["measurement"].get("wall_s") or 0.0) for b in block_rounds),
                                    "rounds": len({b["round"] for b in block_rounds})}
+        meta["collective_rounds"] = {"sweeps": len(coll_rounds), "measurement_wall_s": sum(
+            float(c.get("wall_s") or 0.0) for c in coll_rounds)}
         meta["without_measured_blocks"] = V.summarize(rows_curves)
         meta["components"] = _components(out, V.component_differences(rows_curves, rows))
     V.write_results(out, rows, summary, meta)
@@ -191,24 +202,31 @@ def _with_measured_blocks(hw, lines: list[dict], progress: Progress | None = Non
     """The profile with a block and the ends measured at every local shape of the plans in ``lines``: the median
     over validate's rounds where ``block_rounds`` has them (``round_medians``), else measured now; written to the
     profile folder under the profile's name. (profile, {key: wall s of those measured now}, number of shapes)."""
-    import dataclasses
-
     from .hardware import atomic_write_json, profile_write_dir
     from .plan import Plan
     from .spec import load_model
 
     shapes = _measured_shapes([(load_model(ln["model"]), Plan.from_dict(ln["plan"])) for ln in lines])
     path = profile_write_dir() / f"{hw.name}.json"
-    keys = {s.key for s in shapes}
-    medians = {k: v for k, v in round_medians(block_rounds or []).items() if k in keys}
-    sharing = round_core_sharing(block_rounds or [], int(lines[0]["nproc"])) if lines else None
-    if medians or sharing is not None:
-        hw = dataclasses.replace(hw, measured_blocks={**hw.measured_blocks, **medians}, corrections={
-            **hw.corrections, **({"compute_scale": sharing} if sharing is not None else {})})
+    if lines and block_rounds:
+        hw = with_round_blocks(hw, block_rounds, int(lines[0]["nproc"]), {s.key for s in shapes})
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, hw.to_dict())
     hw, walls = measure_blocks_into(hw, shapes, path, progress)
     return hw, walls, len(shapes)
+
+
+def with_round_blocks(hw, block_rounds: list[dict], nproc: int, keys: set | None = None):
+    """``hw`` with the medians over validate's rounds of every block shape they timed (those in ``keys`` where
+    given) and of the core-sharing factor of ``nproc`` processes (``compute_scale``)."""
+    import dataclasses
+
+    medians = {k: v for k, v in round_medians(block_rounds).items() if keys is None or k in keys}
+    sharing = round_core_sharing(block_rounds, nproc)
+    if not medians and sharing is None:
+        return hw
+    return dataclasses.replace(hw, measured_blocks={**hw.measured_blocks, **medians}, corrections={
+        **hw.corrections, **({"compute_scale": sharing} if sharing is not None else {})})
 
 
 BLOCK_ROUNDS = "blocks.jsonl"

@@ -142,8 +142,8 @@ def run_measured(model: str, nproc: int, out_dir: Path, *, rounds: int = 2, step
                  before_round: Callable[[int], None] | None = None) -> list[dict]:
     """Run every plan ``rounds`` times, interleaved; append each run to measurements.jsonl; return all lines of
     this model and rank count (those of earlier invocations included). ``before_round(r)`` is called once before
-    the first run of each round that has a run left to do (``--measure-blocks`` times the blocks there, so that
-    they see the machine's drift as the steps do)."""
+    the first run of each round that has a run left to do (``--measure-blocks`` times the blocks and sweeps the
+    collectives there, so that they see the machine's drift as the steps do)."""
     from .executor.launch import run_plan
 
     spec = load_model(model)

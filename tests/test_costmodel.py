@@ -44,19 +44,23 @@ def test_breakdowns_sum_to_totals(spec, kw):
 
 def test_pipeline_on_shared_cores_is_bounded_by_the_mean_stage():
     """Ranks sharing cores (compute_scale s > 1): a pipeline rank's compute and bubble take the larger of the cores'
-    bound (the mean stage's stretched compute) and its critical path at full speed; with s = 1 the plain bubble."""
+    bound (the mean stage's stretched compute) and its critical path at full speed; with s = 1 the plain bubble,
+    (pp - 1) microbatch-times of the other stages."""
     from types import SimpleNamespace
 
     from parsim.costmodel.pipeline import shared_cores
 
     b = SimpleNamespace(pp=np.array([4]), pp_stages_per_rank=np.array([1]))
     one = SimpleNamespace(corrections={})
+    f, bub = shared_cores(b, one, 4.0, 1.0, 0.2, 0.2, 0.2)
+    assert f[0] == 1.0 and bub[0] == pytest.approx(3 * 0.2)  # equal stages: (pp - 1) microbatch-times
+    # a last stage of 0.2 beside three of 0.2 / 3 (mean 0.1): the fill and drain run through the other three
     f, bub = shared_cores(b, one, 4.0, 1.0, 0.2, 0.2, 0.1)
-    assert f[0] == 1.0 and bub[0] == pytest.approx(3 * 0.2)  # (pp - 1) microbatch-times, the mean unused
+    assert f[0] == 1.0 and bub[0] == pytest.approx(3 * (4 * 0.1 - 0.2) / 3)
     two = SimpleNamespace(corrections={"compute_scale": 2.0})
-    # own stretched 4 x 0.2 = 0.8; cores 4 x 0.1 = 0.4; critical path 4 x 0.1 + 3 x 0.1 = 0.7: compute x 0.875
+    # own stretched 4 x 0.2 = 0.8; cores 4 x 0.1 = 0.4; critical path 4 x 0.1 + 3 x 0.2 / 3 / 2 = 0.5: x 0.625
     f, bub = shared_cores(b, two, 4.0, 1.0, 0.2, 0.2, 0.1)
-    assert f[0] == pytest.approx(0.875) and bub[0] == 0.0
+    assert f[0] == pytest.approx(0.625) and bub[0] == 0.0
     # a rank lighter than the mean waits for the cores: no factor, the difference is bubble
     f, bub = shared_cores(b, two, 4.0, 1.0, 0.1, 0.1, 0.2)
     assert f[0] == 1.0 and bub[0] == pytest.approx(4 * 0.2 - 4 * 0.1)

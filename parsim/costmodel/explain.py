@@ -222,7 +222,8 @@ def _schedule_factors(plan: Plan, hw: HardwareProfile, b) -> list[dict]:
                          "activations alive at the memory peak, in microbatches through all of the stage's layers",
                          f"derived from the {plan.pp_schedule} schedule (layers.inflight)"))
         rows.append(_row("pipeline bubble (microbatch times)", ga * (plan.pp - 1) / plan.pp_stages_per_rank,
-                         "pp_bubble = ga x (pp - 1) / v x one microbatch's time (pipeline.shared_cores)",
+                         "pp_bubble = ga x (pp - 1) / v x the other stages' mean microbatch time "
+                         "(pipeline.shared_cores)",
                          "derived (Narayanan et al. 2021)"))
     c = hw.corrections
     if "optimizer_s_per_param" in c:

@@ -23,9 +23,22 @@ def shared_cores(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb, mea
     loaded stage's work: the last stage's output and loss made every pipeline on 4 ranks sharing 2 cores
     over-predicted (tiny pp 4: +8.7%, tiny-moe pp 4: +23.6%). Where the bounds fall below the stretched compute of
     a rank heavier than the mean, its compute is scaled down (factor < 1, no bubble); else the factor is 1 and the
-    rest is bubble. With s = 1 (no sharing) the factor is 1 and the bubble the plain one."""
+    rest is bubble. With s = 1 (no sharing) the factor is 1 and the bubble the plain one.
+
+    The bubble's microbatch-time is the *other* stages' (their mean, from ``mean_compute_mb``), not this rank's
+    [derived]. With stage times t_i = f_i + b_i per microbatch and m microbatches, GPipe's last stage starts its
+    first forward after the stages before it ran theirs (sum of f_i) and the first stage ends its last backward
+    after the later stages ran theirs: the step is m t_k + sum over i != k of t_i for the slowest stage k (1F1B
+    reorders the same work; interleaving divides the fill by v). (pp - 1) t_k, the textbook form for equal stages,
+    over-counts where the last stage carries the output projection and loss: tiny-moe pp 2 GPipe on 2 ranks ran
+    1.065 / 1.068 s in two rounds against 1.362 predicted with the last stage's microbatch time (the bubble 0.447 s
+    of 0.893 s compute; stop 59, AVX2 EPYC)."""
     s = float(hw.corrections.get("compute_scale", 1.0))
-    full_speed_mb = t_mb - compute_mb + compute_mb / s  # exposed comm per microbatch is not stretched by s
+    others_mb = compute_mb
+    if mean_compute_mb is not None:  # the other stages' mean: pp x mean - own, over pp - 1 (own where pp is 1)
+        others_mb = np.where(b.pp > 1, (b.pp * mean_compute_mb - compute_mb) / np.maximum(b.pp - 1, 1), compute_mb)
+        others_mb = np.maximum(others_mb, 0.0)
+    full_speed_mb = t_mb - compute_mb + others_mb / s  # exposed comm per microbatch is not stretched by s
     bubble1 = ga * (b.pp - 1) / b.pp_stages_per_rank * full_speed_mb
     own = M * compute_mb
     cores = own if (mean_compute_mb is None or s <= 1.0) else M * mean_compute_mb

@@ -149,7 +149,8 @@ class NodeSpec:
 
 
 def _run_collectives(out: Path, nproc_per_node: int, nodes: NodeSpec | None, ops: str, factor: int, min_bytes: int,
-                     max_bytes: int, device: str | None, timeout_s: float, resume: bool = False) -> None:
+                     max_bytes: int, device: str | None, timeout_s: float, resume: bool = False,
+                     echo=sys.stderr.write) -> None:
     """The collective benchmark under torchrun (this node's ranks; every node's with ``nodes``)."""
     args = ["--out", str(out), "--ops", ops, "--factor", str(factor)]
     if min_bytes:
@@ -159,7 +160,27 @@ def _run_collectives(out: Path, nproc_per_node: int, nodes: NodeSpec | None, ops
     if resume:
         args.append("--resume")
     _torchrun_module("parsim.profiler.collectives", args, nproc_per_node, nodes, device, timeout_s,
-                     "collective benchmark failed ({why}); --resume continues: ", echo=sys.stderr.write)
+                     "collective benchmark failed ({why}); --resume continues: ", echo=echo)
+
+
+def collective_sweep(out: Path, nproc_per_node: int, timeout_s: float, device: str | None = None) -> dict:
+    """The profile's collective sweep once more (every op, the default sizes, this node's ranks), silently: the
+    samples document (``samples``, ``wall_s``). ``validate --measure-blocks`` runs it in every round
+    (``loop_jobs.measure_collective_round``)."""
+    _run_collectives(out, nproc_per_node, None, ",".join(COLLECTIVE_OPS), 4, 0, 0, device, timeout_s, echo=None)
+    return read_json(out, "bad collective samples")
+
+
+def collective_fits(samples: list[dict]) -> list:
+    """The fitted curves of collective samples, one set per (op, group size, ranks per node): contiguous and
+    strided groups of one size and ranks per node cost the same in the model, so they are fitted together."""
+    groups: dict = {}
+    for s in samples:
+        groups.setdefault((s["op"], s["group_size"], s["ranks_per_node"]), []).append(s)
+    fits = []
+    for (op, n, rpn), ss in sorted(groups.items()):
+        fits += fit_collective(op, n, rpn, [s["buffer_bytes"] for s in ss], [s["time_s"] for s in ss])
+    return fits
 
 
 def _torchrun_module(module: str, args: list[str], nproc_per_node: int, nodes: NodeSpec | None,
@@ -364,13 +385,7 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
     if any(s["wrong"] for s in samples):
         bad = sorted({(s["op"], s["group_size"]) for s in samples if s["wrong"]})
         raise ParsimError(f"collectives returned wrong results for {bad}: the profile would lie, not writing it")
-    groups = {}
-    for s in samples:
-        groups.setdefault((s["op"], s["group_size"], s["ranks_per_node"]), []).append(s)
-    fits = []
-    for (op, n, rpn), ss in sorted(groups.items()):
-        # contiguous and strided groups of one size and ranks-per-node cost the same in the model: fit together
-        fits += fit_collective(op, n, rpn, [s["buffer_bytes"] for s in ss], [s["time_s"] for s in ss])
+    fits = collective_fits(samples)
     cs = comp["samples"]
     main_dtype = "float32" if dev.type == "cpu" else "bfloat16"
     g = [s for s in cs if s["kind"] == "gemm" and s["dtype"] == main_dtype]
