@@ -451,15 +451,19 @@ def _profile_frameworks(out: str, out_dir, device, as_json: bool) -> None:
     if not path.exists():
         raise ParsimError(f"profile {path} does not exist: measure one first (parsim profile --nproc-per-node N)")
     hw = add_framework_overheads(path, device)
-    keys = [k for k in hw.corrections if k.startswith(("fsdp_call_", "tp_block_"))]
+    keys = [k for k in hw.corrections if k.startswith(("fsdp_call_", "fsdp_moe_call_", "tp_block_", "tp_moe_block_",
+                                                        "ep_block_", "pp_action_"))]
     res = {"profile": str(path), **{k: hw.corrections[k] for k in keys}}
     if as_json:
         emit_json(res)
     else:
-        typer.echo(f"FSDP {res.get('fsdp_call_fixed_s', 0) * 1e3:.2f} ms + "
-                   f"{res.get('fsdp_call_s_per_byte', 0) * 1e9:.2f} ms/MB per unit and collective call; TP block "
-                   f"{res.get('tp_block_fixed_s', 0) * 1e3:.2f} ms + {res.get('tp_block_s_per_byte', 0) * 1e9:.1f}"
-                   f" ms/GB per microbatch -> {path}")
+        def line(prefix: str, what: str) -> str:
+            return (f"{what} {res.get(prefix + '_fixed_s', 0) * 1e3:.2f} ms + "
+                    f"{res.get(prefix + '_s_per_byte', 0) * 1e9:.2f} ms/MB")
+
+        typer.echo(f"{line('fsdp_call', 'FSDP')} per unit and collective call ({line('fsdp_moe_call', 'MoE units')}); "
+                   f"{line('tp_block', 'TP block')} per microbatch; {line('pp_action', 'pipeline')} per stage action "
+                   f"-> {path}")
 
 
 def _profile_shapes(measure_shapes_of: str, out: str, out_dir, model: str, as_json: bool) -> None:

@@ -37,13 +37,27 @@ def test_fit_recovers_fixed_and_per_byte_overheads():
     assert q["tp_moe_block_fixed_s"] == pytest.approx(9e-3, rel=1e-6)
     assert q["tp_moe_block_s_per_byte"] == pytest.approx(2.5e-8, rel=1e-6)
     assert q["tp_block_fixed_s"] == pytest.approx(6e-3, rel=1e-6)  # the dense block's fit is its own
+    # pipelining: a sample per block and step over its stage actions (2 x 8 microbatches per block)
+    pp = [{"kind": "pp", "unit_bytes": b, "pp_actions_per_block": 16, "overhead_per_block_s": 16 * (5e-4 + 3e-9 * b)}
+          for b in (3.2e4, 6.5e4, 1.3e5)]
+    q = fit_framework_overheads(samples + pp)
+    assert q["pp_action_fixed_s"] == pytest.approx(5e-4, rel=1e-6)
+    assert q["pp_action_s_per_byte"] == pytest.approx(3e-9, rel=1e-6)
+    assert q["fsdp_call_fixed_s"] == pytest.approx(2e-3, rel=1e-6)
+    moe = [{"kind": "fsdp_moe", "unit_bytes": b, "fsdp_calls_per_unit": n,
+            "overhead_per_block_s": n * (1e-3 + 6e-10 * b)} for b in (2e6, 8e6) for n in (3, 2)]
+    q = fit_framework_overheads(samples + moe)
+    assert q["fsdp_moe_call_fixed_s"] == pytest.approx(1e-3, rel=1e-6)
+    assert q["fsdp_moe_call_s_per_byte"] == pytest.approx(6e-10, rel=1e-6)
+    assert q["fsdp_call_s_per_byte"] == pytest.approx(1e-9, rel=1e-6)  # the dense units' fit is their own
 
 
 def _profile(**corr):
     hw = load_profile("cpu-gloo-2")
     return dataclasses.replace(hw, corrections={**{k: v for k, v in hw.corrections.items()
                                                    if not k.startswith(("fsdp_call_", "tp_block_", "tp_moe_block_",
-                                                                        "ep_block_"))},
+                                                                        "ep_block_", "pp_action_",
+                                                                        "fsdp_moe_call_"))},
                                                 **corr})
 
 
@@ -65,6 +79,27 @@ def test_fsdp_overhead_is_charged_per_unit_and_collective_call(degrees, calls):
     assert got.time_breakdown_s["framework_fsdp"] == pytest.approx(calls * 1e-3 * scale)
     assert got.step_time_s == pytest.approx(base.step_time_s + calls * 1e-3 * scale)
     assert sum(got.time_breakdown_s.values()) == pytest.approx(got.step_time_s)
+
+
+@pytest.mark.parametrize("raf, calls", [("default", 3), ("never", 2)])
+def test_fsdp_overhead_of_units_holding_routed_experts_is_the_moe_probes(raf, calls):
+    """tiny-moe on dp_shard 2: the MoE blocks' units (experts inside where ep = 1) are charged the MoE probe's
+    quantities, the dense block, embedding and [norm, output] units the dense probe's; a profile without the MoE
+    quantities charges every unit the dense ones."""
+    moe = PRESETS["tiny-moe"]
+    plan = Plan(dp_shard=2, seq_len=128, local_batch_size=1, fsdp_reshard_after_forward=raf, param_dtype="float32",
+                reduce_dtype="float32")
+    dense_q = {"fsdp_call_fixed_s": 1e-3, "fsdp_call_s_per_byte": 0.0}
+    got = predict(moe, plan, _profile(**dense_q, fsdp_moe_call_fixed_s=3e-3, fsdp_moe_call_s_per_byte=0.0))
+    scale = float(_profile().corrections.get("compute_scale", 1.0))
+    dense_calls = (moe.n_dense_layers + 1) * calls + 2  # [norm, output] stays gathered after forward: 2 calls
+    assert moe.n_moe_layers == 3 and moe.n_dense_layers == 1
+    want = (dense_calls * 1e-3 + moe.n_moe_layers * calls * 3e-3) * scale
+    assert got.time_breakdown_s["framework_fsdp"] == pytest.approx(want)
+    assert sum(got.time_breakdown_s.values()) == pytest.approx(got.step_time_s)
+    dense_only = predict(moe, plan, _profile(**dense_q))
+    assert dense_only.time_breakdown_s["framework_fsdp"] == pytest.approx(
+        (dense_calls + moe.n_moe_layers * calls) * 1e-3 * scale)
 
 
 def test_fsdp_overhead_under_pp_counts_the_microbatches_unshards():
@@ -131,6 +166,25 @@ def test_ep_overhead_per_moe_block_and_microbatch_grows_with_the_routed_rows(deg
     assert no_ep.time_breakdown_s.get("framework_ep", 0.0) == 0.0
 
 
+@pytest.mark.parametrize("schedule, v", [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2)])
+def test_pp_overhead_per_stage_action_grows_with_the_sent_activation(schedule, v):
+    """Two actions (forward, backward) per microbatch and local stage, each against the activation the stage sends
+    (micro batch x sequence x d_model x param bytes); plans without PP add nothing."""
+    plan = Plan(pp=2, dp_shard=1, seq_len=128, local_batch_size=4, micro_batch_size=1, pp_schedule=schedule,
+                pp_stages_per_rank=v, param_dtype="float32", reduce_dtype="float32")
+    q = {"pp_action_fixed_s": 1e-3, "pp_action_s_per_byte": 1e-9}
+    got = predict(TINY, plan, _profile(**q))
+    scale = float(_profile().corrections.get("compute_scale", 1.0))
+    sent = 1 * 128 * TINY.d_model * 4
+    assert got.time_breakdown_s["framework_pp"] == pytest.approx(2 * 4 * v * (1e-3 + 1e-9 * sent) * scale)
+    assert sum(got.time_breakdown_s.values()) == pytest.approx(got.step_time_s)
+    base = predict(TINY, plan, _profile())
+    assert "framework_pp" not in base.time_breakdown_s  # a profile without the quantities: nothing, as before
+    no_pp = predict(TINY, Plan(dp_shard=2, seq_len=128, local_batch_size=4, param_dtype="float32",
+                               reduce_dtype="float32"), _profile(**q))
+    assert no_pp.time_breakdown_s.get("framework_pp", 0.0) == 0.0
+
+
 @pytest.mark.slow
 def test_probe_measures_fsdp_and_tp_against_their_twins_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "fw.json"
@@ -142,13 +196,19 @@ def test_probe_measures_fsdp_and_tp_against_their_twins_on_two_gloo_ranks(tmp_pa
     doc = json.loads(out.read_text())
     kinds = {(s["kind"], s["reshard_after_forward"], s["d_model"]) for s in doc["samples"]}
     assert kinds == {(k, raf, d) for k, raf in (("fsdp", "default"), ("fsdp", "never"), ("tp", ""), ("tp_moe", ""),
-                                                ("ep", "")) for d in (128, 256)}
+                                                ("ep", ""), ("pp", ""), ("fsdp_moe", "default"),
+                                                ("fsdp_moe", "never")) for d in (128, 256)}
     for s in doc["samples"]:
         assert s["framework_s"] > 0 and s["twin_s"] > 0 and s["world"] == 2 and s["dtype"] == "float32"
     fsdp = {s["d_model"]: s["unit_bytes"] for s in doc["samples"] if s["kind"] == "fsdp"}
     assert fsdp[256] == 4 * sum(p for p in (256 * 256 * 2 + 2 * 256 * 128, 3 * 256 * 768, 2 * 256))
     q = fit_framework_overheads(doc["samples"])
-    assert all(v >= 0 for v in q.values()) and len(q) == 8
+    assert all(v >= 0 for v in q.values()) and len(q) == 12
+    moe_unit = {s["d_model"]: s["unit_bytes"] for s in doc["samples"] if s["kind"] == "fsdp_moe"}
+    assert moe_unit[256] == 4 * (256 * 256 * 2 + 2 * 256 * 128 + 256 * 8 + 3 * 256 * 256 * 9 + 2 * 256)
+    pp = {s["d_model"]: s for s in doc["samples"] if s["kind"] == "pp"}
+    assert pp[256]["unit_bytes"] == 64 * 256 * 4 and pp[256]["pp_actions_per_block"] == 16  # 8 microbatches
+    assert pp[256]["layers"] == 1 and pp[256]["fsdp_calls_per_unit"] == 0
     ep = {s["d_model"]: s["unit_bytes"] for s in doc["samples"] if s["kind"] == "ep"}
     assert ep[256] == 64 * 2 * 256 * 4  # the rank's routed rows: seq x top_k x d_model, float32
 

@@ -317,6 +317,7 @@ def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac)
 
 
 FSDP_OUTPUT_UNIT = "[final norm, output] unit"
+FSDP_EXPERT_UNIT = "MoE block's routed experts"  # its own unit where ep > 1 (over efsdp)
 
 
 def fsdp_gathers_per_pass(b, output_unit: bool = False) -> np.ndarray:
@@ -346,7 +347,7 @@ def _fsdp_units(spec, b, rv: RankView) -> list[tuple]:
         ne_s, ex_s = rv.pshard[k]
         units.append((name, ne_s + np.where(ep1, ex_s, 0.0), rv.n_of[k], gathers, "fsdp"))
         if k:
-            units.append(("MoE block's routed experts", ex_s, np.where(ep1, 0.0, rv.n_of[k]), gathers, "efsdp"))
+            units.append((FSDP_EXPERT_UNIT, ex_s, np.where(ep1, 0.0, rv.n_of[k]), gathers, "efsdp"))
     units += [("embedding unit", rv.emb_shard, 1.0, gathers, "fsdp"),
               (FSDP_OUTPUT_UNIT, rv.norm_shard + rv.outw_shard, 1.0, out_gathers, "fsdp")]
     return units

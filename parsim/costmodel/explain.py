@@ -235,9 +235,11 @@ def _schedule_factors(plan: Plan, hw: HardwareProfile, b) -> list[dict]:
         rows.append(_row("optimizer step: bytes per parameter at the memory-bound bandwidth", ADAMW_BYTES_PER_PARAM,
                          "the optimizer step (AdamW traffic / (bandwidth x memory_efficiency))", "derived"))
     for key, what in (("fsdp_call", "framework_fsdp: per FSDP unit and collective call (unshard, reduction)"),
+                      ("fsdp_moe_call", "framework_fsdp: per call of a unit holding a MoE block's routed experts"),
                       ("tp_block", "framework_tp: per TP block and microbatch"),
                       ("tp_moe_block", "framework_tp: per MoE block under TP and microbatch"),
-                      ("ep_block", "framework_ep: per MoE block and microbatch under EP")):
+                      ("ep_block", "framework_ep: per MoE block and microbatch under EP"),
+                      ("pp_action", "framework_pp: per pipeline stage action (one microbatch's forward or backward)")):
         if f"{key}_fixed_s" in c:
             rows.append(_row(f"{key}: fixed s, s per byte", [float(c[f"{key}_fixed_s"]),
                              float(c[f"{key}_s_per_byte"])], what + " (x compute_scale)",

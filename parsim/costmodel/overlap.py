@@ -39,7 +39,9 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
       (replicate only), the all-reduces of the whole unit; the unshards are ``comm.fsdp_gathers_per_pass`` per
       reduction, replicate only too (FSDP2's world-size-1 unshard still fills the unsharded parameters; inside a
       tiny step on 2 ranks dp_replicate 2 spent 0.15-0.32 s beside its collectives where dp_shard 2 spent 0.15-0.28,
-      bench/step_collectives.py, bench/reports/fresh-machine-stop58);
+      bench/step_collectives.py, bench/reports/fresh-machine-stop58); units holding a MoE block's routed experts
+      (the MoE block's where ep = 1, the routed experts' own where ep > 1) take the MoE probe's quantities
+      (``fsdp_moe_call_*``) where the profile has them, the dense blocks' otherwise;
     * ``framework_tp`` = layers x microbatches x (``tp_block_fixed_s`` + ``tp_block_s_per_byte`` x one gathered
       activation, micro batch x sequence / cp x d_model x param bytes) where tp > 1: DTensor dispatch and
       redistribution per block, forward + backward (AC's recompute not included); MoE layers take the MoE
@@ -50,6 +52,13 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
       routed rows, micro batch x sequence / cp (/ tp where whole experts sit under TP: the rank routes its share)
       x top_k x d_model x param bytes) where ep > 1: the routing counts read on the host, the permutations around
       the all-to-alls and their autograd, forward + backward.
+    * ``framework_pp`` = stage actions x (``pp_action_fixed_s`` + ``pp_action_s_per_byte`` x the activation a
+      stage sends, micro batch x sequence / cp (/ tp under sequence parallelism) x d_model x param bytes) where
+      pp > 1, with 2 actions (forward, backward) per microbatch and local stage: torch's schedule and
+      ``PipelineStage`` beside the compute and the transfers. On a 2-core AVX2 EPYC it is within the probe's noise
+      of nothing: GPipe over 2 and 4 gloo ranks, one 256-wide block per stage, 8 microbatches of 256 tokens, ran
+      -2.0 to +1.2 ms per action against its plain send / recv twin (15-20 repetitions, spreads of 55-190 ms a
+      step; stop 60) [measured].
 
     CPU work, so ranks sharing cores stretch it like compute: by ``compute_scale`` / ``framework_probe_compute_scale``
     [derived], the plan's core sharing over the one the probe ran under (CPU profiles since stop 57 run it on their
@@ -74,6 +83,11 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
         per_block = float(c["ep_block_fixed_s"]) + float(c["ep_block_s_per_byte"]) * rows * spec.d_model * \
             b.param_bytes
         out["framework_ep"] = np.where(b.ep > 1, n_moe_layers * M * per_block, 0.0) * scale
+    if "pp_action_fixed_s" in c:
+        sent = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) / np.where(b.sequence_parallel, b.tp, 1) * \
+            float(spec.d_model) * b.param_bytes
+        per_action = float(c["pp_action_fixed_s"]) + float(c["pp_action_s_per_byte"]) * sent
+        out["framework_pp"] = np.where(b.pp > 1, 2.0 * M * b.pp_stages_per_rank * per_action, 0.0) * scale
     return out
 
 
@@ -140,5 +154,9 @@ def _fsdp_calls_s(b: PlanBatch, c: dict, ledger) -> np.ndarray:
         on = np.ones(len(b), bool) if whole_unit else (b.fsdp == 1)
         gathers = C.fsdp_gathers_per_pass(b, output_unit=r.what.endswith(C.FSDP_OUTPUT_UNIT))
         per_call = float(c["fsdp_call_fixed_s"]) + float(c["fsdp_call_s_per_byte"]) * r.bytes_per_call
+        if "fsdp_moe_call_fixed_s" in c:
+            experts = (r.what.endswith(": MoE block") & (b.ep == 1)) | r.what.endswith(": " + C.FSDP_EXPERT_UNIT)
+            per_moe = float(c["fsdp_moe_call_fixed_s"]) + float(c["fsdp_moe_call_s_per_byte"]) * r.bytes_per_call
+            per_call = np.where(experts, per_moe, per_call)
         t = t + np.where(on & (r.calls > 0), r.calls * (1.0 + gathers) * per_call, 0.0)
     return t

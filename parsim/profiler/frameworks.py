@@ -11,7 +11,9 @@ dtype on CUDA) is timed forward + backward in two forms, interleaved repetition 
 both alike:
 
 * the framework form, wrapped by the executor's own ``apply_fsdp`` (dp_shard = 2, reshard after forward
-  ``default`` and ``never``) or ``apply_tp`` (tp = 2, sequence parallel);
+  ``default`` and ``never``) or ``apply_tp`` (tp = 2, sequence parallel); FSDP over dense blocks and, at the
+  widths up to ``MOE_FSDP_MAX_WIDTH``, over MoE blocks (8 experts, top 2, one shared expert: units holding the
+  routed experts, ``fsdp_moe``);
 * for EP, MoE blocks under the executor's ``apply_ep`` (ep = 2, dp2ep) against the blocks holding only the
   rank's experts, issuing the all-to-alls of balanced routing explicitly (``_ep_pair``);
 * for MoE under TP, MoE blocks (one shared expert) under ``apply_tp`` (tp = 2, sequence parallel, experts
@@ -25,9 +27,16 @@ both alike:
   reduce-scatter of its gradient; TP + SP: per block an all-gather and a reduce-scatter of the activations
   before and after attention and the MLP, and their mirrors in backward).
 
-The difference per block and step, with the unit's bytes and the number of FSDP collective calls, is one
-sample. Nothing here knows the cost model: ``fit.fit_framework_overheads`` turns the samples into the profile's
-named quantities.
+* for pipelining, one block per rank as the stages of a pipeline over the world, stepped by torch's own
+  ``ScheduleGPipe`` over ``PipelineStage`` (as the executor's ``_schedule``) against its twin: the same blocks
+  sending and receiving the activations and their gradients with plain blocking send / recv in GPipe's order
+  (every forward, then every backward), so that the fill and drain are the same (``_pp_pair``): what the schedule
+  spends per stage action (forward or backward of one microbatch) beside the compute and the transfers (the
+  stage's input buffers and shape checks, the batched P2P ops, ``stage_backward``'s autograd calls).
+
+The difference per block and step, with the unit's bytes and the number of FSDP collective calls (for pipelining:
+the stage actions per block), is one sample. Nothing here knows the cost model: ``fit.fit_framework_overheads``
+turns the samples into the profile's named quantities.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ from ..procs import die_with_parent
 WIDTHS = (128, 256, 512)  # d_model of the probe blocks: FSDP units of 0.8, 3.1 and 12.6 MB in float32
 TP_SEQ = 256  # TP probes: gathered activations of 0.13, 0.26 and 0.52 MB in float32
 EP_EXPERTS, EP_TOP_K = 8, 2  # EP probes: 8 experts, top 2, over the world; routed rows of 64 x 2 tokens
+PP_MICROBATCHES = 8  # pipeline probes: microbatches per step, one block per stage (rank)
+MOE_FSDP_MAX_WIDTH = 256  # FSDP over MoE blocks: units of 2.0 and 7.9 MB in float32 (512: 34 MB, minutes a probe)
 
 
 def _cuda() -> bool:
@@ -75,8 +86,9 @@ class _Stack(torch.nn.Module):
         return x
 
 
-def _fsdp_pair(d_model, layers, seq, dtype, dev, raf: str):
-    """(framework step, twin step, unit bytes unsharded, FSDP collective calls per unit and step)."""
+def _fsdp_pair(d_model, layers, seq, dtype, dev, raf: str, moe: bool = False):
+    """(framework step, twin step, unit bytes unsharded, FSDP collective calls per unit and step); ``moe``: MoE
+    blocks (8 experts, top 2, one shared expert), each a unit with its routed experts."""
     from ..executor.model import rope_cache
     from ..executor.parallelize import Meshes, apply_fsdp
     from ..plan import Plan
@@ -84,7 +96,7 @@ def _fsdp_pair(d_model, layers, seq, dtype, dev, raf: str):
     world = dist.get_world_size()
     plan = Plan(dp_shard=world, seq_len=seq, local_batch_size=1, fsdp_reshard_after_forward=raf,
                 param_dtype=str(dtype).removeprefix("torch."), reduce_dtype=str(dtype).removeprefix("torch."))
-    spec = _spec(d_model, layers)
+    spec = _moe_spec(d_model, layers, EP_EXPERTS, n_shared=1) if moe else _spec(d_model, layers)
     wrapped = _Stack(spec).to(dev, dtype)
     apply_fsdp([wrapped], plan, Meshes(plan, dev.type))
     plain = _Stack(spec).to(dev, dtype)
@@ -234,6 +246,70 @@ def _ep_pair(d_model, layers, seq, dtype, dev):
     return framework, twin, rows * d_model * dtype.itemsize, 0
 
 
+class _Stage(torch.nn.Module):
+    """A stack of blocks with its rotary cache as a buffer: a pipeline stage's module takes the activation alone."""
+
+    def __init__(self, spec, seq: int, dev, dtype):
+        from ..executor.model import rope_cache
+
+        super().__init__()
+        self.stack = _Stack(spec).to(dev, dtype)
+        self.register_buffer("rope", rope_cache(spec.head_dim, seq).to(dev), persistent=False)  # complex: kept
+
+    def forward(self, x):
+        return self.stack(x, self.rope)
+
+
+def _pp_pair(d_model, seq, dtype, dev, m: int = PP_MICROBATCHES):
+    """(framework step, twin step, activation bytes per stage action, stage actions per block and step): one block
+    per rank as a pipeline over the world, torch's ``ScheduleGPipe`` against plain send / recv in GPipe's order."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import ScheduleGPipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = _spec(d_model, 1)
+    staged, plain = _Stage(spec, seq, dev, dtype), _Stage(spec, seq, dev, dtype)
+    first, last = rank == 0, rank == world - 1
+    x = torch.randn(m, seq, d_model, device=dev, dtype=dtype)
+    target = torch.randn(m, seq, d_model, device=dev, dtype=dtype)
+
+    def loss_fn(out, t):
+        return (out * t).mean()
+
+    schedule = ScheduleGPipe(PipelineStage(staged, rank, world, dev), m, loss_fn=loss_fn, scale_grads=False)
+
+    def framework():
+        schedule.step(x if first else None, target=target if last else None, losses=[] if last else None,
+                      return_outputs=False)
+        staged.zero_grad(set_to_none=True)
+
+    def twin():
+        ins, outs = [], []
+        for i in range(m):  # every forward
+            h = x[i:i + 1]
+            if not first:
+                h = torch.empty(1, seq, d_model, device=dev, dtype=dtype)
+                dist.recv(h, rank - 1)
+                h.requires_grad_(True)
+            o = plain(h)
+            if not last:
+                dist.send(o.detach(), rank + 1)
+            ins.append(h)
+            outs.append(loss_fn(o, target[i:i + 1]) if last else o)
+        for h, o in zip(ins, outs, strict=True):  # every backward
+            if last:
+                o.backward()
+            else:
+                g = torch.empty_like(o)
+                dist.recv(g, rank + 1)
+                o.backward(g)
+            if not first:
+                dist.send(h.grad, rank - 1)
+        plain.zero_grad(set_to_none=True)
+
+    return framework, twin, seq * d_model * dtype.itemsize, 2 * m
+
+
 def _time_pair(framework, twin, reps: int, warmup: int, sync) -> tuple[list[float], list[float]]:
     def once(fn):
         sync()
@@ -262,24 +338,30 @@ def measure(widths=WIDTHS, layers: int = 6, seq: int = 64, reps: int = 15, warmu
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     out = []
     for d in widths:
-        probes = [("fsdp", "default"), ("fsdp", "never"), ("tp", ""), ("tp_moe", ""), ("ep", "")]
+        probes = [("fsdp", "default"), ("fsdp", "never"), ("tp", ""), ("tp_moe", ""), ("ep", ""), ("pp", "")]
+        if d <= MOE_FSDP_MAX_WIDTH:
+            probes += [("fsdp_moe", "default"), ("fsdp_moe", "never")]
         for kind, raf in probes:
-            if kind == "fsdp":
-                fw, tw, nbytes, calls = _fsdp_pair(d, layers, seq, dtype, dev, raf)
+            if kind.startswith("fsdp"):
+                fw, tw, nbytes, calls = _fsdp_pair(d, layers, seq, dtype, dev, raf, moe=kind == "fsdp_moe")
             elif kind == "tp":
                 fw, tw, nbytes, calls = _tp_pair(d, layers, TP_SEQ, dtype, dev)
             elif kind == "tp_moe":
                 fw, tw, nbytes, calls = _tp_moe_pair(d, layers, TP_SEQ, dtype, dev)
-            else:
+            elif kind == "ep":
                 fw, tw, nbytes, calls = _ep_pair(d, layers, seq, dtype, dev)
+            else:
+                fw, tw, nbytes, calls = _pp_pair(d, seq, dtype, dev)
+            blocks = 1 if kind == "pp" else layers
             tf, tt = _time_pair(fw, tw, reps, warmup, sync)
             mf, mt = statistics.median(tf), statistics.median(tt)
-            out.append({"kind": kind, "reshard_after_forward": raf, "d_model": d, "layers": layers,
+            out.append({"kind": kind, "reshard_after_forward": raf, "d_model": d, "layers": blocks,
                         "seq_len": TP_SEQ if kind.startswith("tp") else seq,
                         "world": dist.get_world_size(), "dtype": str(dtype).removeprefix("torch."),
-                        "unit_bytes": nbytes, "fsdp_calls_per_unit": calls, "framework_s": mf, "twin_s": mt,
+                        "unit_bytes": nbytes, "fsdp_calls_per_unit": 0 if kind == "pp" else calls,
+                        "pp_actions_per_block": calls if kind == "pp" else 0, "framework_s": mf, "twin_s": mt,
                         "framework_spread_s": max(tf) - min(tf), "twin_spread_s": max(tt) - min(tt),
-                        "overhead_per_block_s": (mf - mt) / layers, "reps": reps})
+                        "overhead_per_block_s": (mf - mt) / blocks, "reps": reps})
     return out
 
 

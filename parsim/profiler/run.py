@@ -230,8 +230,8 @@ def probe_compute_scale(hw: HardwareProfile, probe_ranks: int) -> float:
 
 def with_framework_samples(hw: HardwareProfile, fw: dict) -> HardwareProfile:
     """The profile with the probe's raw samples (``samples.frameworks``) and the quantities fitted from them
-    (``corrections``: fsdp_call_*, tp_block_*, ep_block_*; see ``fit.fit_framework_overheads``; the per-reduction
-    ``fsdp_unit_*`` of profiles before stop 58 are dropped), and
+    (``corrections``: fsdp_call_*, fsdp_moe_call_*, tp_block_*, ep_block_*, pp_action_*; see
+    ``fit.fit_framework_overheads``; the per-reduction ``fsdp_unit_*`` of profiles before stop 58 are dropped), and
     ``framework_probe_compute_scale``: the core sharing they were measured under (``probe_compute_scale``), which
     the cost model divides out before it applies a plan's own."""
     import dataclasses
