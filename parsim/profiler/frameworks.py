@@ -330,8 +330,13 @@ def _time_pair(framework, twin, reps: int, warmup: int, sync) -> tuple[list[floa
     return tf, tt
 
 
-def measure(widths=WIDTHS, layers: int = 6, seq: int = 64, reps: int = 15, warmup: int = 2) -> list[dict]:
-    """Samples on this rank's process group (every rank calls it; rank 0's list is the one to keep)."""
+KINDS = ("fsdp", "tp", "tp_moe", "ep", "pp", "fsdp_moe")
+
+
+def measure(widths=WIDTHS, layers: int = 6, seq: int = 64, reps: int = 15, warmup: int = 2,
+            kinds=KINDS) -> list[dict]:
+    """Samples on this rank's process group (every rank calls it; rank 0's list is the one to keep); ``kinds``:
+    which probes (all by default: a profile's)."""
     cuda = _cuda()
     dev = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -341,7 +346,7 @@ def measure(widths=WIDTHS, layers: int = 6, seq: int = 64, reps: int = 15, warmu
         probes = [("fsdp", "default"), ("fsdp", "never"), ("tp", ""), ("tp_moe", ""), ("ep", ""), ("pp", "")]
         if d <= MOE_FSDP_MAX_WIDTH:
             probes += [("fsdp_moe", "default"), ("fsdp_moe", "never")]
-        for kind, raf in probes:
+        for kind, raf in [pr for pr in probes if pr[0] in kinds]:
             if kind.startswith("fsdp"):
                 fw, tw, nbytes, calls = _fsdp_pair(d, layers, seq, dtype, dev, raf, moe=kind == "fsdp_moe")
             elif kind == "tp":
@@ -370,15 +375,27 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="two widths, fewer repetitions")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="probes to run, comma-separated (a diagnostic: "
+                    "repeat some to see their spread; a profile runs all)")
     a = ap.parse_args(argv)
+    kinds = [k for k in a.kinds.split(",") if k]
+    if unknown := set(kinds) - set(KINDS):
+        ap.error(f"unknown probe kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     die_with_parent()
     cuda = _cuda()
     if not cuda:
         torch.set_num_threads(1)  # as each torchrun rank runs
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
-        samples = measure(WIDTHS[:2] if a.quick else WIDTHS, reps=5 if a.quick else a.reps)
+        samples = measure(WIDTHS[:2] if a.quick else WIDTHS, reps=5 if a.quick else a.reps, kinds=kinds)
         if dist.get_rank() == 0:
+            for x in samples:  # per call (FSDP), action (PP) or block and microbatch (TP, EP)
+                per = x["fsdp_calls_per_unit"] or x["pp_actions_per_block"] or 1
+                print(f"{x['kind']:8s} {x['reshard_after_forward']:7s} {x['d_model']:4d} wide, {x['world']} ranks: "
+                      f"{x['unit_bytes'] / 1e6:7.3f} MB, framework {x['framework_s'] * 1e3:8.1f} ms, twin "
+                      f"{x['twin_s'] * 1e3:8.1f} ms a step: {x['overhead_per_block_s'] / per * 1e3:+7.2f} ms a "
+                      f"{'call' if x['fsdp_calls_per_unit'] else 'action' if x['pp_actions_per_block'] else 'block'}",
+                      flush=True)
             atomic_write_json(a.out, {"samples": samples, "torch": torch.__version__,
                                       "backend": dist.get_backend()})
     finally:
