@@ -56,9 +56,9 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
       stage sends, micro batch x sequence / cp (/ tp under sequence parallelism) x d_model x param bytes) where
       pp > 1, with 2 actions (forward, backward) per microbatch and local stage: torch's schedule and
       ``PipelineStage`` beside the compute and the transfers. On a 2-core AVX2 EPYC it is within the probe's noise
-      of nothing: GPipe over 2 and 4 gloo ranks, one 256-wide block per stage, 8 microbatches of 256 tokens, ran
-      -2.0 to +1.2 ms per action against its plain send / recv twin (15-20 repetitions, spreads of 55-190 ms a
-      step; stop 60) [measured].
+      of nothing: GPipe over 2 and 4 gloo ranks, one 128 / 256 / 512-wide block per stage, 8 microbatches of 64
+      tokens, ran -3.2 to +2.4 ms an action against its plain send / recv twin over seven probe sets (15
+      repetitions each), fitted to 0 (stop 60) [measured].
 
     CPU work, so ranks sharing cores stretch it like compute: by ``compute_scale`` / ``framework_probe_compute_scale``
     [derived], the plan's core sharing over the one the probe ran under (CPU profiles since stop 57 run it on their

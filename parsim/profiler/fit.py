@@ -82,9 +82,10 @@ def fit_framework_overheads(samples: list[dict]) -> dict:
       (2) are fitted together: their overheads differ by about the ratio of their calls
       (``overlap.framework_overheads``).
     * ``fsdp_moe_call_fixed_s`` / ``fsdp_moe_call_s_per_byte``: the same for units holding a MoE block's routed
-      experts (probes over MoE blocks), which replace the dense block's quantities for those units: per byte
-      a MoE unit spent less than the dense fit gives (2 gloo ranks on a 2-core AVX2 EPYC, reshard after forward /
-      not: 5.8 / 5.2 ms a call for a 7.9 MB unit against 8.2 from the dense blocks' fit; stop 60).
+      experts (probes over MoE blocks at their own unit sizes), which replace the dense block's quantities for
+      those units instead of extrapolating the dense fit, whose per-byte term leans on the widest dense unit (12.6
+      MB: 5.5-22 ms a call across probe runs on a 2-core AVX2 EPYC). A 7.9 MB MoE unit there: 0.67-1.05x the dense
+      fit at its size over four probe sets on 2 and 4 gloo ranks (stop 60) [measured].
     * ``tp_block_fixed_s`` / ``tp_block_s_per_byte``: per tensor-parallel block and microbatch, forward +
       backward, against the bytes of one gathered activation: DTensor dispatch, sharding propagation and
       redistribution bookkeeping.
