@@ -84,8 +84,8 @@ def fit_framework_overheads(samples: list[dict]) -> dict:
     * ``fsdp_moe_call_fixed_s`` / ``fsdp_moe_call_s_per_byte``: the same for units holding a MoE block's routed
       experts (probes over MoE blocks at their own unit sizes), which replace the dense block's quantities for
       those units instead of extrapolating the dense fit, whose per-byte term leans on the widest dense unit (12.6
-      MB: 5.5-22 ms a call across probe runs on a 2-core AVX2 EPYC). A 7.9 MB MoE unit there: 0.67-1.05x the dense
-      fit at its size over four probe sets on 2 and 4 gloo ranks (stop 60) [measured].
+      MB: 5.5-14 ms a call across three probe runs on 2 gloo ranks of a 2-core AVX2 EPYC, 15-25 on 4). A 7.9 MB
+      MoE unit there: 0.67-1.05x the dense fit at its size over four probe sets (stop 60) [measured].
     * ``tp_block_fixed_s`` / ``tp_block_s_per_byte``: per tensor-parallel block and microbatch, forward +
       backward, against the bytes of one gathered activation: DTensor dispatch, sharding propagation and
       redistribution bookkeeping.
