@@ -317,7 +317,8 @@ def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac)
 
 
 FSDP_OUTPUT_UNIT = "[final norm, output] unit"
-FSDP_EXPERT_UNIT = "MoE block's routed experts"  # its own unit where ep > 1 (over efsdp)
+FSDP_MOE_UNIT = "MoE block"  # the routed experts inside where ep = 1
+FSDP_EXPERT_UNIT = "MoE block's routed experts"  # their own unit where ep > 1 (over efsdp)
 
 
 def fsdp_gathers_per_pass(b, output_unit: bool = False) -> np.ndarray:
@@ -343,7 +344,7 @@ def _fsdp_units(spec, b, rv: RankView) -> list[tuple]:
     ep1 = b.ep == 1
     units = []
     for k in rv.kinds:
-        name = "MoE block" if k else "dense block"
+        name = FSDP_MOE_UNIT if k else "dense block"
         ne_s, ex_s = rv.pshard[k]
         units.append((name, ne_s + np.where(ep1, ex_s, 0.0), rv.n_of[k], gathers, "fsdp"))
         if k:

@@ -71,6 +71,18 @@ def fit_throughput(work, t) -> tuple[float, float, float]:
     return 1.0 / a, c / a, float(np.median(res))
 
 
+def framework_events(sample: dict) -> tuple[float, str]:
+    """(events per block and step, their name) of a framework-probe sample: what ``overhead_per_block_s`` is divided
+    by to give its per-event overhead (FSDP: collective calls per unit; pipelining: stage actions; TP, EP: 1 block
+    and microbatch). Samples before stop 60 have no ``pp_actions_per_block``."""
+    kind = sample.get("kind")
+    if kind in ("fsdp", "fsdp_moe"):
+        return float(sample["fsdp_calls_per_unit"]), "call"
+    if kind == "pp":
+        return float(sample["pp_actions_per_block"]), "action"
+    return 1.0, "block"
+
+
 def fit_framework_overheads(samples: list[dict]) -> dict:
     """The profile's named framework quantities from ``profiler.frameworks`` samples (framework - twin, per block
     and step), each ``t = fixed + bytes x per_byte`` by NNLS on relative errors [measured, fitted here]:
@@ -108,8 +120,7 @@ def fit_framework_overheads(samples: list[dict]) -> dict:
         if not rows:
             continue
         x = np.array([float(s[size_key]) for s in rows])
-        per = {"fsdp": "fsdp_calls_per_unit", "fsdp_moe": "fsdp_calls_per_unit", "pp": "pp_actions_per_block"}.get(kind)
-        calls = np.array([float(s[per]) if per else 1.0 for s in rows])
+        calls = np.array([framework_events(s)[0] for s in rows])
         t = np.array([max(float(s["overhead_per_block_s"]), 1e-7) for s in rows]) / calls
         coef, _ = _nnls_rel(np.stack([np.ones_like(x), x], axis=1), t)
         out[f"{prefix}_fixed_s"], out[f"{prefix}_s_per_byte"] = float(coef[0]), float(coef[1])

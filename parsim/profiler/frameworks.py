@@ -389,13 +389,14 @@ def main(argv=None) -> int:
     try:
         samples = measure(WIDTHS[:2] if a.quick else WIDTHS, reps=5 if a.quick else a.reps, kinds=kinds)
         if dist.get_rank() == 0:
+            from .fit import framework_events
+
             for x in samples:  # per call (FSDP), action (PP) or block and microbatch (TP, EP)
-                per = x["fsdp_calls_per_unit"] or x["pp_actions_per_block"] or 1
+                per, event = framework_events(x)
                 print(f"{x['kind']:8s} {x['reshard_after_forward']:7s} {x['d_model']:4d} wide, {x['world']} ranks: "
                       f"{x['unit_bytes'] / 1e6:7.3f} MB, framework {x['framework_s'] * 1e3:8.1f} ms, twin "
                       f"{x['twin_s'] * 1e3:8.1f} ms a step: {x['overhead_per_block_s'] / per * 1e3:+7.2f} ms a "
-                      f"{'call' if x['fsdp_calls_per_unit'] else 'action' if x['pp_actions_per_block'] else 'block'}",
-                      flush=True)
+                      f"{event}", flush=True)
             atomic_write_json(a.out, {"samples": samples, "torch": torch.__version__,
                                       "backend": dist.get_backend()})
     finally:
