@@ -270,7 +270,7 @@ def measure_block_round(out: Path, r: int, shapes, progress: Progress | None = N
         if progress:
             progress(f"round {r + 1}: core sharing of {sharing_ranks} processes", 0, 1)
         t0 = time.perf_counter()
-        sample = core_sharing_sample(sharing_ranks, rounds=1)
+        sample = core_sharing_sample(sharing_ranks)
         append_line(out / BLOCK_ROUNDS, {"round": r, "key": _core_sharing_key(sharing_ranks),
                                          "measurement": {**sample, "wall_s": time.perf_counter() - t0}})
     todo = [s for s in shapes if (r, s.key) not in have]

@@ -377,7 +377,7 @@ def test_blocks_timed_in_every_round_give_their_median(tmp_path, monkeypatch):
 
     monkeypatch.setattr(blocks, "measure_block", fake_block)
     monkeypatch.setattr(blocks, "measure_head", fake_head)
-    monkeypatch.setattr(pcompute, "core_sharing_sample", lambda ranks, rounds=2: {
+    monkeypatch.setattr(pcompute, "core_sharing_sample", lambda ranks: {
         "kind": "core_sharing", "ranks": ranks, "factor": 0.9 + 0.1 * drift["x"], "wall_s": 0.01})
     plans = [p for p in V.measured_plans(PRESETS["tiny"], 2) if p.cp == 1][:3]
     shapes = _measured_shapes([(PRESETS["tiny"], p) for p in plans])

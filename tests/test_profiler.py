@@ -100,8 +100,9 @@ def test_core_sharing_is_measured_and_becomes_the_compute_scale():
     from parsim.profiler.compute import core_sharing_sample
     from parsim.profiler.run import _compute_scale
 
-    s = core_sharing_sample(2, seq_len=32, reps=2, rounds=1)
+    s = core_sharing_sample(2, seq_len=32, reps=2, cycles=3)
     assert s["kind"] == "core_sharing" and s["ranks"] == 2 and s["alone_s"] > 0 and s["factor"] > 0
+    assert len(s["cycle_factors"]) == 3 and s["factor"] == sorted(s["cycle_factors"])[1]  # the cycles' median
     assert _compute_scale([{**s, "factor": 2.12}], 4) == 2.12
     assert _compute_scale([{**s, "factor": 0.97}], 2) == 1.0
     assert _compute_scale([], 4) == max(1.0, 4 / (os.cpu_count() or 1))

@@ -190,9 +190,10 @@ def run_compute(device, spec=None, seq_len=512, threads: int | None = 1, quick=F
     return out
 
 
-def _sharing_worker(seq_len: int, reps: int, barrier, queue) -> None:
-    """One process of ``core_sharing_sample``: the probe block's forward + backward, one thread, ``reps`` times
-    after warm-up, started together with the others (barrier); puts its median."""
+def _sharing_worker(i: int, seq_len: int, reps: int, cycles: int, barrier, queue) -> None:
+    """One process of ``core_sharing_sample``: the probe block's forward + backward on one thread. Each cycle has
+    two phases, each between two barriers: alone (process 0 times ``reps`` runs while the others wait at the
+    barrier, idle) and together (every process times ``reps`` runs); puts (cycle, phase, process, median)."""
     torch.set_num_threads(1)
     from ..executor.model import Block, rope_cache
     from ..spec import PRESETS
@@ -203,39 +204,53 @@ def _sharing_worker(seq_len: int, reps: int, barrier, queue) -> None:
     x = torch.randn(2, seq_len, spec.d_model, requires_grad=True)
     for _ in range(2):
         blk(x, rope).sum().backward()
-    barrier.wait()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        blk(x, rope).sum().backward()
-        ts.append(time.perf_counter() - t0)
-    queue.put(statistics.median(ts))
+    for c in range(cycles):
+        for phase in ("alone", "together"):
+            barrier.wait()
+            if phase == "together" or i == 0:
+                ts = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    blk(x, rope).sum().backward()
+                    ts.append(time.perf_counter() - t0)
+                queue.put((c, phase, i, statistics.median(ts)))
+            barrier.wait()
 
 
-def core_sharing_sample(ranks: int, seq_len: int = 256, reps: int = 8, rounds: int = 2) -> dict:
+def core_sharing_sample(ranks: int, seq_len: int = 256, reps: int = 8, cycles: int = 8) -> dict:
     """What ``ranks`` single-threaded processes running at once do to each one's compute on this CPU: a block's
-    forward + backward timed alone and in each of ``ranks`` processes started together, ``rounds`` times
-    interleaved; ``factor`` = median concurrent / median alone. With more ranks than cores this is about
-    ranks / cores, plus what time slicing and the shared caches and memory bus add (measured on a 2-core EPYC:
-    2.09-2.16 with 4 ranks, 1.00-1.08 with 2) [measured]; the profile's ``compute_scale``."""
+    forward + backward timed alone and together, paired and interleaved: ``ranks`` processes started once, then
+    ``cycles`` times process 0 alone (the others idle) and right after all of them at once (``_sharing_worker``).
+    A cycle's ratio is the together median over the processes (each its median of ``reps``) over the alone median
+    of the same cycle; ``factor`` is the median of the cycles' ratios. With more ranks than cores this is about
+    ranks / cores, plus what time slicing and the shared caches and memory bus add; the profile's
+    ``compute_scale``.
+
+    Why paired [measured, 2-core AVX2 EPYC, 4 processes, stop 61]: the probe before timed alone and together in
+    separately spawned process sets, one pair per round; its alone time moved 42-82 ms between rounds on this shared
+    machine while together moved 96-137, and single rounds read 1.39 to 2.73 (16 rounds over stops 56-60; a
+    2.48 / 2.41 pair made stop 60's 4-rank predictions 16% high, where 2.0 fit the steps). Interleaved in one
+    session, four runs each: the old probe read 2.07 / 2.45 / 2.02 / 2.12, the paired one (4 repetitions a phase)
+    2.03 / 2.15 / 1.90 / 2.05; with 8 (the default, about 23 s) three runs read 2.09 / 2.20 / 2.15
+    (``bench/reports/fresh-machine-stop61/core-sharing-probe.txt``). A cycle's two phases are a second apart
+    on the same processes: the machine's drift and a process's own luck (its allocations, its placement) cancel
+    in the ratio."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-
-    def run(k: int) -> float:
-        q, bar = ctx.Queue(), ctx.Barrier(k)
-        ps = [ctx.Process(target=_sharing_worker, args=(seq_len, reps, bar, q)) for _ in range(k)]
-        for p in ps:
-            p.start()
-        out = [q.get(timeout=600) for _ in range(k)]
-        for p in ps:
-            p.join()
-        return statistics.median(out)
-
-    alone, together = [], []
-    for _ in range(rounds):
-        alone.append(run(1))
-        together.append(run(ranks))
-    a, c = statistics.median(alone), statistics.median(together)
-    return {"kind": "core_sharing", "ranks": ranks, "alone_s": a, "concurrent_s": c, "factor": c / a,
-            "rounds": rounds, "reps": reps}
+    q, bar = ctx.Queue(), ctx.Barrier(ranks)
+    ps = [ctx.Process(target=_sharing_worker, args=(i, seq_len, reps, cycles, bar, q)) for i in range(ranks)]
+    for p in ps:
+        p.start()
+    got = [q.get(timeout=600) for _ in range(cycles * (1 + ranks))]
+    for p in ps:
+        p.join()
+    alone = {c: t for c, phase, _i, t in got if phase == "alone"}
+    together: dict[int, list[float]] = {}
+    for c, phase, _i, t in got:
+        if phase == "together":
+            together.setdefault(c, []).append(t)
+    ratios = [statistics.median(together[c]) / alone[c] for c in range(cycles)]
+    return {"kind": "core_sharing", "ranks": ranks, "alone_s": statistics.median(alone.values()),
+            "concurrent_s": statistics.median(statistics.median(v) for v in together.values()),
+            "factor": statistics.median(ratios), "cycle_factors": ratios, "cycles": cycles, "reps": reps}

@@ -101,8 +101,7 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
                 "threads": torch.get_num_threads()}
         if dev.type == "cpu" and nproc_per_node > 1 and nodes is None:
             log(f"measuring core sharing ({nproc_per_node} single-threaded processes at once) ...")
-            comp["samples"].append(core_sharing_sample(nproc_per_node, reps=4 if quick else 8,
-                                                       rounds=1 if quick else 2))
+            comp["samples"].append(core_sharing_sample(nproc_per_node, cycles=3 if quick else 8))
         atomic_write_json(comp_f, comp)
     # 3. framework overhead (FSDP2 / DTensor TP / EP beside their collectives), once per machine: on CPU on the
     # profile's ranks, sharing the cores as its plans' ranks do; on GPUs on 2
