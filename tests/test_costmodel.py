@@ -74,6 +74,34 @@ def test_pipeline_on_shared_cores_is_bounded_by_the_mean_stage():
     assert all(v >= 0 for v in p.time_breakdown_s.values())
 
 
+def test_mean_stage_counts_the_middle_ranks_own_layers():
+    """The pipeline's mean stage is every rank's compute over pp: the first and the last rank's and the layers the
+    ranks between them hold, at their own kind's cost. tiny-moe's first layer is dense, the other three MoE: under
+    pp 4 the two middle ranks run a MoE layer each, not the first rank's dense one."""
+    from parsim.codec import encode
+    from parsim.costmodel.compute import block_overheads, layer_costs, rank_compute
+    from parsim.costmodel.layers import FIRST, LAST, Shapes, rank_layers
+    from parsim.costmodel.step import _mean_stage_compute, _rank_view, layer_params
+
+    spec, hw = PRESETS["tiny-moe"], load_profile("cpu-gloo-4")
+    plans = [Plan(pp=pp, seq_len=256, local_batch_size=4, micro_batch_size=1, param_dtype="float32", ac=ac)
+             for pp in (1, 2, 4) for ac in ("none", "full")]
+    b = encode(plans, hw.gpus_per_node)
+    sh = Shapes(spec, b)
+    costs = {k: layer_costs(spec, b, sh, hw, k, block_overheads(hw)) for k in (False, True)}
+    plocal, pshard = layer_params(spec, b, [False, True])
+    layers = rank_layers(spec, b.pp, b.pp_stages_per_rank)
+    rvs = [_rank_view(spec, b, r, layers, [False, True], plocal, pshard) for r in (FIRST, LAST)]
+    cs = [rank_compute(spec, b, sh, hw, rv, costs) for rv in rvs]
+    first, last = (c.fwd + c.bwd + c.rec for c in cs)
+    moe = costs[True].fwd + costs[True].bwd + np.where(b.ac == b.ac[1], costs[True].rec_full, 0.0)
+    mean = _mean_stage_compute(spec, b, cs, rvs)
+    assert mean[:2] == pytest.approx(first[:2])  # without PP: the one rank
+    assert mean[2:4] == pytest.approx((first[2:4] + last[2:4]) / 2)
+    assert mean[4:] == pytest.approx((first[4:] + last[4:] + 2 * moe[4:]) / 4)
+    assert np.all(moe[4:] > first[4:])  # here a MoE layer costs more than the dense one with the embedding
+
+
 def test_memory_falls_as_dp_shard_tp_pp_grow():
     mems = [_p(dp_shard=d).peak_memory_bytes for d in (8, 16, 32)]
     assert mems[0] > mems[1] > mems[2]
