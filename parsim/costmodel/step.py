@@ -196,7 +196,7 @@ def _mean_stage_compute(spec: ModelSpec, b: PlanBatch, cs: list[RankCompute], rv
         rec = (n_full * c.rec_full + n_sac * c.rec_sac) * np.where(b.ac_wraps_compile & b.compile,
                                                                    ac_wraps_compile_recompute_factor(), 1.0)
         middle = middle + rest * (c.fwd + c.bwd) + rec
-    return np.where(b.pp > 2, (first + last + middle) / pp, np.where(b.pp == 2, (first + last) / 2.0, first))
+    return np.where(b.pp > 1, (first + last + middle) / pp, first)  # pp 2: no middle layers; pp 1: one rank
 
 
 def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: RankCompute, p_opt, n_tensors,
