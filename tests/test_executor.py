@@ -788,6 +788,21 @@ def test_interleaved_action_list_is_torchs_own():
     assert checked > 500
 
 
+def test_schedule_order_is_torchs_own():
+    # the simulated schedule's order of forwards and backwards (pipeline.schedule_order) against torch's classes
+    from parsim.costmodel.pipeline import schedule_order
+    from parsim.executor.trace import torch_schedule_order
+    from parsim.plan import PP_SCHEDULES
+
+    for name in ("GPipe", "1F1B", "Interleaved1F1B"):
+        for pp in (2, 3, 4):
+            for m in (pp, 2 * pp, 3 * pp):
+                for v in ((2, 3) if name == "Interleaved1F1B" else (1,)):
+                    for rank in range(pp):
+                        assert schedule_order(PP_SCHEDULES[name], pp, v, m, rank) == torch_schedule_order(
+                            name, pp, v, m, rank), (name, pp, v, m, rank)
+
+
 def test_compressed_interleaved_actions_count_every_backward():
     # the memory replay leaves whole steady periods out (``compress``); what a backward leaves alive to the step's
     # end is not periodic, so each stage's left-out backwards are counted (LEFT_OUT_B) before the second period,

@@ -140,7 +140,8 @@ def _compute_factors(plan: Plan, hw: HardwareProfile) -> list[dict]:
         ov_src = "default: the profile has no block sample (0)"
     rows = [
         _row("compute_scale", cs, "every compute term (layers, the model's ends, the optimizer step, framework "
-             "overheads) is multiplied by it; the pipeline bubble gives the shared cores back (pipeline.shared_cores)",
+             "overheads) is multiplied by it; a pipeline's schedule is simulated with the cores shared by the ranks "
+             "that have work (pipeline.shared_makespan)",
              _source(hw, cs_key)),
         _row("layer overhead forward / backward (s per layer and microbatch)", [ov_f, ov_b],
              "added to each layer's curve time (the 'overhead' item of the layer table)", ov_src)]
@@ -223,7 +224,8 @@ def _schedule_factors(plan: Plan, hw: HardwareProfile, b) -> list[dict]:
                          f"derived from the {plan.pp_schedule} schedule (layers.inflight)"))
         rows.append(_row("pipeline bubble (microbatch times)", ga * (plan.pp - 1) / plan.pp_stages_per_rank,
                          "pp_bubble = ga x (pp - 1) / v x the other stages' mean microbatch time "
-                         "(pipeline.shared_cores)",
+                         "(pipeline.shared_cores); where ranks share cores (compute_scale > 1) the schedule's "
+                         "simulated step less this rank's compute (pipeline.shared_makespan)",
                          "derived (Narayanan et al. 2021)"))
     c = hw.corrections
     if "optimizer_s_per_param" in c:

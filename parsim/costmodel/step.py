@@ -21,6 +21,8 @@ Time model (sums exactly to ``step_time_s``):
   first gather and last reduce of a round are exposed (FSDP2 implicit prefetching, one layer ahead).
 * pipeline bubble per pass: ``(pp - 1) / v`` microbatch-times of the stage (Narayanan et al. 2021,
   arXiv:2104.04473, sec. 2.2: bubble fraction (p-1)/m for 1F1B/GPipe, divided by v for interleaving).
+  Where ranks share cores (CPU, ``compute_scale`` > 1) the schedule's step is simulated action by action with the
+  cores shared by the ranks that have work (``pipeline.shared_makespan``).
 * optimizer: AdamW reads param, grad, exp_avg, exp_avg_sq (fp32) and writes three of them: 28 B/param, plus the
   gradient-norm read of 4 B/param, at HBM speed.
 * measured corrections of the profile: ``compute_scale`` (ranks sharing cores) multiplies compute (a pipeline rank
@@ -102,12 +104,13 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
     per_rank: list = []
     rvs = [_rank_view(spec, b, rank, layers, kinds, plocal, pshard) for rank in (FIRST, LAST)]
     cs = [rank_compute(spec, b, sh, hw, rv, costs) for rv in rvs]
-    mean_mb = _mean_stage_compute(spec, b, cs, rvs)
+    work = _stage_work(spec, b, cs, rvs)
+    mean_mb = _mean_stage_compute(work, b)
     for rank, rv, c in zip((FIRST, LAST), rvs, cs, strict=True):
         if time_bound:
             per_rank.append(_time_lower_bound(b, hw, c, rank_params(b, rv)[1], rv.n_tensors, mean_mb))
         elif time_only:
-            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, c, mean_mb, with_memory=False))
+            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, c, mean_mb, work, with_memory=False))
         elif memory_only:
             phases, _ = rank_memory(spec, b, sh, rank, rv, c, above_bytes)
             pk = rank_peak(b, sh, hw, rv, c, phases)
@@ -115,7 +118,7 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
             per_rank.append([np.where(static > above_bytes, np.maximum(v, static), v)
                              for v in (pk.memory_bytes, pk.reserved_bytes)])
         else:
-            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, c, mean_mb))
+            per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, c, mean_mb, work))
     if time_bound:
         return {"step_time_lower_bound_s": np.maximum(per_rank[0], per_rank[1])}
     if time_only:
@@ -175,18 +178,11 @@ def _rank_view(spec: ModelSpec, b: PlanBatch, rank: int, layers: dict, kinds: li
                       n_ckpt=n_ckpt, n_tensors=n_tensors)
 
 
-def _mean_stage_compute(spec: ModelSpec, b: PlanBatch, cs: list[RankCompute], rvs: list) -> np.ndarray:
-    """Compute per microbatch of the pipeline's mean stage: every rank's work over pp [derived]. That is the first
-    and the last rank's (``cs``, with the embedding and the output layer and loss) and the layers neither holds,
-    which the ranks between them run, each at its own kind's cost (forward, backward, and the recompute its AC
-    mode gives; under ``layer:N`` the middle layers are checkpointed in the share the two ranks' are); without PP
-    the one rank's. Before stop 61 the middle ranks counted as the first, which is right only where the first
-    rank's layers are like the rest: tiny-moe's first layer is dense and the others MoE (DeepSeek-V3: three dense
-    layers first), and on tiny-moe pp 4 the old mean was 8% short of the stages' (stop 61's 4-rank blocks: 32.2
-    against 35.0 ms a microbatch at single-core speed)."""
-    first, last = (c.fwd + c.bwd + c.rec for c in cs)
-    pp = b.pp.astype(float)
-    middle = np.zeros(len(b))
+def _stage_work(spec: ModelSpec, b: PlanBatch, cs: list[RankCompute], rvs: list) -> tuple:
+    """(forward, backward + recompute) per microbatch of the first rank, of the last, and of the layers neither
+    holds (which the ranks between them run), each at its own kind's cost (forward, backward, and the recompute its
+    AC mode gives; under ``layer:N`` the middle layers are checkpointed in the share the two ranks' are)."""
+    middle_f, middle_b = np.zeros(len(b)), np.zeros(len(b))
     for k in rvs[0].kinds:
         held = rvs[0].n_of[k] + rvs[1].n_of[k]
         rest = np.maximum(float(spec.n_moe_layers if k else spec.n_dense_layers) - held, 0.0)
@@ -195,8 +191,18 @@ def _mean_stage_compute(spec: ModelSpec, b: PlanBatch, cs: list[RankCompute], rv
         c = cs[0].costs[k]
         rec = (n_full * c.rec_full + n_sac * c.rec_sac) * np.where(b.ac_wraps_compile & b.compile,
                                                                    ac_wraps_compile_recompute_factor(), 1.0)
-        middle = middle + rest * (c.fwd + c.bwd) + rec
-    return np.where(b.pp > 1, (first + last + middle) / pp, first)  # pp 2: no middle layers; pp 1: one rank
+        middle_f, middle_b = middle_f + rest * c.fwd, middle_b + rest * c.bwd + rec
+    return (cs[0].fwd, cs[0].bwd + cs[0].rec), (cs[1].fwd, cs[1].bwd + cs[1].rec), (middle_f, middle_b)
+
+
+def _mean_stage_compute(work: tuple, b: PlanBatch) -> np.ndarray:
+    """Compute per microbatch of the pipeline's mean stage: every rank's work over pp [derived], from
+    ``_stage_work``; without PP the one rank's. Before stop 61 the middle ranks counted as the first, which is right
+    only where the first rank's layers are like the rest: tiny-moe's first layer is dense and the others MoE
+    (DeepSeek-V3: three dense layers first), and on tiny-moe pp 4 the old mean was 8% short of the stages' (stop
+    61's 4-rank blocks: 32.2 against 35.0 ms a microbatch at single-core speed)."""
+    first, last, middle = (sum(fb) for fb in work)
+    return np.where(b.pp > 1, (first + last + middle) / b.pp.astype(float), first)  # pp 2: no middle layers
 
 
 def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: RankCompute, p_opt, n_tensors,
@@ -230,9 +236,10 @@ class RankStep:
 
 
 def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rank: int, rv: C.RankView,
-                   c: RankCompute, mean_mb, with_memory: bool = True) -> RankStep:
+                   c: RankCompute, mean_mb, work=None, with_memory: bool = True) -> RankStep:
     """Step time (itemized) and peak memory (itemized, the largest of five moments; None without
-    ``with_memory``) of one rank, from its compute ``c`` and the pipeline's mean stage compute ``mean_mb``."""
+    ``with_memory``) of one rank, from its compute ``c``, the pipeline's mean stage compute ``mean_mb`` and its
+    ranks' work (``_stage_work``)."""
     phases, p_opt = rank_memory(spec, b, sh, rank, rv, c) if with_memory else (None, rank_params(b, rv)[1])
     ga = b.grad_accum.astype(float)
     M = ga * b.n_micro  # microbatches per step per rank
@@ -245,7 +252,7 @@ def _evaluate_rank(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfil
     set_exposed(cm.ledger, fsdp_exposed_s, cm.fsdp_gather_total_s + cm.fsdp_reduce_total_s, tp_ratio)
     opt = optimizer_time_s(hw, p_opt, rv.n_tensors)
     # ranks sharing cores: a pipeline rank heavier than the mean stage is stretched less (pipeline.shared_cores)
-    share, bub = shared_cores(b, hw, M, ga, c.fwd + c.bwd + c.rec, t_mb, mean_mb)
+    share, bub = shared_cores(b, hw, M, ga, c.fwd + c.bwd + c.rec, t_mb, mean_mb, work)
     tb = {"compute_forward": M * c.fwd * share, "compute_backward": M * c.bwd * share, "recompute": M * c.rec * share,
           "pp_bubble": bub, "optimizer": opt}
     for axis, tt in cm.ledger.exposed_by_axis().items():  # comm_<axis>: exposed seconds of its collectives
