@@ -5,8 +5,8 @@ variants of that profile, so that each measured quantity's share of the accuracy
 
 * ``measured``: blocks and the model's ends (embedding, output + loss) measured at the plans' shapes, the optimizer
   step measured (``optimizer_*``), framework overhead measured (``fsdp_call_*``, ``tp_block_*``): the profile with
-  the folder's rounds applied (block and core-sharing medians; collective curves refitted to the median over the
-  profile's sweep and the rounds', ``parsim.collective_rounds``), as validate predicted;
+  the folder's rounds applied (the blocks' means and the core-sharing median; collective curves refitted to the
+  median over the profile's sweep and the rounds', ``parsim.collective_rounds``), as validate predicted;
 * ``measured, the profile's collective sweep``: the same with the collective curves of the profile's one sweep
   (where the rounds swept the collectives);
 * ``blocks only``: the measured blocks, without the ends and without the measured optimizer step;
@@ -52,7 +52,7 @@ def variants(hw: HardwareProfile, own_sweep: HardwareProfile) -> dict[str, Hardw
 
 
 def with_rounds(hw: HardwareProfile, folder: Path, nproc: int) -> tuple[HardwareProfile, HardwareProfile]:
-    """The profile as validate predicted the folder's rows with: its rounds' block and core-sharing medians and its
+    """The profile as validate predicted the folder's rows with: its rounds' block means and core-sharing median and its
     rounds' collective sweeps (the profile on disk keeps the last validate's); and the same with the profile's own
     collective sweep."""
     from parsim.collective_rounds import with_round_collectives

@@ -199,8 +199,8 @@ def _measured_shapes(pairs) -> list:
 
 def _with_measured_blocks(hw, lines: list[dict], progress: Progress | None = None,
                           block_rounds: list[dict] | None = None):
-    """The profile with a block and the ends measured at every local shape of the plans in ``lines``: the median
-    over validate's rounds where ``block_rounds`` has them (``round_medians``), else measured now; written to the
+    """The profile with a block and the ends measured at every local shape of the plans in ``lines``: the mean
+    over validate's rounds where ``block_rounds`` has them (``round_means``), else measured now; written to the
     profile folder under the profile's name. (profile, {key: wall s of those measured now}, number of shapes)."""
     from .hardware import atomic_write_json, profile_write_dir
     from .plan import Plan
@@ -217,20 +217,20 @@ def _with_measured_blocks(hw, lines: list[dict], progress: Progress | None = Non
 
 
 def with_round_blocks(hw, block_rounds: list[dict], nproc: int, keys: set | None = None):
-    """``hw`` with the medians over validate's rounds of every block shape they timed (those in ``keys`` where
-    given) and of the core-sharing factor of ``nproc`` processes (``compute_scale``)."""
+    """``hw`` with the means over validate's rounds of every block shape they timed (those in ``keys`` where
+    given) and the median of the core-sharing factor of ``nproc`` processes (``compute_scale``)."""
     import dataclasses
 
-    medians = {k: v for k, v in round_medians(block_rounds).items() if keys is None or k in keys}
+    means = {k: v for k, v in round_means(block_rounds).items() if keys is None or k in keys}
     sharing = round_core_sharing(block_rounds, nproc)
-    if not medians and sharing is None:
+    if not means and sharing is None:
         return hw
-    return dataclasses.replace(hw, measured_blocks={**hw.measured_blocks, **medians}, corrections={
+    return dataclasses.replace(hw, measured_blocks={**hw.measured_blocks, **means}, corrections={
         **hw.corrections, **({"compute_scale": sharing} if sharing is not None else {})})
 
 
 BLOCK_ROUNDS = "blocks.jsonl"
-ROUND_MEDIAN_KEYS = ("fwd_s", "bwd_s", "emb_fwd_s", "emb_bwd_s", "out_fwd_s", "out_bwd_s")
+ROUND_MEAN_KEYS = ("fwd_s", "bwd_s", "emb_fwd_s", "emb_bwd_s", "out_fwd_s", "out_bwd_s")
 
 
 CORE_SHARING = "core_sharing|"  # the key prefix of the core-sharing lines of blocks.jsonl
@@ -296,9 +296,17 @@ def round_core_sharing(block_rounds: list[dict], ranks: int) -> float | None:
     return max(1.0, float(statistics.median(f))) if f else None
 
 
-def round_medians(block_rounds: list[dict]) -> dict:
-    """Per shape key, its measurement with each time the median over the rounds that timed it (``rounds``: how
-    many, ``round_range_s``: each time's lowest and highest)."""
+def round_means(block_rounds: list[dict]) -> dict:
+    """Per shape key, its measurement with each time the mean over the rounds that timed it (``rounds``: how
+    many, ``round_range_s``: each time's lowest and highest).
+
+    The mean, not the median [derived from measurement]: one round's burst (a fresh block, 2 warm-ups, 5
+    repetitions, about 0.35 s) reads one of two levels on this 2-core AVX2 EPYC (tiny's dense block 8.5-9.5 or
+    11.5-12.6 ms forward, steady within a burst, on either CPU), and over 69 stored rounds the bursts moved 7.8%
+    (sd) where the rounds' steps moved 2.7%, uncorrelated (0.01; ``bench/reports/fresh-machine-stop62/
+    block-bursts.txt``): the steps run through both levels, and the median of three rounds picks one of them.
+    Re-scored, the six 3-round folders of stops 59-62 went 10.3% -> 9.6% on average (five better; stop 62's tiny
+    / 2 ranks 14.1% -> 11.7%, stop 61's tiny-moe / 2 9.7% -> 10.1%); with two rounds mean and median agree."""
     import statistics
 
     by_key: dict[str, list[dict]] = {}
@@ -308,8 +316,8 @@ def round_medians(block_rounds: list[dict]) -> dict:
     out = {}
     for key, ms in by_key.items():
         entry = dict(ms[-1])
-        fields = [f for f in ROUND_MEDIAN_KEYS if all(f in m for m in ms)]
-        entry.update({f: statistics.median(m[f] for m in ms) for f in fields}, rounds=len(ms),
+        fields = [f for f in ROUND_MEAN_KEYS if all(f in m for m in ms)]
+        entry.update({f: statistics.fmean(m[f] for m in ms) for f in fields}, rounds=len(ms),
                      round_range_s={f: [min(m[f] for m in ms), max(m[f] for m in ms)] for f in fields})
         out[key] = entry
     return out
