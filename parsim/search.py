@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .codec import PlanBatch, batch_of, decode, encode_field, group_rpn, invalid_reasons
-from .costmodel.step import evaluate
+from .costmodel.step import evaluate, memory_lower_bound, step_time_lower_bound
+from .costmodel.work import counted, tally
 from .errors import ParsimError, check_number
 from .hardware import HardwareProfile
 from .ordering import effective_rules, is_legal, searched_orders, violations
@@ -192,6 +193,8 @@ class SearchResult:
     closest: tuple | None = None  # (Plan, reserved_memory_bytes) when nothing fits
     usable_memory_bytes: float = 0.0
     wall_s: float = 0.0
+    # the work done (``work_of``): bounds computed, memory timelines replayed, plans evaluated in full
+    work: dict = field(default_factory=dict)
 
 
 def _allowed(values, pin, cap):
@@ -443,31 +446,6 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts, counts) + np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(offsets, counts)
 
 
-def _screen(spec, hw, base: dict, opts: np.ndarray, sp: SearchSpace, chunk: int, deadline: float = math.inf,
-            tick=None, limit_bytes: float = math.inf):
-    """Peak memory of every (degrees x batch split row, memory class): a (rows x classes) array, from the row's
-    first device order and one representative option per class (peak memory depends on neither the device order
-    nor the options outside the class: ``tests/test_search.py``). Rows not screened by ``deadline`` (perf_counter)
-    are left at infinity: not searched. Rows whose parameters, states and gradients alone exceed ``limit_bytes``
-    get that lower bound (``evaluate``'s ``above_bytes``): they do not fit either way."""
-    import time
-
-    cls, rep = _memory_classes(opts)
-    starts = base["row_start"]
-    nr, nc = len(starts), len(rep)
-    mem = np.full(nr * nc, np.inf)
-    for lo in range(0, nr * nc, chunk):
-        if time.perf_counter() > deadline:
-            break
-        idx = np.arange(lo, min(nr * nc, lo + chunk), dtype=np.int64)
-        gidx = starts[idx // nc] * len(opts) + rep[idx % nc]
-        mem[lo:lo + len(idx)] = evaluate(spec, _batch_at(base, opts, gidx, sp, None), hw,  # no groups needed
-                                         memory_only=True, above_bytes=limit_bytes)["reserved_memory_bytes"]
-        if tick:
-            tick((lo + len(idx)) / (nr * nc))
-    return mem.reshape(nr, nc), cls, rep
-
-
 def plan_of(base: dict, opts: np.ndarray, gi: int, sp: SearchSpace) -> Plan:
     """The Plan of global index ``gi``."""
     return decode(_chunk_batch(base, opts, gi, gi + 1, sp, None), 0)
@@ -552,7 +530,9 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     found = _Found(top_k)
     deadline = t0 + sp.max_seconds if sp.max_seconds else math.inf
     run = _search_bounded if prune else _search_all
-    closest = run(spec, hw, base, opts, sp, res, found, chunk, (t0, deadline), progress, csv_writer)
+    with counted() as work:
+        closest = run(spec, hw, base, opts, sp, res, found, chunk, (t0, deadline), progress, csv_writer)
+    res.work = work_of(res, work)
     if found.top:
         res.top = [RankedPlan(plan_of(base, opts, int(g), sp), float(t), float(m), float(tps), float(mfu), str(dom))
                    for g, t, m, tps, mfu, dom in zip(found.top["gid"], *(found.top[k] for k in _Found.KEYS),
@@ -563,6 +543,13 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
         res.closest = (plan_of(base, opts, closest[1], sp), closest[0])
     res.wall_s = time.perf_counter() - t0
     return res
+
+
+def work_of(res: SearchResult, counts) -> dict:
+    """What a search did, as counts that do not depend on the machine: (row, memory class) pairs bounded and
+    replayed, step-time bounds, plans evaluated in full, and the cost model's own (``costmodel.work``: memory
+    timelines and pipeline schedules replayed, plans and distinct rows of the per-row costs)."""
+    return {"plans_evaluated": res.evaluated, "memory_pairs_replayed": res.screened, **dict(sorted(counts.items()))}
 
 
 def _search_all(spec, hw, base, opts, sp, res, found, chunk, times, progress, csv_writer) -> tuple:
@@ -593,69 +580,306 @@ def _search_all(spec, hw, base, opts, sp, res, found, chunk, times, progress, cs
 
 
 def _search_bounded(spec, hw, base, opts, sp, res, found, chunk, times, progress, _csv) -> tuple:
-    """The default search, exact for the best ``top_k`` plans and the Pareto front [derived]:
+    """The default search, exact for the best ``top_k`` plans and the Pareto front [derived]. Every skip below
+    is sound whenever it is made (the k-th best time found only falls and the front only improves), so the order
+    only changes how much is skipped:
 
-    1. memory of every (degrees x batch split row, memory class) (``_screen``: the device order and the options
-       outside the class do not change it); plans that do not fit are never evaluated;
-    2. for every fitting (row, option) pair, a lower bound of the step time over all its device orders
-       (``evaluate(time_bound=True)``: compute, bubble and optimizer without the collectives);
-    3. pairs in ascending bound: a pair's device orders are evaluated in full unless its bound exceeds the k-th
-       best time found (none of them can be listed) and a found plan strictly faster than the bound needs no more
-       memory (none of them is on the Pareto front). Skipped plans are counted in ``pruned_bound``."""
-    import time
+    1. per (degrees x batch split) row, a lower bound of the memory of all its options and of the step time of
+       all its options and device orders (``_row_bounds``); rows whose memory bound exceeds the usable memory do
+       not fit;
+    2. rows in ascending time bound, in doubling windows: a row is skipped when its time bound exceeds the k-th
+       best time found (none of its plans can be listed) and a found plan strictly faster than the bound needs no
+       more memory than the row's memory bound (none of its plans is on the Pareto front);
+    3. a row not skipped is expanded into its (row, option) pairs (``_Pairs``), each with a memory bound of its
+       (row, memory class) and a time bound of its (row, time class), and decided as a row is, in ascending time
+       bound; the exact memory of a (row, memory class) is replayed (``_Memory``: the device order and the
+       options outside the class do not change it) only for pairs the bounds do not decide; pairs that fit and
+       are not skipped on their exact memory have every device order evaluated in full.
 
-    t0, deadline = times
-    gpn, no = hw.gpus_per_node, len(opts)
-    starts, counts = base["row_start"], base["row_count"]
-    # with a time limit, screening may take 40% of it, the rest the bounds and full evaluations
-    screen_deadline = t0 + 0.4 * (deadline - t0) if math.isfinite(deadline) else math.inf
-    # progress in thousandths: the memory screen, the bounds and the full evaluations take about 4 : 3 : 3 of the
-    # time (deepseek-v3 on 2,048 GPUs, measured here)
-    def phase(lo: float, width: float):
-        return (lambda f: progress(int(1000 * (lo + width * f)), 1000)) if progress else None
-
-    mem_rc, cls, rep = _screen(spec, hw, base, opts, sp, chunk, screen_deadline, phase(0.0, 0.4),
-                               res.usable_memory_bytes)
-    if not (mem_rc <= res.usable_memory_bytes).any():  # nothing fits: the closest plan needs exact peaks
-        mem_rc, cls, rep = _screen(spec, hw, base, opts, sp, chunk, screen_deadline, phase(0.0, 0.4))
-    res.screened = int(np.isfinite(mem_rc).sum())
-    if np.isinf(mem_rc).any():
-        res.stopped_at = float(np.isfinite(mem_rc).mean())  # screening ran out of time
-    fit_ro = mem_rc[:, cls] <= res.usable_memory_bytes  # (rows x options)
-    res.fitting = int((fit_ro * counts[:, None]).sum())
-    screened_plans = int((np.isfinite(mem_rc[:, cls]) * counts[:, None]).sum())
-    res.pruned_memory = screened_plans - res.fitting
-    closest = (np.inf, -1)
-    if not fit_ro.any() and np.isfinite(mem_rc).any():
-        j = int(np.argmin(mem_rc))
-        closest = (float(mem_rc.flat[j]), int(starts[j // len(rep)] * no + rep[j % len(rep)]))
-    pr, po = np.nonzero(fit_ro)
-    lb = _pair_bounds(spec, hw, base, opts, sp, pr, po, chunk, deadline, phase(0.4, 0.3))
-    order = np.argsort(lb, kind="stable")
-    pair_mem = mem_rc[pr, cls[po]]
-    # pairs in small steps first (the bound skips more once the first plans are found), growing to ``chunk`` plans
-    lo, step, most = 0, 256, max(1, chunk // max(1, int(counts.mean())))
-    while lo < len(order):
-        if time.perf_counter() > deadline:
-            res.stopped_at = (res.stopped_at if res.stopped_at is not None else 1.0) * lo / len(order)
-            break
-        sel = order[lo:lo + step]
-        lo, step = lo + len(sel), min(2 * step, most)
-        skip = (lb[sel] > found.threshold()) & found.dominated(lb[sel], pair_mem[sel])
-        res.pruned_bound += int(counts[pr[sel[skip]]].sum())
-        keep = sel[~skip]
-        if len(keep):
-            reps = counts[pr[keep]]
-            gid = _ranges(starts[pr[keep]], reps) * no + np.repeat(po[keep], reps)
-            # step times in full; memory is the screen's (the same numbers; it depends on neither the device
-            # order nor the options outside the memory class)
-            r = evaluate(spec, _batch_at(base, opts, gid, sp, gpn), hw, time_only=True)
-            r["reserved_memory_bytes"] = np.repeat(pair_mem[keep], reps)
-            res.evaluated += len(gid)
-            found.add(gid, r, r["reserved_memory_bytes"] <= res.usable_memory_bytes)
-        if progress:
-            phase(0.7, 0.3)(lo / len(order))
+    Replays are batched: seed rows first (the fastest, and the fastest of every range of memory bounds, so that
+    slow plans of little memory are skipped against a front from the start), then per window every later pair
+    that the plans found so far do not skip (a superset of what later pairs need), in geometrically growing
+    batches. Skipped plans are counted in ``pruned_bound`` (their memory may be unknown), plans that do not fit
+    in ``pruned_memory``."""
+    job = _Bounded(spec, hw, base, opts, sp, res, found, chunk, times[1], progress)
+    job.run()
+    res.fitting = job.mem.fitting_plans()
+    res.screened = job.mem.n_exact
+    if found.top or res.stopped_at is not None:
+        return (np.inf, -1)
+    closest = _closest(job.mem)
+    res.screened = job.mem.n_exact
     return closest
+
+
+def _closest(mem: _Memory) -> tuple[float, int]:
+    """(memory, global id) of the plan that needs the least memory, when nothing fits [derived]: every (row, memory
+    class) pair bounded, then replayed in ascending bound, in doubling batches, until no bound is below the least
+    memory replayed."""
+    nr, nc = mem.lower.shape
+    mem.bound_rows(np.flatnonzero(np.isnan(mem.lower).any(axis=1)))
+    order = np.argsort(mem.lower.ravel(), kind="stable")
+    lo, step = 0, 256
+    while lo < len(order):
+        best = np.nanmin(mem.values) if not np.isnan(mem.values).all() else np.inf
+        if mem.lower.flat[order[lo]] >= best:
+            break
+        part = order[lo:lo + step]
+        mem.exact(part // nc, part % nc)
+        lo, step = lo + len(part), 2 * step
+    j = int(np.nanargmin(mem.values))
+    return float(mem.values.flat[j]), int(mem.base["row_start"][j // nc] * len(mem.opts) + mem.rep[j % nc])
+
+
+class _Bounded:
+    """The state of one bounded search (``_search_bounded``): the rows in ascending time bound, their bounds, the
+    memory of their (row, memory class) pairs (``_Memory``) and which rows were decided."""
+
+    SEED_FAST = 64  # seed rows of the smallest time bounds
+    SEED_BUCKETS, SEED_PER_BUCKET = 32, 2  # and the fastest of every range of memory bounds (log-spaced)
+    FIRST_WINDOW, GROWTH = 2048, 4  # rows of the first window after the seed, and how each next one grows
+    FIRST_BATCH = 2048  # replays of a pool's first batch; each later batch at most doubles the total
+
+    def __init__(self, spec, hw, base, opts, sp, res, found, chunk, deadline, progress):
+        self.spec, self.hw, self.base, self.opts, self.sp, self.res, self.found = spec, hw, base, opts, sp, res, found
+        self.chunk, self.deadline, self.progress = chunk, deadline, progress
+        self.counts, self.no = base["row_count"], len(opts)
+        self.usable = res.usable_memory_bytes
+        self.row_mem, self.row_time = _row_bounds(spec, hw, base, opts, sp, chunk)
+        cand = self.row_mem <= self.usable
+        res.pruned_memory = int(self.counts[~cand].sum()) * self.no
+        self.rows = np.flatnonzero(cand)[np.argsort(self.row_time[cand], kind="stable")]
+        self.row_done = np.zeros(len(cand), bool)
+        self.mem = _Memory(spec, hw, base, opts, sp, chunk, self.usable)
+
+    def run(self) -> None:
+        import time
+
+        pool = _Pairs(self)
+        pool.extend(self._seed())
+        if not pool.decide_until(-math.inf if not len(self.rows) else math.inf, seed=True):
+            self.res.stopped_at = 0.0
+            return
+        lo, size, n = 0, self.FIRST_WINDOW, len(self.rows)
+        while lo < n:
+            if time.perf_counter() > self.deadline:
+                self.res.stopped_at = lo / n
+                return
+            win = self.rows[lo:lo + size]
+            lo, size = lo + len(win), self.GROWTH * size
+            win = win[~self.row_done[win]]
+            skip = (self.row_time[win] > self.found.threshold()) & self.found.dominated(self.row_time[win],
+                                                                                      self.row_mem[win])
+            self.res.pruned_bound += int(self.counts[win[skip]].sum()) * self.no
+            self.row_done[win[skip]] = True
+            pool.extend(win[~skip])
+            # every pair whose bound is below the next rows' is next in ascending order
+            if not pool.decide_until(self.row_time[self.rows[lo]] if lo < n else math.inf):
+                self.res.stopped_at = lo / n
+                return
+            if self.progress:
+                self.progress(int(1000 * lo / n), 1000)
+
+    def _seed(self) -> np.ndarray:
+        """The rows expanded first: the fastest by time bound, and the fastest few of every range of memory
+        bounds."""
+        rows = self.rows
+        lo_mem = np.maximum(self.row_mem[rows], 1.0)
+        edges = np.geomspace(float(lo_mem.min(initial=1.0)), max(self.usable, 2.0), self.SEED_BUCKETS + 1)
+        bucket = np.searchsorted(edges, lo_mem, side="right")
+        ranked = np.argsort(bucket, kind="stable")  # by bucket, then time bound
+        b_sorted = bucket[ranked]
+        first_of = np.searchsorted(b_sorted, b_sorted, side="left")
+        pick = ranked[np.arange(len(ranked)) - first_of < self.SEED_PER_BUCKET]
+        return np.unique(np.concatenate([rows[:self.SEED_FAST], rows[pick]]))
+
+
+class _Pairs:
+    """The undecided (row, option) pairs of the rows a bounded search expanded, with their memory and time bounds,
+    in ascending time bound."""
+
+    def __init__(self, job: _Bounded):
+        self.job = job
+        e = np.empty(0, np.int64)
+        self.pr, self.po, self.pc, self.lb, self.order = e, e, e, np.empty(0), e
+        self.done = np.empty(0, bool)
+
+    def extend(self, rows: np.ndarray) -> None:
+        """Add every pair of ``rows`` that may fit (the others count as not fitting)."""
+        job = self.job
+        rows = rows[~job.row_done[rows]] if len(rows) else rows
+        if not len(rows):
+            return
+        job.row_done[rows] = True
+        mem, no = job.mem, job.no
+        mem.bound_rows(rows)
+        pr, po = np.repeat(rows, no), np.tile(np.arange(no, dtype=np.int64), len(rows))
+        pc = mem.cls[po]
+        fits = mem.lower[pr, pc] <= job.usable
+        job.res.pruned_memory += int(job.counts[pr[~fits]].sum())
+        pr, po, pc = pr[fits], po[fits], pc[fits]
+        lb = _pair_bounds(job.spec, job.hw, job.base, job.opts, job.sp, pr, po, job.chunk, job.deadline)
+        keep = ~self.done  # (decided pairs leave the pool)
+        self.pr, self.po, self.pc = (np.concatenate([x[keep], y]) for x, y in ((self.pr, pr), (self.po, po),
+                                                                              (self.pc, pc)))
+        self.lb = np.concatenate([self.lb[keep], lb])
+        self.done = np.zeros(len(self.lb), bool)
+        self.order = np.argsort(self.lb, kind="stable")
+
+    def decide_until(self, limit: float, seed: bool = False) -> bool:
+        """Decide, in ascending time bound and in growing steps, the undecided pairs whose bound is at most
+        ``limit`` (every pair with ``seed``); False when the time limit came."""
+        job = self.job
+        order = self.order[~self.done[self.order]]
+        if not seed:
+            order = order[self.lb[order] <= limit]
+        lo, step = 0, 256
+        most = max(1, job.chunk // max(1, int(job.counts.mean())))
+        while lo < len(order):
+            sel = order[lo:lo + step]
+            if not self._decide(sel[~self.done[sel]]):
+                return False
+            lo, step = lo + len(sel), min(2 * step, most)
+        return True
+
+    def _skippable(self, sel: np.ndarray, mem: np.ndarray) -> np.ndarray:
+        found = self.job.found
+        return (self.lb[sel] > found.threshold()) & found.dominated(self.lb[sel], mem)
+
+    def _decide(self, sel: np.ndarray) -> bool:
+        """Decide the pairs ``sel``; False when the time limit came during the replays."""
+        job, pr, pc = self.job, self.pr, self.pc
+        res, counts = job.res, job.counts
+        skip = self._skippable(sel, job.mem.known(pr[sel], pc[sel]))
+        res.pruned_bound += int(counts[pr[sel[skip]]].sum())
+        self.done[sel[skip]] = True
+        sel = sel[~skip]
+        if np.isnan(job.mem.values[pr[sel], pc[sel]]).any():
+            self._prefetch(sel)
+        exact = job.mem.values[pr[sel], pc[sel]]
+        if np.isnan(exact).any():
+            return False
+        self.done[sel] = True
+        fits = exact <= job.usable
+        res.pruned_memory += int(counts[pr[sel[~fits]]].sum())
+        sel, exact = sel[fits], exact[fits]
+        skip = self._skippable(sel, exact)
+        res.pruned_bound += int(counts[pr[sel[skip]]].sum())
+        self._evaluate(sel[~skip], exact[~skip])
+        return True
+
+    def _prefetch(self, sel: np.ndarray) -> None:
+        """Replay the pairs ``sel`` need and, while plans are found to skip against, the other undecided pairs of
+        the pool they do not skip (a superset of what those need: later checks skip more), the fastest first, up to
+        twice what was replayed before (at least ``FIRST_BATCH``): a few batches, each replaying every memory
+        structure it holds once."""
+        job, pr, pc = self.job, self.pr, self.pc
+        need = [sel]
+        if np.isfinite(job.found.threshold()):
+            rest = self.order[~self.done[self.order]]
+            rest = rest[np.isnan(job.mem.values[pr[rest], pc[rest]])]
+            rest = rest[~self._skippable(rest, job.mem.lower[pr[rest], pc[rest]])]
+            need.append(rest[:max(job.FIRST_BATCH, 2 * job.mem.n_exact)])
+        both = np.concatenate(need)
+        job.mem.exact(pr[both], pc[both], job.deadline)
+
+    def _evaluate(self, keep: np.ndarray, kept_mem: np.ndarray) -> None:
+        """Every device order of the pairs ``keep`` in full (step times; the memory is the replay's: it depends on
+        neither the device order nor the options outside the memory class)."""
+        if not len(keep):
+            return
+        job = self.job
+        reps = job.counts[self.pr[keep]]
+        gid = _ranges(job.base["row_start"][self.pr[keep]], reps) * job.no + np.repeat(self.po[keep], reps)
+        r = evaluate(job.spec, _batch_at(job.base, job.opts, gid, job.sp, job.hw.gpus_per_node), job.hw,
+                     time_only=True)
+        r["reserved_memory_bytes"] = np.repeat(kept_mem, reps)
+        job.res.evaluated += len(gid)
+        job.found.add(gid, r, np.ones(len(gid), bool))
+
+
+def _row_bounds(spec, hw, base, opts, sp, chunk) -> tuple[np.ndarray, np.ndarray]:
+    """(memory, step time) lower bounds of every (degrees x batch split) row over all its options and device
+    orders, computed at the row's first order [derived]: the memory bound at the option of least activations (AC
+    "full" where searched, else the least of every AC searched), the terms reshard-after-forward changes left out
+    (``memory_lower_bound(any_reshard=True)``); the time bound the least over the options without AC where there
+    are any (recompute is never negative and adds to compute, its bubble and nothing else), else over every time
+    class."""
+    cls, rep = _memory_classes(opts)
+    acs = sorted({(int(o[0]), int(o[1])) for o in opts.tolist()})
+    full = [a for a in acs if a[0] == AC_MODES["full"]]
+    mem_reps = [int(np.flatnonzero((opts[:, 0] == a) & (opts[:, 1] == e))[0]) for a, e in (full[:1] or acs)]
+    tcls, trep = _time_classes(opts)
+    none = [int(t) for t in trep if opts[t, 0] == AC_MODES["none"]]
+    time_reps = none or [int(t) for t in trep]
+    starts = base["row_start"]
+    mem, tb = np.full(len(starts), np.inf), np.full(len(starts), np.inf)
+    for lo in range(0, len(starts), chunk):
+        gid0 = starts[lo:lo + chunk] * len(opts)
+        for o in mem_reps:
+            b = _batch_at(base, opts, gid0 + o, sp, None)
+            mem[lo:lo + len(gid0)] = np.minimum(mem[lo:lo + len(gid0)], memory_lower_bound(spec, b, hw, True))
+        for o in time_reps:
+            b = _batch_at(base, opts, gid0 + o, sp, None)
+            tb[lo:lo + len(gid0)] = np.minimum(tb[lo:lo + len(gid0)], step_time_lower_bound(spec, b, hw))
+    tally(row_bounds=len(starts) * (len(mem_reps) + len(time_reps)))
+    return mem, tb * (1.0 - 1e-9)
+
+
+class _Memory:
+    """Reserved memory of the search's (row, memory class) pairs: a lower bound (``memory_lower_bound``, no
+    timeline) of the pairs of the rows ``bound_rows`` was given, and the exact value (``evaluate(memory_only=True)``:
+    the step's timeline replayed) of the pairs the search asks for, replayed once and kept (NaN: not yet)."""
+
+    def __init__(self, spec, hw, base, opts, sp, chunk, usable):
+        self.spec, self.hw, self.base, self.opts, self.sp, self.chunk = spec, hw, base, opts, sp, chunk
+        self.cls, self.rep = _memory_classes(opts)
+        self.usable = usable
+        nr = len(base["row_start"])
+        self.lower = np.full((nr, len(self.rep)), np.nan)
+        self.values = np.full((nr, len(self.rep)), np.nan)
+        self.n_exact = 0
+
+    def bound_rows(self, rows: np.ndarray) -> None:
+        """The memory bound of every (row, memory class) pair of ``rows`` (at the row's first device order and the
+        class's representative option: it depends on neither)."""
+        nc, starts, no = len(self.rep), self.base["row_start"], len(self.opts)
+        idx = (rows[:, None] * nc + np.arange(nc)).ravel()
+        for lo in range(0, len(idx), self.chunk):
+            part = idx[lo:lo + self.chunk]
+            gid = starts[part // nc] * no + self.rep[part % nc]
+            self.lower.flat[part] = memory_lower_bound(self.spec, _batch_at(self.base, self.opts, gid, self.sp, None),
+                                                       self.hw)
+        tally(memory_bounds=len(idx))
+
+    def known(self, rows: np.ndarray, classes: np.ndarray) -> np.ndarray:
+        """The exact memory where replayed, else the pair's lower bound."""
+        v = self.values[rows, classes]
+        return np.where(np.isnan(v), self.lower[rows, classes], v)
+
+    def exact(self, rows: np.ndarray, classes: np.ndarray, deadline: float = math.inf) -> np.ndarray:
+        """The exact memory of these pairs, replaying those not replayed yet (NaN: not reached by ``deadline``)."""
+        import time
+
+        flat = rows * len(self.rep) + classes
+        todo = np.unique(flat[np.isnan(self.values.flat[flat])])
+        starts, no = self.base["row_start"], len(self.opts)
+        for lo in range(0, len(todo), self.chunk):
+            if time.perf_counter() > deadline:
+                break
+            idx = todo[lo:lo + self.chunk]
+            gidx = starts[idx // len(self.rep)] * no + self.rep[idx % len(self.rep)]
+            self.values.flat[idx] = evaluate(self.spec, _batch_at(self.base, self.opts, gidx, self.sp, None), self.hw,
+                                             memory_only=True)["reserved_memory_bytes"]
+            self.n_exact += len(idx)
+            tally(memory_replay_batches=1)
+        return self.values.flat[flat]
+
+    def fitting_plans(self) -> int:
+        """Plans whose exact memory is known to fit (every device order of a replayed pair's options)."""
+        per_class = np.bincount(self.cls, minlength=len(self.rep))  # options per memory class
+        fits = np.nan_to_num(self.values, nan=np.inf) <= self.usable
+        return int((fits * per_class[None, :]).sum(axis=1) @ self.base["row_count"])
 
 
 def _time_classes(opts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -681,8 +905,8 @@ def _pair_bounds(spec, hw, base, opts, sp, pr, po, chunk, deadline, tick=None) -
             break
         u = uniq[lo:lo + chunk]
         gid = starts[u // len(trep)] * no + trep[u % len(trep)]
-        lb[lo:lo + len(gid)] = evaluate(spec, _batch_at(base, opts, gid, sp, None), hw,
-                                        time_bound=True)["step_time_lower_bound_s"]
+        lb[lo:lo + len(gid)] = step_time_lower_bound(spec, _batch_at(base, opts, gid, sp, None), hw)
+        tally(time_bounds=len(gid))
         if tick:
             tick((lo + len(gid)) / len(uniq))
     return lb[inv] * (1.0 - 1e-9)  # rounding: the bound sums the same terms in another order
@@ -703,6 +927,7 @@ def result_to_dict(res: SearchResult, spec: ModelSpec, hw: HardwareProfile, n_gp
            "pruned_structural": res.pruned_structural, "pruned_memory": res.pruned_memory,
            "pruned_dominated": res.pruned_dominated, "pruned_bound": res.pruned_bound, "screened": res.screened,
            "stopped_at": res.stopped_at, "usable_memory_bytes": res.usable_memory_bytes, "wall_s": res.wall_s,
+           "work": res.work,
            "top": [row(*t) for t in res.top[:top]], "pareto": [row(*p) for p in res.pareto]}
     if res.closest:
         plan, mem = res.closest

@@ -24,8 +24,9 @@ def _small(**kw):
 
 def test_best_plan_fits_and_matches_predict():
     res = search(L8, H100, 16, _small())
-    assert res.considered > 0 and res.fitting > 0
-    assert res.pruned_memory + res.fitting + res.pruned_dominated == res.considered
+    assert res.considered > 0 and res.fitting >= res.evaluated > 0
+    # every plan of the space is accounted for once: dominated, not fitting, losing on its time bound, evaluated
+    assert res.pruned_memory + res.pruned_bound + res.evaluated + res.pruned_dominated == res.considered
     for plan, step, mem, *_ in res.top:
         assert mem <= res.usable_memory_bytes
         pred = predict(L8, plan, H100)  # the scalar path agrees with the vectorized search
@@ -288,10 +289,10 @@ def test_pruned_search_returns_the_exhaustive_best_plan_and_pareto_front(model, 
     if not full.top:  # nothing fits: the closest plan needs the same memory (ties may be another plan)
         assert fast.closest is not None and full.closest is not None
         assert fast.closest[1] == pytest.approx(full.closest[1])
-    # the counts account for every plan of the space; dominated plans are among the exhaustive search's fits or not
-    assert fast.fitting + fast.pruned_memory + fast.pruned_dominated == fast.considered
-    assert full.fitting - fast.pruned_dominated <= fast.fitting <= full.fitting
-    assert fast.evaluated + fast.pruned_bound == fast.fitting
+    # the counts account for every plan of the space; what the pruned search knows to fit, the exhaustive one does
+    assert fast.evaluated + fast.pruned_bound + fast.pruned_memory + fast.pruned_dominated == fast.considered
+    assert fast.evaluated <= fast.fitting <= full.fitting
+    assert fast.pruned_memory <= full.considered - full.fitting
 
 
 @pytest.mark.parametrize("model,gpus,kw,profile", [
@@ -302,8 +303,10 @@ def test_pruned_search_returns_the_exhaustive_best_plan_and_pareto_front(model, 
 def test_what_the_pruned_search_relies_on(model, gpus, kw, profile):
     """The facts ``_search_bounded`` uses, on every plan of sampled (row, option) pairs in every device order:
     peak memory depends on neither the device order nor the options outside the memory class (AC, AC period,
-    reshard); the step-time bound depends on neither the device order nor reshard, and never exceeds the step."""
+    reshard); the step-time bound depends on neither the device order nor reshard, and never exceeds the step; the
+    memory bound never exceeds the reserved memory."""
     from parsim.costmodel import evaluate
+    from parsim.costmodel.step import memory_lower_bound
     from parsim.search import _base_rows, _batch_at, _memory_classes, _options, _time_classes
 
     spec, hw = PRESETS[model], load_profile(profile)
@@ -321,6 +324,9 @@ def test_what_the_pruned_search_relies_on(model, gpus, kw, profile):
     mem_only = evaluate(spec, _batch_at(base, opts, gid, sp, None), hw, memory_only=True)
     for k in ("peak_memory_bytes", "reserved_memory_bytes"):
         assert np.array_equal(mem_only[k], full[k])
+    # the memory bound the search decides on before any replay is one, and not a trivial one
+    mem_lb = memory_lower_bound(spec, _batch_at(base, opts, gid, sp, None), hw)
+    assert np.all(mem_lb <= full["reserved_memory_bytes"]) and np.median(mem_lb / full["reserved_memory_bytes"]) > 0.5
     lb = fast["step_time_lower_bound_s"]
     assert np.all(lb <= full["step_time_s"] * (1 + 1e-9)) and np.all(lb > 0)
     assert (lb < full["step_time_s"] * 0.999).any()  # not the step itself: collectives are left out
@@ -355,3 +361,57 @@ def test_search_reports_progress_to_the_end():
                                          pp_schedules=("GPipe", "1F1B")),
                progress=lambda done, total, seen=seen: seen.append(done / total))
         assert seen and seen == sorted(seen) and seen[-1] == 1.0, prune
+
+
+def _space_structure(spec, hw, gpus, sp):
+    """(row x memory-class pairs of the space, the distinct (pp, stages per rank) of its rows)."""
+    from parsim.search import _base_rows, _memory_classes, _options, _undominated
+
+    base = _base_rows(spec, gpus, sp, hw.gpus_per_node, {})
+    opts, _ = _options(sp, hw)
+    _, rep = _memory_classes(_undominated(opts)[0])
+    pp = base["combos"][base["combo"], 0]
+    return len(base["row_start"]) * len(rep), len({(int(p), int(v)) for p, v in zip(pp, base["v"], strict=True)})
+
+
+@pytest.mark.parametrize("model,gpus,gbs,seq", [("llama3-8b", 64, 256, 8192), ("mixtral-8x7b", 32, 128, 4096)])
+def test_search_work_is_bounded_by_what_the_space_needs(model, gpus, gbs, seq):
+    """A guard on work, not on time (it holds on any machine): the search replays the memory timeline of a few per
+    cent of its (row, memory class) pairs, in a few batches, each batch one replay per rank, memory structure and
+    distinct pipeline schedule (a compressed interleaved schedule is the same list for every microbatch count past
+    a few rounds); the per-row costs are computed once per distinct row; a few per cent of the plans are evaluated
+    in full. Replaying every row again (the memory screen of every pair), or every microbatch count's schedule
+    apart, fails here."""
+    spec, hw = PRESETS[model], load_profile("h100-sxm-spec-cal")
+    sp = SearchSpace(global_batch_size=gbs, seq_len=seq)
+    res = search(spec, hw, gpus, sp)
+    w = res.work
+    pairs, structures = _space_structure(spec, hw, gpus, sp)
+    assert w["memory_pairs_replayed"] == res.screened <= 0.1 * pairs
+    assert w["memory_pairs_replayed"] <= w["memory_bounds"]
+    assert 1 <= w["memory_replay_batches"] <= 8
+    # per batch and rank: one timeline per (pp, v) and AC period structure (two for layer:N), at most 6 schedule
+    # shapes per interleaved one
+    assert w["timeline_replays"] + w["schedule_replays"] <= w["memory_replay_batches"] * 2 * 2 * structures * 6
+    assert w["distinct_rows"] <= 0.2 * w["distinct_plans"]
+    assert res.evaluated == w["plans_evaluated"] <= 0.05 * res.considered
+    assert res.top and res.pareto
+
+
+def test_one_memory_replay_per_schedule_and_rank_not_per_microbatch_count():
+    """Interleaved plans that differ only in their microbatch count past a few rounds share one replay of the
+    compressed schedule (``phases._merged_schedules``): 16 microbatch counts of one pipeline (pp 4, 2 stages per
+    rank) replay at most 5 schedules per rank, not 16, and each plan's memory is what it is alone."""
+    from parsim.codec import encode
+    from parsim.costmodel import evaluate
+    from parsim.costmodel.work import counted
+    from parsim.plan import Plan
+
+    spec, hw = PRESETS["llama3-8b"], load_profile("h100-sxm-spec-cal")
+    plans = [Plan(pp=4, dp_shard=2, micro_batch_size=1, local_batch_size=4 * k, global_batch_size=8 * k,
+                  pp_schedule="Interleaved1F1B", pp_stages_per_rank=2, seq_len=2048) for k in range(1, 17)]
+    with counted() as work:
+        batch = evaluate(spec, encode(plans, None), hw, memory_only=True)["reserved_memory_bytes"]
+    assert work["schedule_replays"] <= 2 * 5 and work["timeline_plans"] == 2 * len(plans)
+    alone = [evaluate(spec, encode([p], None), hw, memory_only=True)["reserved_memory_bytes"][0] for p in plans]
+    assert list(batch) == alone

@@ -194,8 +194,7 @@ def rank_comm(spec, b, sh, hw, rv: RankView) -> RankComm:
     ac = {k: _ac_counts(b, rv.n_of[k], rv.n_ckpt[k]) for k in rv.kinds}
     n_full = sum(ac[k][0] for k in rv.kinds)
     n_sac = sum(ac[k][1] for k in rv.kinds)
-    _tp_records(led, spec, b, sh, rv, M, n_full, n_sac)
-    _cp_ep_records(led, spec, b, sh, rv, M, n_full, n_sac, ac)
+    per_microbatch_exposed_records(led, spec, b, sh, rv, M, n_full, n_sac, ac)
     v = b.pp_stages_per_rank.astype(float)
     sends = np.where(b.pp > 1, (2.0 * v - 1.0), 0.0)  # first: v fwd + (v-1) bwd; last: (v-1) fwd + v bwd
     led.add("PP send of a stage output / its gradient (fp32 under autocast)", "send", "pp",
@@ -207,6 +206,12 @@ def rank_comm(spec, b, sh, hw, rv: RankView) -> RankComm:
                       and r.phase != "step"), np.zeros(len(b))) / np.maximum(M, 1) for a in ("tp", "cp", "ep")}
     return RankComm(ledger=led, per_microbatch_exposed_s=per_mb, fsdp_gather_total_s=led.total_s(("fsdp_gather",)),
                     fsdp_reduce_total_s=led.total_s(("fsdp_reduce",)))
+
+
+def per_microbatch_exposed_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac) -> None:
+    """The TP, CP and EP records of ``M`` microbatches (exposed: on the critical path of each)."""
+    _tp_records(led, spec, b, sh, rv, M, n_full, n_sac)
+    _cp_ep_records(led, spec, b, sh, rv, M, n_full, n_sac, ac)
 
 
 def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> None:

@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .work import tally
+
 MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "buffers", "pipeline_buffers", "inputs", "cp_buffers",
                "fsdp_unsharded_params", "fsdp_gather_buffers", "fsdp_grad_buffers", "autocast_weight_cache",
                "autocast_weight_grads", "activations", "recompute_transient", "logits_and_loss",
@@ -372,6 +374,7 @@ class RankMemory:
 def simulate(q: RankMemory) -> dict:
     """The phases of one step (the last pass of gradient accumulation: the earlier passes' gradients present),
     itemized."""
+    tally(timeline_replays=1, timeline_plans=q.n)
     tl = _step_start(q)
     act = q.act_mb()
     multi = q.m >= 2
@@ -520,6 +523,7 @@ def simulate_actions(q: RankMemory, chunks: list, schedules: list, pp: int) -> d
     first, second, one before the last and last are replayed, the change of one added for the others.
     ``schedules``: (the plans it is for, the action list) pairs (the list depends on the microbatch count), each
     replayed for its plans only, a forward's or backward's record shared (``_replayed``)."""
+    tally(schedule_replays=len(schedules), timeline_plans=q.n, schedule_actions=sum(len(a) for _, a in schedules))
     tl = _step_start(q)
     v = len(chunks)
     memo: dict = {}

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..codec import PlanBatch, canonical_axes, canonical_key, encode, validate_plan
+from ..codec import GROUPS, PlanBatch, canonical_axes, canonical_key, encode, validate_plan
 from ..hardware import HardwareProfile
 from ..ordering import ac_wraps_compile_recompute_factor
 from ..plan import Plan, interval_group
@@ -63,6 +63,7 @@ from ..results import Prediction
 from ..spec import ModelSpec
 from . import comm as C
 from .compute import RankCompute, block_overheads, layer_costs, optimizer_time_s, rank_compute
+from .distinct import on_distinct_rows, repeat_rows
 from .layers import (
     FIRST,
     LAST,
@@ -75,7 +76,7 @@ from .layers import (
 )
 from .memory import MEMORY_KEYS, PHASES
 from .overlap import async_tp_exposed_fraction, framework_overheads, fsdp_exposed, interference, set_exposed
-from .phases import RankPeak, rank_memory, rank_params, rank_peak, static_bytes
+from .phases import RankPeak, rank_memory, rank_memory_bound, rank_params, rank_peak, static_bytes
 from .pipeline import shared_cores
 from .reserved import RESERVED_KEYS
 
@@ -95,21 +96,18 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
     collectives and memory. ``time_only``: the step time (the same as the full evaluation's; step time does
     not depend on memory) with tokens/s, MFU and the dominant cost, without replaying memory (what calibration's
     fits and the search's full evaluations need: the search has every plan's memory from its screen)."""
+    if time_bound:
+        return {"step_time_lower_bound_s": step_time_lower_bound(spec, b, hw)}
     sh = Shapes(spec, b)
-    layers = rank_layers(spec, b.pp, b.pp_stages_per_rank)
-    kinds = [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
-    overheads = block_overheads(hw)
-    costs = {k: layer_costs(spec, b, sh, hw, k, overheads, times=not memory_only) for k in kinds}
-    plocal, pshard = layer_params(spec, b, kinds)
+    kinds = block_kinds(spec)
+    costs = kind_costs(spec, b, hw, kinds, block_overheads(hw), times=not memory_only)
     per_rank: list = []
-    rvs = [_rank_view(spec, b, rank, layers, kinds, plocal, pshard) for rank in (FIRST, LAST)]
+    rvs = rank_views(spec, b, kinds)
     cs = [rank_compute(spec, b, sh, hw, rv, costs) for rv in rvs]
     work = _stage_work(spec, b, cs, rvs)
     mean_mb = _mean_stage_compute(work, b)
     for rank, rv, c in zip((FIRST, LAST), rvs, cs, strict=True):
-        if time_bound:
-            per_rank.append(_time_lower_bound(b, hw, c, rank_params(b, rv)[1], rv.n_tensors, mean_mb))
-        elif time_only:
+        if time_only:
             per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, c, mean_mb, work, with_memory=False))
         elif memory_only:
             phases, _ = rank_memory(spec, b, sh, rank, rv, c, above_bytes)
@@ -119,8 +117,6 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
                              for v in (pk.memory_bytes, pk.reserved_bytes)])
         else:
             per_rank.append(_evaluate_rank(spec, b, sh, hw, rank, rv, c, mean_mb, work))
-    if time_bound:
-        return {"step_time_lower_bound_s": np.maximum(per_rank[0], per_rank[1])}
     if time_only:
         return _combine_time(spec, b, hw, per_rank)
     if memory_only:  # per rank: (allocated peak, reserved) with the static bound
@@ -129,6 +125,51 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
     return _combine(spec, b, hw, per_rank, detail)
 
 
+
+
+def memory_lower_bound(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, any_reshard: bool = False) -> np.ndarray:
+    """A lower bound of every plan's reserved memory, without the timeline [derived]: the larger of the two ranks'
+    ``phases.rank_memory_bound``, which the allocated peak is at least; reserved memory is at least the allocated
+    peak (``reserved.reserved_breakdown``: every pool is mapped in whole pages of what it holds). Shrunk by one
+    part in 1e9: it sums the same terms in another order than the timeline. ``any_reshard``: a bound for the
+    plans' every reshard-after-forward choice."""
+    sh = Shapes(spec, b)
+    kinds = block_kinds(spec)
+    costs = kind_costs(spec, b, hw, kinds, block_overheads(hw), times=False)
+    out = np.zeros(len(b))
+    for rank, rv in zip((FIRST, LAST), rank_views(spec, b, kinds), strict=True):
+        c = rank_compute(spec, b, sh, hw, rv, costs)
+        out = np.maximum(out, rank_memory_bound(spec, b, sh, rank, rv, c, any_reshard))
+    return out * (1.0 - 1e-9)
+
+
+def block_kinds(spec: ModelSpec) -> list[bool]:
+    """The model's block kinds (False dense, True MoE) that it has layers of."""
+    return [k for k in (False, True) if (spec.n_moe_layers if k else spec.n_dense_layers) > 0]
+
+
+def rank_views(spec: ModelSpec, b: PlanBatch, kinds: list) -> list[C.RankView]:
+    """The ``RankView`` of the first and of the last pipeline rank, computed once per distinct plan they can tell
+    apart (``distinct.on_distinct_rows``)."""
+    return on_distinct_rows(_rank_views_of_rows, b, spec, tuple(kinds))
+
+
+def _rank_views_of_rows(b: PlanBatch, spec: ModelSpec, kinds: tuple) -> list[C.RankView]:
+    layers = rank_layers(spec, b.pp, b.pp_stages_per_rank)
+    plocal, pshard = layer_params(spec, b, list(kinds))
+    return [_rank_view(spec, b, rank, layers, list(kinds), plocal, pshard) for rank in (FIRST, LAST)]
+
+
+def kind_costs(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, kinds: list, overheads: tuple,
+               times: bool = True) -> dict:
+    """``compute.layer_costs`` of every block kind, computed once per distinct plan the costs can tell apart
+    (``distinct.on_distinct_rows``: a search batch holds few distinct local shapes)."""
+    return {k: on_distinct_rows(_kind_costs_of_rows, b, spec, hw, k, overheads, times) for k in kinds}
+
+
+def _kind_costs_of_rows(b: PlanBatch, spec: ModelSpec, hw: HardwareProfile, moe: bool, overheads: tuple,
+                        times: bool):
+    return layer_costs(spec, b, Shapes(spec, b), hw, moe, overheads, times=times)
 
 
 def layer_params(spec: ModelSpec, b: PlanBatch, kinds: list) -> tuple[dict, dict]:
@@ -205,7 +246,94 @@ def _mean_stage_compute(work: tuple, b: PlanBatch) -> np.ndarray:
     return np.where(b.pp > 1, (first + last + middle) / b.pp.astype(float), first)  # pp 2: no middle layers
 
 
-def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: RankCompute, p_opt, n_tensors,
+def step_time_lower_bound(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile) -> np.ndarray:
+    """A lower bound of every plan's step time over every device order (the larger of its two ranks'
+    ``_time_lower_bound``); the microbatch's compute is computed once per distinct plan it can tell apart."""
+    kinds = block_kinds(spec)
+    compute_mb, mean_mb = on_distinct_rows(_microbatch_compute, b, spec, hw, tuple(kinds))
+    comm_mb = on_distinct_rows(_exposed_comm_bound, b, spec, hw, tuple(kinds),
+                               _rpn_counts(b, max(1, int(hw.gpus_per_node))))
+    M = (b.grad_accum * b.n_micro).astype(float)
+    out = np.full(len(b), -np.inf)
+    for rv, c_mb, (e_mb, e_step) in zip(rank_views(spec, b, kinds), compute_mb, comm_mb, strict=True):
+        t = _time_lower_bound(b, hw, c_mb, rank_params(b, rv)[1], rv.n_tensors, mean_mb)
+        out = np.maximum(out, t + M * e_mb + e_step)
+    return out
+
+
+def _exposed_comm_bound(b: PlanBatch, spec: ModelSpec, hw: HardwareProfile, kinds: tuple,
+                        counts: np.ndarray) -> list:
+    """Per rank, (seconds per microbatch, seconds per step) whose ``M x`` the first plus the second bounds the
+    exposed seconds of the step's TP, CP and EP collectives from below over every device order [derived]: those
+    records are exposed as they are (TP's by async TP's fraction, >= 0: left out where async TP is on,
+    ``overlap.set_exposed``); a record's time is its calls (a multiple of the microbatches, or per step) times one
+    call's, so the ledgers of 0 and of 1 microbatch give both parts; and a group's ranks per node is one of
+    1 .. gpus per node in any device order (``counts``, of the whole batch: ``_rpn_counts``), so each part is at
+    least its least over those (every plan is repeated once per count, ``distinct.repeat_rows``)."""
+    n, k = len(b), len(counts)
+    bt = repeat_rows(b, k)
+    object.__setattr__(bt, "rpn", {g: np.tile(counts, n) for g in GROUPS})
+    sh = Shapes(spec, bt)
+    out = []
+    for rv in _layer_views(spec, bt, list(kinds)):
+        ac = {k: ac_counts(bt, rv.n_of[k], rv.n_ckpt[k]) for k in kinds}
+        n_full, n_sac = sum(ac[k][0] for k in kinds), sum(ac[k][1] for k in kinds)
+        none, one = (_exposed_records(spec, bt, sh, hw, rv, float(m), n_full, n_sac, ac) for m in (0, 1))
+        # (each record's least on its own: the groups of one plan sit differently in nodes)
+        per_mb = sum(((t1 - t0).reshape(n, k).min(axis=1) for t0, t1 in zip(none, one, strict=True)), np.zeros(n))
+        per_step = sum((t0.reshape(n, k).min(axis=1) for t0 in none), np.zeros(n))
+        out.append((per_mb, per_step))
+    return out
+
+
+def _rpn_counts(b: PlanBatch, gpn: int) -> np.ndarray:
+    """The ranks per node a TP, CP or EP group can have in some device order: 1 .. ``gpn``; where ``gpn`` and every
+    degree are powers of two, only powers of two (``plan.ranks_per_node`` clamps ``gpn`` // a product of degrees
+    to a degree, and ``codec.group_rpn`` takes minima and quotients of such counts)."""
+    degrees = np.concatenate([np.asarray(getattr(b, a)).ravel() for a in ("pp", "dp_replicate", "dp_shard", "cp",
+                                                                        "tp", "ep", "etp")])
+    if gpn & (gpn - 1) == 0 and not np.any(degrees & (degrees - 1)):
+        return 2 ** np.arange(gpn.bit_length(), dtype=np.int64)
+    return np.arange(1, gpn + 1, dtype=np.int64)
+
+
+def _exposed_records(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, m: float,
+                     n_full, n_sac, ac) -> list:
+    """The seconds of each exposed TP / CP / EP record of ``m`` microbatches (TP's 0 under async TP)."""
+    led = C.Ledger(hw, len(b))
+    C.per_microbatch_exposed_records(led, spec, b, sh, rv, np.full(len(b), m), n_full, n_sac, ac)
+    return [np.where((rec.axis == "tp") & b.async_tp, 0.0, rec.time_s) for rec in led.records
+            if rec.overlap == "exposed" and rec.axis in ("tp", "cp", "ep")]
+
+
+def _microbatch_compute(b: PlanBatch, spec: ModelSpec, hw: HardwareProfile, kinds: tuple) -> tuple:
+    """(per rank: forward + backward + recompute seconds of one microbatch, the pipeline's mean stage's), from the
+    ranks' layers alone (``_layer_views``: no parameter shards, so the data-parallel degrees are not read)."""
+    sh = Shapes(spec, b)
+    costs = kind_costs(spec, b, hw, list(kinds), block_overheads(hw))
+    views = _layer_views(spec, b, list(kinds))
+    cs = [rank_compute(spec, b, sh, hw, rv, costs) for rv in views]
+    mean_mb = _mean_stage_compute(_stage_work(spec, b, cs, views), b)
+    return [c.fwd + c.bwd + c.rec for c in cs], mean_mb
+
+
+def _layer_views(spec: ModelSpec, b: PlanBatch, kinds: list) -> list[C.RankView]:
+    """The first and last pipeline ranks' layers, checkpointed layers and ends: the part of ``RankView`` that
+    ``rank_compute`` and ``_stage_work`` read."""
+    layers = rank_layers(spec, b.pp, b.pp_stages_per_rank)
+    ckpt = rank_ckpt(spec, b)
+    out = []
+    for rank in (FIRST, LAST):
+        has_emb = np.ones(len(b), bool) if rank == FIRST else b.pp == 1
+        has_out = b.pp == 1 if rank == FIRST else np.ones(len(b), bool)
+        n_of = {False: layers["dense"][rank].astype(float), True: layers["moe"][rank].astype(float)}
+        z = np.zeros(len(b))
+        out.append(C.RankView(n_of, kinds, {}, has_emb, has_out, z, z,
+                              n_ckpt={k: ckpt[k][rank].astype(float) for k in (False, True)}))
+    return out
+
+
+def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, compute_mb, p_opt, n_tensors,
                       mean_mb=None) -> np.ndarray:
     """A lower bound of one rank's step time over every device order [derived]: ``_evaluate_rank``'s step is
     compute (forward, backward, recompute: the same in every device order) + bubble + optimizer + exposed
@@ -213,12 +341,12 @@ def _time_lower_bound(b: PlanBatch, hw: HardwareProfile, c: RankCompute, p_opt, 
     bubble grows with the microbatch time, which is compute + exposed per-microbatch collectives, so the bubble of
     the compute alone bounds it from below. Collectives are the only term that depends on the device order; search
     skips the orders of a (plan, options) row whose bound already loses (``parsim.search``). A profile with a
-    negative interference factor gets no bound (-inf)."""
+    negative interference factor gets no bound (-inf). ``compute_mb``: the rank's forward, backward and recompute
+    seconds of one microbatch."""
     if float(hw.corrections.get("comm_interference", 0.0)) < 0.0:
         return np.full(len(b), -np.inf)
     ga = b.grad_accum.astype(float)
     M = ga * b.n_micro
-    compute_mb = c.fwd + c.bwd + c.rec
     opt = optimizer_time_s(hw, p_opt, n_tensors)
     factor, bub = shared_cores(b, hw, M, ga, compute_mb, compute_mb, mean_mb)
     return M * compute_mb * factor + opt + bub
