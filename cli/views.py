@@ -64,11 +64,13 @@ def _print_search(con, spec, hw, gpus, space, res, top, wide) -> bool:
     from rich import box
     from rich.table import Table
 
+    batches = res.work.get("memory_replay_batches", 0)
     con.print(f"[bold]{spec.name}[/bold] on {gpus} x {hw.device_name} ({hw.name}), global batch "
-              f"{space.global_batch_size} x seq {space.seq_len}: {res.considered:,} plans considered, "
-              f"{res.fitting:,} fit, {res.pruned_memory:,} do not fit (usable {res.usable_memory_bytes / GiB:.1f} "
-              f"GiB), {res.pruned_dominated:,} dominated, {res.pruned_bound:,} fit but lose on a time bound; "
-              f"{res.evaluated:,} evaluated in full (+{res.screened:,} memory screens) in {res.wall_s:.2f} s")
+              f"{space.global_batch_size} x seq {space.seq_len}: {res.considered:,} plans considered: "
+              f"{res.pruned_dominated:,} dominated, {res.pruned_memory:,} do not fit (usable "
+              f"{res.usable_memory_bytes / GiB:.1f} GiB), {res.pruned_bound:,} lose on a time bound, "
+              f"{res.evaluated:,} evaluated in full; memory replayed for {res.screened:,} (row, AC/reshard) pairs "
+              f"in {batches} batches; {res.wall_s:.2f} s")
     if res.stopped_at is not None:
         con.print(f"[yellow]stopped by --max-seconds after {100 * res.stopped_at:.0f}% of the space[/yellow]: the "
                   "plans below are the best of the part searched, not of the whole space")

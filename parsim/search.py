@@ -637,7 +637,7 @@ class _Bounded:
 
     SEED_FAST = 64  # seed rows of the smallest time bounds
     SEED_BUCKETS, SEED_PER_BUCKET = 32, 2  # and the fastest of every range of memory bounds (log-spaced)
-    FIRST_WINDOW, GROWTH = 2048, 4  # rows of the first window after the seed, and how each next one grows
+    FIRST_WINDOW, GROWTH = 16384, 4  # rows of the first window after the seed, and how each next one grows
     FIRST_BATCH = 2048  # replays of a pool's first batch; each later batch at most doubles the total
 
     def __init__(self, spec, hw, base, opts, sp, res, found, chunk, deadline, progress):
