@@ -3,7 +3,7 @@ GEMM / attention / bandwidth curves, optimizer step, per-layer overhead and bloc
 interconnect of ``h100-sxm-spec``), beside the raw spec sheet, the calibrated spec sheet and the constant-MFU rule,
 on the same rows (no parameter fitted to these rows for the measured profile).
 
-    python bench/published_measured_h100.py [--csv ../shared/published/dev.csv]
+    python bench/published_measured_h100.py [--csv bench/published/dev.csv]
 """
 
 from __future__ import annotations

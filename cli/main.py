@@ -27,7 +27,7 @@ def _root():
     """parsim: how to parallelize a PyTorch training job, what it will cost, and how sure we are."""
 
 
-# ---- shared plan flags (CLI contract of shared/DESIGN.md; names follow torchtitan) ---------------------------------
+# ---- shared plan flags (CLI contract of docs/design.md; names follow torchtitan) ---------------------------------
 # Every flag defaults to None ("not given"): predict/run/trace fill in parsim.flags.DEFAULTS, search pins what is given.
 def _schema_flags() -> list:
     """One flag per plan field (``parsim.plan_schema``): its name, type, help and [default]."""
@@ -658,7 +658,7 @@ def validate(
     nproc_per_node: int = typer.Option(2, "--nproc-per-node", help="measured tier: CPU ranks (gloo)"),
     out: str = typer.Option(..., "--out", help="results folder (measurements.jsonl, rows.json, summary.json)"),
     published: Optional[str] = typer.Option(None, "--published", help="a CSV in the schema of "
-                                            "shared/published/dev.csv: predict its rows, run nothing"),
+                                            "bench/published/dev.csv: predict its rows, run nothing"),
     profile: Optional[str] = typer.Option(None, "--profile", help="profile to predict with [cpu-gloo-<ranks>; "
                                           "published: each row's spec-sheet profile, calibrated]"),
     uncalibrated: bool = typer.Option(False, "--uncalibrated", help="published: the raw spec-sheet profiles, "

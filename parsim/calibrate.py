@@ -71,7 +71,7 @@ DEFAULT_PARAMETERS = ("gemm_eff_max", "memory_efficiency", "compile_memory_facto
                       "comm_scale_tp", "comm_scale_dp", "comm_scale_ep", "comm_scale_all_reduce")
 # GPU rows (the published tier, spec-sheet profiles): what is physically uncertain there and the rows identify —
 # kernel efficiencies (bf16 GEMM, attention, float8 GEMM, memory-bound) and the achieved collective time per class
-# (no per-layer overhead: no block sample on a spec sheet). Not fitted (stop 51): torch.compile's memory-bound
+# (no per-layer overhead: no block sample on a spec sheet). Not fitted: torch.compile's memory-bound
 # factor and the comm interference, whose fits leaving one source table's fold out ranged 0.45-2.0 and 0.36-2.3
 # (``unidentified``): the compiled rows are all torchtitan's, from four tables whose compiled kernels differ, and
 # the fit carried one table's factor to another's plans. They keep the profile's values: compile's memory-bound
@@ -79,14 +79,14 @@ DEFAULT_PARAMETERS = ("gemm_eff_max", "memory_efficiency", "compile_memory_facto
 # (tokens/s mean / max, coverage / median half-width): 8.97% / 27.6%, 90.4% / 20.4% -> 8.27% / 27.6%, 91.3% / 17.3%
 # (torchtitan 16.1% -> 12.0%, its coverage 76.5% -> 82.4%); in sample 6.63% -> 6.80%.
 # The Triton FlashAttention kernel's slowdown against FlashAttention-2 (``triton_attention``, llm-foundry's MPT runs)
-# is fitted since stop 52 within the range the FlashAttention-2 paper measured (1.3-2.5x, arXiv 2307.08691 sec.
+# is fitted within the range the FlashAttention-2 paper measured (1.3-2.5x, arXiv 2307.08691 sec.
 # 4.1; the bounds of the factor on the assumed 1.8): the one attention factor had been pulled by two kernels —
 # llm-foundry's long-sequence rows asking for a faster Triton kernel, torchtitan's SDPA rows for a slower
 # FlashAttention-2 — and met them halfway. Fitted x0.80 (slowdown 1.45, fold range 0.77-0.86); out of fold
 # 8.27% / 27.6% -> 7.93% / 22.8% (tokens/s mean / max), torchtitan 12.0% -> 10.3%.
 #
 # Ampere's GEMM ceiling is its own (``gemm_eff_max_ampere``, a ratio to the one fitted on the other GPUs, so that
-# without Ampere rows it stays the same), since stop 52: a GEMM ceiling is the hardware's, and the spec sheets'
+# without Ampere rows it stays the same): a GEMM ceiling is the hardware's, and the spec sheets'
 # MAMF (a short benchmark of one kernel) is not what a training step sustains on either generation in the same
 # proportion. With one factor for all GPUs the A100 rows of one model came out with a trend in sequence length that
 # the spec sheet alone did not have (llm-foundry's 1B on A100: -12.5% at every length uncalibrated; calibrated +16%

@@ -2,11 +2,11 @@
 
 A profile's collective curves come from one sweep (``parsim.profiler.collectives``): on 2 ranks of a shared 2-core
 machine about 20 seconds, on 4 about 70. One slow minute there moves every plan's communication alike. On a 2-core
-AMD EPYC (stop 58) a fresh 2-rank profile read all-gather, reduce-scatter and all-reduce 30-90% slower than a
+AMD EPYC a fresh 2-rank profile read all-gather, reduce-scatter and all-reduce 30-90% slower than a
 profile of the same machine made the day before, while the collectives inside the plans' own steps
 (``bench/step_collectives.py``) took 0.61-0.68x that profile's curves and 0.89-0.99x the day before's: the tiny /
 2-rank fresh run missed by 13.1% mean, and by 7.2% re-scored with the earlier curves. Part of that gap was the
-sweep itself until stop 63: it made each call's buffers (``torch.full``, ``torch.empty``) inside the timed loop, which
+sweep itself as it was then: it made each call's buffers (``torch.full``, ``torch.empty``) inside the timed loop, which
 on gloo made a 4 MB all-gather 1.6x what the same call takes on buffers made once (``profiler.collectives``).
 
 So ``validate --measure-blocks`` runs the same sweep at the start of every round, beside the blocks

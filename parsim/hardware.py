@@ -36,8 +36,8 @@ PACKAGED_PROFILES_DIR = Path(str(importlib.resources.files("parsim.profiles")))
 # Interval half-widths (log of the ratio) of profiles no calibration has sized, 90% split-conformal quantiles of
 # |log(predicted / measured)| of the uncalibrated model:
 UNCALIBRATED_LOG_HALFWIDTH = {
-    # [measured] 104 scored rows of shared/published/dev.csv with the spec-sheet profiles (q = 0.561, x/÷ 1.75),
-    # `parsim validate --published ../shared/published/dev.csv`, 2026-11-22; rounded up
+    # [measured] 104 scored rows of bench/published/dev.csv with the spec-sheet profiles (q = 0.561, x/÷ 1.75),
+    # `parsim validate --published bench/published/dev.csv`, 2026-11-22; rounded up
     "spec-sheet": 0.6,
     # [measured] 39 plans of the CPU tier before calibration (q = 0.273, x/÷ 1.31; tiny / tiny-moe on 2 and 4 gloo
     # ranks, 3 interleaved rounds, bench/reports/validate-cpu), 2026-11-22; rounded up

@@ -305,8 +305,8 @@ def round_means(block_rounds: list[dict]) -> dict:
     11.5-12.6 ms forward, steady within a burst, on either CPU), and over 69 stored rounds the bursts moved 7.8%
     (sd) where the rounds' steps moved 2.7%, uncorrelated (0.01; ``bench/reports/fresh-machine-stop62/
     block-bursts.txt``): the steps run through both levels, and the median of three rounds picks one of them.
-    Re-scored, the six 3-round folders of stops 59-62 went 10.3% -> 9.6% on average (five better; stop 62's tiny
-    / 2 ranks 14.1% -> 11.7%, stop 61's tiny-moe / 2 9.7% -> 10.1%); with two rounds mean and median agree."""
+    Re-scored, six stored 3-round folders went 10.3% -> 9.6% on average with the mean (five better; one tiny / 2
+    ranks 14.1% -> 11.7%, one tiny-moe / 2 9.7% -> 10.1%); with two rounds mean and median agree."""
     import statistics
 
     by_key: dict[str, list[dict]] = {}

@@ -345,7 +345,7 @@ class ModelSpec:
             raise ParsimError(f"bad model spec: {e}") from None
 
 
-# ---- presets (Hugging Face config.json values, see shared/HARDWARE_FACTS.md) ----------------------------------------
+# ---- presets (Hugging Face config.json values, see docs/hardware-facts.md) ----------------------------------------
 PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
     "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256),

@@ -7,7 +7,7 @@
   falls from the plan's, the floor under the step error that the machine's drift sets). Results are appended to
   ``measurements.jsonl`` keyed by plan_id + model + ranks + executor code version and reused when the command is
   run again (interrupt it, run it again: finished runs are not repeated). A failed plan is a recorded row.
-* published (tier 3): every row of a CSV in the schema of ``shared/published/dev.csv`` is predicted with its
+* published (tier 3): every row of a CSV in the schema of ``bench/published/dev.csv`` is predicted with its
   spec-sheet profile and compared with the published tokens/s/GPU (as step time: tokens per GPU per step / rate)
   and memory. Rows the model cannot represent are rows with a reason.
 
@@ -410,7 +410,7 @@ def published_rows(csv_path: str, profiles: dict | None = None, calibrated: bool
     missing = [c for c in ("id", "model", "profile", "gpus", "seq_len", "global_batch_size", "local_batch_size",
                            "micro_batch_size", "measured_tps_per_gpu") if c not in df.columns]
     if missing:
-        raise ParsimError(f"{csv_path}: missing columns {missing} (schema of shared/published/dev.csv)")
+        raise ParsimError(f"{csv_path}: missing columns {missing} (schema of bench/published/dev.csv)")
     profiles = dict(profiles or {})
     rows = []
     for r in df.to_dict("records"):

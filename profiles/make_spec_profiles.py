@@ -1,6 +1,6 @@
 """Regenerate the spec-sheet profiles in this folder: `python profiles/make_spec_profiles.py`.
 
-Figures come from ../shared/HARDWARE_FACTS.md (public sources named there). Every figure that is not a public
+Figures come from docs/hardware-facts.md (public sources named there). Every figure that is not a public
 spec-sheet number is an assumption and is listed in the profile's `assumptions` until a measured profile replaces it.
 """
 
@@ -139,7 +139,7 @@ def build(name: str, s: dict) -> HardwareProfile:
         topology=Topology(intra_node_busbw_bytes_per_s=s["intra"], inter_node_bytes_per_s_per_gpu=s["nic"],
                           intra_latency_s=10e-6, inter_latency_s=20e-6, latency_per_log2_rank_s=3e-6),
         source="spec-sheet", assumptions=COMMON_ASSUMPTIONS + s["extra"],
-        provenance={"how": "spec sheet: public figures from shared/HARDWARE_FACTS.md, not a measurement",
+        provenance={"how": "spec sheet: public figures from docs/hardware-facts.md, not a measurement",
                     "generator": "profiles/make_spec_profiles.py"},
     )
 

@@ -33,7 +33,7 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
     * ``framework_fsdp`` = sum over the FSDP units of their collective calls (each unshard and each gradient
       reduction) x (``fsdp_call_fixed_s`` + ``fsdp_call_s_per_byte`` x the unit's unsharded gradient bytes): hooks,
       copy-in / copy-out of the all-gather buffer, chunk-cat and sharded accumulation. Per call, not per reduction:
-      over eight probe sets (stops 55-58, 2 and 4 gloo ranks, AVX-512 and AVX2 EPYCs) the probe with reshard after
+      over eight probe sets (four sessions, 2 and 4 gloo ranks, AVX-512 and AVX2 EPYCs) the probe with reshard after
       forward (3 calls per unit: two unshards, one reduce-scatter) spent 1.45x (median; 0.98-2.71) what the one
       without (2 calls) did. Reductions are the reduce-scatters (FSDP, expert FSDP) and, where the shard group is 1
       (replicate only), the all-reduces of the whole unit; the unshards are ``comm.fsdp_gathers_per_pass`` per
@@ -58,10 +58,10 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
       ``PipelineStage`` beside the compute and the transfers. On a 2-core AVX2 EPYC it is within the probe's noise
       of nothing: GPipe over 2 and 4 gloo ranks, one 128 / 256 / 512-wide block per stage, 8 microbatches of 64
       tokens, ran -3.2 to +2.4 ms an action against its plain send / recv twin over seven probe sets (15
-      repetitions each), fitted to 0 (stop 60) [measured].
+      repetitions each), fitted to 0 [measured].
 
     CPU work, so ranks sharing cores stretch it like compute: by ``compute_scale`` / ``framework_probe_compute_scale``
-    [derived], the plan's core sharing over the one the probe ran under (CPU profiles since stop 57 run it on their
+    [derived], the plan's core sharing over the one the probe ran under (CPU profiles run it on their
     own ranks, so the quantities carry the sharing already: the ratio is 1 but for validate's per-round drift of
     ``compute_scale``; a probe on 2 ranks, 1). Profiles without the quantities (spec sheets, profiles measured
     before) add nothing and keep their breakdown keys."""

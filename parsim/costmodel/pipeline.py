@@ -20,9 +20,9 @@ def shared_cores(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb, mea
     ranks' work is not given (search's step-time lower bound), the schedule's simulated step where it is (below):
     * the cores: together they run every rank's work, the stretched mean per rank, ``M x mean_compute_mb``;
     * the critical path: this rank's work at full speed plus its bubble at full speed (the cores idle ranks free).
-    Before stop 55 the first bound was this rank's own stretched compute (s x W), as if every rank did the most
-    loaded stage's work: the last stage's output and loss made every pipeline on 4 ranks sharing 2 cores
-    over-predicted (tiny pp 4: +8.7%, tiny-moe pp 4: +23.6%). Where the bounds fall below the stretched compute of
+    Taking this rank's own stretched compute (s x W) as the first bound, as if every rank did the most loaded
+    stage's work, over-predicts: the last stage's output and loss made every pipeline on 4 ranks sharing 2 cores
+    slow that way (tiny pp 4: +8.7%, tiny-moe pp 4: +23.6%). Where the bounds fall below the stretched compute of
     a rank heavier than the mean, its compute is scaled down (factor < 1, no bubble); else the factor is 1 and the
     rest is bubble. With s = 1 (no sharing) the factor is 1 and the bubble the plain one.
 
@@ -33,11 +33,11 @@ def shared_cores(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb, mea
     reorders the same work; interleaving divides the fill by v). (pp - 1) t_k, the textbook form for equal stages,
     over-counts where the last stage carries the output projection and loss: tiny-moe pp 2 GPipe on 2 ranks ran
     1.065 / 1.068 s in two rounds against 1.362 predicted with the last stage's microbatch time (the bubble 0.447 s
-    of 0.893 s compute; stop 59, AVX2 EPYC).
+    of 0.893 s compute; AVX2 EPYC).
 
     With ``work`` (the ranks' forward and backward per microbatch, ``step._stage_work``), pipelines whose ranks
     share cores (s > 1) take the schedule's simulated step instead of the larger bound (``shared_makespan``, at
-    least both) [derived]. Re-scored on the twelve stored fresh-machine folders of stops 58-61 (62 pipeline rows),
+    least both) [derived]. Re-scored on twelve stored fresh-machine folders (62 pipeline rows),
     pp 4 on 4 ranks: mean |error| 18.3% -> 12.7%, bias -17.1% -> -6.0% (six rows); every pipeline row 12.0% ->
     11.3%, bias -2.8% -> -1.9% (``bench/reports/fresh-machine-stop62``)."""
     s = float(hw.corrections.get("compute_scale", 1.0))
@@ -66,7 +66,7 @@ def _simulated(b: PlanBatch, ga, work: tuple, s: float, total: np.ndarray) -> np
     (TP / CP / EP per microbatch), and the fill's and drain's waits on the other ranks' collectives are left out
     (the bubble of ``shared_cores``' critical-path bound counts them). Counted as waits that free the cores, they
     made pp 2 x tp 2 plans on 4 ranks over-predicted: +8.8% on average over the 10 such rows of the stored 4-rank
-    folders (stops 58-61) against -0.7% without them, the other pipelines' rows within 0.3 points either way."""
+    folders against -0.7% without them, the other pipelines' rows within 0.3 points either way."""
     out = np.array(total, dtype=float)
     n = len(b)
     f0, b0, f1, b1, fm, bm = (np.broadcast_to(np.asarray(x, dtype=float), (n,)) for fb in work for x in fb)
@@ -210,7 +210,7 @@ def shared_makespan(schedule: int, pp: int, v: int, m: int, work_s: list, scale:
     Why: ``shared_cores``' two lower bounds (the cores, the critical path) take their larger; the step is at
     least both. Where the fill and the drain leave cores idle while other ranks wait (4 ranks on 2 cores, pp 4,
     4 microbatches: rank 0 alone in its first forward and its last backward) both bounds are short of it: tiny
-    pp 4 ran 0.75 s against 0.57 predicted with the cores' bound (stop 61), its ranks using 85% of the 2 cores."""
+    pp 4 ran 0.75 s against 0.57 predicted with the cores' bound, its ranks using 85% of the 2 cores."""
     order = [schedule_order(schedule, pp, v, m, r) for r in range(pp)]
     last_stage = pp * v - 1
     done: set = set()

@@ -238,10 +238,10 @@ def _stage_work(spec: ModelSpec, b: PlanBatch, cs: list[RankCompute], rvs: list)
 
 def _mean_stage_compute(work: tuple, b: PlanBatch) -> np.ndarray:
     """Compute per microbatch of the pipeline's mean stage: every rank's work over pp [derived], from
-    ``_stage_work``; without PP the one rank's. Before stop 61 the middle ranks counted as the first, which is right
-    only where the first rank's layers are like the rest: tiny-moe's first layer is dense and the others MoE
-    (DeepSeek-V3: three dense layers first), and on tiny-moe pp 4 the old mean was 8% short of the stages' (stop
-    61's 4-rank blocks: 32.2 against 35.0 ms a microbatch at single-core speed)."""
+    ``_stage_work``; without PP the one rank's. Counting the middle ranks as the first would be right only where
+    the first rank's layers are like the rest: tiny-moe's first layer is dense and the others MoE (DeepSeek-V3:
+    three dense layers first), and on tiny-moe pp 4 that mean was 8% short of the stages' (measured 4-rank
+    blocks: 32.2 against 35.0 ms a microbatch at single-core speed)."""
     first, last, middle = (sum(fb) for fb in work)
     return np.where(b.pp > 1, (first + last + middle) / b.pp.astype(float), first)  # pp 2: no middle layers
 

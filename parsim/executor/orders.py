@@ -31,9 +31,8 @@ LOSS_TOL = 2e-5  # [measured] the parity tests' tolerance: summation-order diffe
 
 CASES = {
     # name: (model, plan kwargs, the wrappers permuted)
-    # before stop 54 one case permuted tp, ac, compile and fsdp and no run compiled anything
-    # (worker.compile_after_modes); TP blocks compile since stop 55 except under a compiled full checkpoint (codec's
-    # "compile over full AC under TP"), so the orders of TP and compile are observed with selective-op AC
+    # TP blocks compile except under a compiled full checkpoint (codec's "compile over full AC under TP"), so the
+    # orders of TP and compile are observed with selective-op AC
     "tp-ac-fsdp": ("tiny", dict(dp_shard=2, tp=2, local_batch_size=4, ac="full"), ("tp", "ac", "fsdp")),
     "tp-compile-fsdp": ("tiny", dict(dp_shard=2, tp=2, local_batch_size=4, ac="selective-op", compile=True),
                         ("tp", "compile", "fsdp")),

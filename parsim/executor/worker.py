@@ -319,7 +319,7 @@ def compile_after_modes(plan: Plan, run_step, sync) -> None:
     dispatch mode present") and marks the blocks' code to be skipped for the rest of the process: before this,
     every compiled plan was timed eager (found on an H200, 2026-11-28: no Triton kernel in the profiled step of a
     compile run; on CPU no frame traced). Their collective bytes and the CPU tensor-level memory stay those of the
-    eager step. A compile that captures no graph (seen at stop 54: TP blocks under AC) fails the run instead of
+    eager step. A compile that captures no graph (seen with TP blocks under AC) fails the run instead of
     timing it eager."""
     if not plan.compile:
         return

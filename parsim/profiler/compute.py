@@ -226,10 +226,10 @@ def core_sharing_sample(ranks: int, seq_len: int = 256, reps: int = 8, cycles: i
     ranks / cores, plus what time slicing and the shared caches and memory bus add; the profile's
     ``compute_scale``.
 
-    Why paired [measured, 2-core AVX2 EPYC, 4 processes, stop 61]: the probe before timed alone and together in
+    Why paired [measured, 2-core AVX2 EPYC, 4 processes]: the probe before timed alone and together in
     separately spawned process sets, one pair per round; its alone time moved 42-82 ms between rounds on this shared
-    machine while together moved 96-137, and single rounds read 1.39 to 2.73 (16 rounds over stops 56-60; a
-    2.48 / 2.41 pair made stop 60's 4-rank predictions 16% high, where 2.0 fit the steps). Interleaved in one
+    machine while together moved 96-137, and single rounds read 1.39 to 2.73 (16 rounds over five sessions; a
+    2.48 / 2.41 pair made one session's 4-rank predictions 16% high, where 2.0 fit the steps). Interleaved in one
     session, four runs each: the old probe read 2.07 / 2.45 / 2.02 / 2.12, the paired one (4 repetitions a phase)
     2.03 / 2.15 / 1.90 / 2.05; with 8 (the default, about 23 s) three runs read 2.09 / 2.20 / 2.15
     (``bench/reports/fresh-machine-stop61/core-sharing-probe.txt``). A cycle's two phases are a second apart

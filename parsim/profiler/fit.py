@@ -74,7 +74,7 @@ def fit_throughput(work, t) -> tuple[float, float, float]:
 def framework_events(sample: dict) -> tuple[float, str]:
     """(events per block and step, their name) of a framework-probe sample: what ``overhead_per_block_s`` is divided
     by to give its per-event overhead (FSDP: collective calls per unit; pipelining: stage actions; TP, EP: 1 block
-    and microbatch). Samples before stop 60 have no ``pp_actions_per_block``."""
+    and microbatch). Older samples have no ``pp_actions_per_block``."""
     kind = sample.get("kind")
     if kind in ("fsdp", "fsdp_moe"):
         return float(sample["fsdp_calls_per_unit"]), "call"
@@ -97,7 +97,7 @@ def fit_framework_overheads(samples: list[dict]) -> dict:
       experts (probes over MoE blocks at their own unit sizes), which replace the dense block's quantities for
       those units instead of extrapolating the dense fit, whose per-byte term leans on the widest dense unit (12.6
       MB: 5.5-14 ms a call across three probe runs on 2 gloo ranks of a 2-core AVX2 EPYC, 15-25 on 4). A 7.9 MB
-      MoE unit there: 0.67-1.05x the dense fit at its size over four probe sets (stop 60) [measured].
+      MoE unit there: 0.67-1.05x the dense fit at its size over four probe sets [measured].
     * ``tp_block_fixed_s`` / ``tp_block_s_per_byte``: per tensor-parallel block and microbatch, forward +
       backward, against the bytes of one gathered activation: DTensor dispatch, sharding propagation and
       redistribution bookkeeping.

@@ -203,7 +203,7 @@ def framework_probe_ranks(device_type: str, nproc_per_node: int) -> int:
     """Ranks the framework probe runs on: on CPU the profile's own (its plans' ranks share the cores, and what the
     framework spends beside its collectives then is measured under that sharing: on a 2-core AVX2 EPYC, 4 ranks
     read 59 ms per TP block where 2 ranks x the core-sharing factor gave 50, 9.8 ms per FSDP unit against 5.9,
-    and re-scoring stop 57's 4-rank validate runs with the 4-rank probe moved tiny 10.5% / 22.1% -> 9.5% / 17.6%,
+    and re-scoring stored 4-rank validate runs with the 4-rank probe moved tiny 10.5% / 22.1% -> 9.5% / 17.6%,
     tiny-moe 8.7% / 24.6% -> 7.3% / 20.5%: one probe, bench/reports/fresh-machine-stop57); on GPUs 2 (no sharing)
     [measured]."""
     return max(2, nproc_per_node) if device_type == "cpu" else 2
@@ -230,7 +230,7 @@ def probe_compute_scale(hw: HardwareProfile, probe_ranks: int) -> float:
 def with_framework_samples(hw: HardwareProfile, fw: dict) -> HardwareProfile:
     """The profile with the probe's raw samples (``samples.frameworks``) and the quantities fitted from them
     (``corrections``: fsdp_call_*, fsdp_moe_call_*, tp_block_*, ep_block_*, pp_action_*; see
-    ``fit.fit_framework_overheads``; the per-reduction ``fsdp_unit_*`` of profiles before stop 58 are dropped), and
+    ``fit.fit_framework_overheads``; the per-reduction ``fsdp_unit_*`` of older profiles are dropped), and
     ``framework_probe_compute_scale``: the core sharing they were measured under (``probe_compute_scale``), which
     the cost model divides out before it applies a plan's own."""
     import dataclasses
