@@ -62,6 +62,7 @@ class Record:
     overlap: str  # exposed | pp | fsdp_gather | fsdp_reduce
     time_s: np.ndarray  # raw seconds per step: collective_time_s(bytes_per_call) * calls
     exposed_s: np.ndarray | None = None  # set by the step model: the part of time_s the step waits for
+    bytes_scale: float = 1.0  # the call is timed as ``op`` of this many times its bytes (``Ledger.add``)
 
     @property
     def key(self) -> str:
@@ -112,8 +113,16 @@ class Ledger:
              * axis_class_scale(self.hw, split[0][0], op))
         for name, m in split:
             self.records.append(Record(what, op, name, np.where(m, per_call, 0.0), np.where(m, calls, 0.0), group,
-                                       rpn, phase, overlap, np.where(m, t, 0.0)) if len(split) > 1 else
-                                Record(what, op, name, per_call, calls, group, rpn, phase, overlap, t))
+                                       rpn, phase, overlap, np.where(m, t, 0.0), None, time_bytes_scale)
+                                if len(split) > 1 else
+                                Record(what, op, name, per_call, calls, group, rpn, phase, overlap, t, None,
+                                       time_bytes_scale))
+
+    def time_with(self, r: Record, rpn) -> np.ndarray:
+        """What record ``r`` (of one axis) takes where its group has ``rpn`` ranks per node: its time as ``add``
+        computes it, at another ranks-per-node count."""
+        return (self.hw.collective_time_s(r.op, r.bytes_per_call * r.bytes_scale, r.group, rpn) * r.calls
+                * axis_class_scale(self.hw, r.axis, r.op))
 
     def bytes_by_key(self) -> dict:
         out: dict = {}

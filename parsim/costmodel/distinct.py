@@ -82,17 +82,6 @@ def _derived(b: PlanBatch, name: str):
         object.__setattr__(b, "_quiet", quiet)
 
 
-def repeat_rows(b: PlanBatch, k: int) -> PlanBatch:
-    """``b`` with every plan repeated ``k`` times in a row (plan ``i k + j`` is plan ``i``); a batch ``fn`` is being
-    recorded on records what is read of the copy too."""
-    idx = np.repeat(np.arange(len(b)), k)
-    if not isinstance(b, _Reading):
-        return b.take(idx)
-    out = _reading(b, idx)
-    object.__setattr__(out, "_read", _get(b, "_read"))
-    return out
-
-
 def _key(b: PlanBatch, names: frozenset) -> np.ndarray:
     """One integer per plan, equal where the plans agree on every column of ``names``: the columns' offsets from
     their minimum in mixed radix (``rows.row_ids`` where that could overflow, or a column is not an integer)."""

@@ -63,7 +63,7 @@ from ..results import Prediction
 from ..spec import ModelSpec
 from . import comm as C
 from .compute import RankCompute, block_overheads, layer_costs, optimizer_time_s, rank_compute
-from .distinct import on_distinct_rows, repeat_rows
+from .distinct import on_distinct_rows
 from .layers import (
     FIRST,
     LAST,
@@ -268,21 +268,35 @@ def _exposed_comm_bound(b: PlanBatch, spec: ModelSpec, hw: HardwareProfile, kind
     records are exposed as they are (TP's by async TP's fraction, >= 0: left out where async TP is on,
     ``overlap.set_exposed``); a record's time is its calls (a multiple of the microbatches, or per step) times one
     call's, so the ledgers of 0 and of 1 microbatch give both parts; and a group's ranks per node is one of
-    1 .. gpus per node in any device order (``counts``, of the whole batch: ``_rpn_counts``), so each part is at
-    least its least over those (every plan is repeated once per count, ``distinct.repeat_rows``)."""
-    n, k = len(b), len(counts)
-    bt = repeat_rows(b, k)
-    object.__setattr__(bt, "rpn", {g: np.tile(counts, n) for g in GROUPS})
-    sh = Shapes(spec, bt)
+    1 .. gpus per node in any device order (``counts``, of the whole batch: ``_rpn_counts``), so each record is at
+    least its least time over those (``Ledger.time_with``; each on its own: one plan's groups sit differently)."""
+    sh = Shapes(spec, b)
+    n = len(b)
+    object.__setattr__(b, "rpn", {g: np.ones(n, dtype=np.int64) for g in GROUPS})
     out = []
-    for rv in _layer_views(spec, bt, list(kinds)):
-        ac = {k: ac_counts(bt, rv.n_of[k], rv.n_ckpt[k]) for k in kinds}
+    for rv in _layer_views(spec, b, list(kinds)):
+        ac = {k: ac_counts(b, rv.n_of[k], rv.n_ckpt[k]) for k in kinds}
         n_full, n_sac = sum(ac[k][0] for k in kinds), sum(ac[k][1] for k in kinds)
-        none, one = (_exposed_records(spec, bt, sh, hw, rv, float(m), n_full, n_sac, ac) for m in (0, 1))
-        # (each record's least on its own: the groups of one plan sit differently in nodes)
-        per_mb = sum(((t1 - t0).reshape(n, k).min(axis=1) for t0, t1 in zip(none, one, strict=True)), np.zeros(n))
-        per_step = sum((t0.reshape(n, k).min(axis=1) for t0 in none), np.zeros(n))
-        out.append((per_mb, per_step))
+        none, one = (_exposed_records(spec, b, sh, hw, rv, float(m), n_full, n_sac, ac, counts) for m in (0, 1))
+        out.append((sum((t1 - t0 for t0, t1 in zip(none, one, strict=True)), np.zeros(n)), sum(none, np.zeros(n))))
+    return out
+
+
+def _exposed_records(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, m: float,
+                     n_full, n_sac, ac, counts: np.ndarray) -> list:
+    """Each exposed TP / CP / EP record of ``m`` microbatches at its least time over the ranks-per-node
+    ``counts`` (TP's 0 under async TP)."""
+    led = C.Ledger(hw, len(b))
+    C.per_microbatch_exposed_records(led, spec, b, sh, rv, np.full(len(b), m), n_full, n_sac, ac)
+    out = []
+    for rec in led.records:
+        if rec.overlap != "exposed" or rec.axis not in ("tp", "cp", "ep"):
+            continue
+        if not rec.calls.any():  # (no call in this batch: nothing to time)
+            out.append(np.zeros(len(b)))
+            continue
+        least = np.minimum.reduce([led.time_with(rec, r) for r in counts.tolist()])
+        out.append(np.where((rec.axis == "tp") & b.async_tp, 0.0, least))
     return out
 
 
@@ -295,15 +309,6 @@ def _rpn_counts(b: PlanBatch, gpn: int) -> np.ndarray:
     if gpn & (gpn - 1) == 0 and not np.any(degrees & (degrees - 1)):
         return 2 ** np.arange(gpn.bit_length(), dtype=np.int64)
     return np.arange(1, gpn + 1, dtype=np.int64)
-
-
-def _exposed_records(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, m: float,
-                     n_full, n_sac, ac) -> list:
-    """The seconds of each exposed TP / CP / EP record of ``m`` microbatches (TP's 0 under async TP)."""
-    led = C.Ledger(hw, len(b))
-    C.per_microbatch_exposed_records(led, spec, b, sh, rv, np.full(len(b), m), n_full, n_sac, ac)
-    return [np.where((rec.axis == "tp") & b.async_tp, 0.0, rec.time_s) for rec in led.records
-            if rec.overlap == "exposed" and rec.axis in ("tp", "cp", "ep")]
 
 
 def _microbatch_compute(b: PlanBatch, spec: ModelSpec, hw: HardwareProfile, kinds: tuple) -> tuple:
