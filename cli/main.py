@@ -27,6 +27,20 @@ def _root():
     """parsim: how to parallelize a PyTorch training job, what it will cost, and how sure we are."""
 
 
+def whole_number(value) -> int:
+    """An integer flag as digits only (an optional minus sign): ``4_0``, ``+2``, ``2.0`` and ``0x10`` are refused, not
+    read as 40, 2, 2 and 16."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if re.fullmatch(r"-?[0-9]{1,18}", text):
+        return int(text)
+    raise typer.BadParameter(f"{value!r} is not a whole number (digits only)")
+
+
+WHOLE = whole_number
+
+
 # ---- shared plan flags (CLI contract of docs/design.md; names follow torchtitan) ---------------------------------
 # Every flag defaults to None ("not given"): predict/run/trace fill in parsim.flags.DEFAULTS, search pins what is given.
 def _schema_flags() -> list:
@@ -41,14 +55,16 @@ def _schema_flags() -> list:
         if f.kind in ("bool", "optional_bool"):
             opt, ann = typer.Option(None, f"{f.cli_flag}/--no-{f.cli_flag[2:]}", help=help_), Optional[bool]
         else:
-            opt, ann = typer.Option(None, f.cli_flag, help=help_), Optional[int] if f.kind == "int" else Optional[str]
+            opt = typer.Option(None, f.cli_flag, help=help_, parser=WHOLE if f.kind == "int" else None)
+            ann = Optional[int] if f.kind == "int" else Optional[str]
         out.append(("order" if f.name == "wrapper_order" else f.name, ann, opt))
     return out
 
 
 PLAN_FLAGS = [
     ("model", Optional[str], typer.Option(None, "--model", help="preset name or a config.json path \\[llama3-8b]")),
-    ("gpus", Optional[int], typer.Option(None, "--gpus", help="number of GPUs (default: product of the degrees)")),
+    ("gpus", Optional[int], typer.Option(None, "--gpus", help="number of GPUs (default: product of the degrees)",
+                                         parser=WHOLE)),
     *_schema_flags(),
     ("plan_file", Optional[str], typer.Option(None, "--plan", help="plan JSON (instead of the plan flags)")),
     ("profile", Optional[str], typer.Option(None, "--profile", help="profile name or path \\[h100-sxm-spec-cal: the "
@@ -187,19 +203,20 @@ def predict(flags: dict, as_json: bool = typer.Option(False, "--json", help="pri
 @plan_options
 def search(
     flags: dict,
-    top: int = typer.Option(10, "--top", help="how many plans to show"),
+    top: int = typer.Option(10, "--top", help="how many plans to show", parser=WHOLE),
     no_pp: bool = typer.Option(False, "--no-pp", help="pipeline parallelism off"),
     no_cp: bool = typer.Option(False, "--no-cp", help="context parallelism off"),
-    max_tp: Optional[int] = typer.Option(None, "--max-tp"),
-    max_pp: Optional[int] = typer.Option(None, "--max-pp"),
+    max_tp: Optional[int] = typer.Option(None, "--max-tp", parser=WHOLE),
+    max_pp: Optional[int] = typer.Option(None, "--max-pp", parser=WHOLE),
     ac_modes: Optional[str] = typer.Option(None, "--ac-modes", help="comma list of AC modes to search "
                                            "(default: none,selective-op,full,layer:2; --ac pins one)"),
     fixed_order: bool = typer.Option(False, "--default-mesh-order", help="only the default device order"),
     headroom: float = typer.Option(0.0, "--headroom", help="fraction of usable GPU memory to keep free"),
     max_plans: Optional[int] = typer.Option(None, "--max-plans", help="refuse spaces larger than this "
                                             "(default: none; 50,000,000 with --csv, which evaluates every plan; 0 = "
-                                            "no limit)"),
-    explain: Optional[int] = typer.Option(None, "--explain", help="plan N (1-based) against the other shown plans"),
+                                            "no limit)", parser=WHOLE),
+    explain: Optional[int] = typer.Option(None, "--explain", help="plan N (1-based) against the other shown plans",
+                                          parser=WHOLE),
     max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="stop after this long with the best "
                                                 "plans of the part searched (said in the output)"),
     emit_plan: Optional[str] = typer.Option(None, "--emit-plan", help="write the best plan as parsim plan JSON"),
@@ -211,13 +228,14 @@ def search(
                                                 "arguments (a bash array; what Megatron cannot express is said)"),
     csv: Optional[str] = typer.Option(None, "--csv", help="write every evaluated plan to this CSV "
                                      "(to Parquet when the name ends in .parquet; needs pyarrow)"),
-    execute: int = typer.Option(0, "--execute", help="run the top K plans with the executor on this machine"),
+    execute: int = typer.Option(0, "--execute", help="run the top K plans with the executor on this machine",
+                                parser=WHOLE),
     execute_out: Optional[str] = typer.Option(None, "--execute-out", help="write predictions and measurements "
                                               "of --execute to this JSON"),
     wide: bool = typer.Option(False, "--wide", help="the top table with every field spelled out (needs ~190 "
                               "columns)"),
     measure: int = typer.Option(0, "--measure", help="time the blocks of the top K and the Pareto plans on this "
-                                "device and re-rank them (needs a profile of this device)"),
+                                "device and re-rank them (needs a profile of this device)", parser=WHOLE),
     measure_budget_flops: Optional[float] = typer.Option(None, "--measure-budget-flops", help="forward FLOPs above "
                                                          "which a smaller stand-in block is timed instead (default: "
                                                          "2e10 on CPU, none on a GPU)"),
@@ -229,7 +247,14 @@ def search(
     from parsim.spec import load_model
 
     _check_search_options(top, execute, measure, measure_budget_flops, explain, torchtitan_format,
-                          (emit_plan, emit_torchtitan, emit_megatron, csv, execute_out))
+                          {"--emit-plan": emit_plan, "--emit-torchtitan": emit_torchtitan,
+                           "--emit-megatron": emit_megatron, "--csv": csv, "--execute-out": execute_out},
+                          _input_files(flags))
+    _check_dependent_flags({"--execute-out": (execute_out is not None, "--execute", execute > 0),
+                            "--torchtitan-format": (torchtitan_format != "python", "--emit-torchtitan",
+                                                    emit_torchtitan is not None),
+                            "--measure-budget-flops": (measure_budget_flops is not None, "--measure", measure > 0),
+                            "--wide": (wide, "a table (not --json)", not as_json)})
     gpus, space = search_space(flags, no_pp=no_pp, no_cp=no_cp, max_tp=max_tp, max_pp=max_pp, ac_modes=ac_modes,
                                default_mesh_order=fixed_order, headroom=headroom, max_plans=max_plans,
                                max_seconds=max_seconds)
@@ -246,11 +271,12 @@ def search(
                    model_arg=flags["model"], wide=wide, measure=measure, measure_budget_flops=measure_budget_flops)
 
 
-def _check_search_options(top, execute, measure, measure_budget_flops, explain, torchtitan_format, paths) -> None:
+def _check_search_options(top, execute, measure, measure_budget_flops, explain, torchtitan_format, outputs,
+                          inputs) -> None:
     """search's options checked before anything runs; output paths too (fail now, not after the search)."""
     from parsim.errors import ParsimError
     from parsim.flags import check_int
-    from parsim.jsonio import check_output_path
+    from parsim.jsonio import check_outputs
 
     check_int("--top", top, 1, 10_000)
     check_int("--execute", execute, 0, top)
@@ -263,9 +289,23 @@ def _check_search_options(top, execute, measure, measure_budget_flops, explain, 
         check_int("--explain", explain, 1, top)
     if torchtitan_format not in ("python", "toml"):
         raise ParsimError(f"--torchtitan-format takes python or toml, got {torchtitan_format!r}")
-    for path in paths:
-        if path is not None:
-            check_output_path(path)
+    check_outputs(outputs, inputs)
+
+
+def _check_dependent_flags(given: dict) -> None:
+    """Flags that mean something only beside another: ``given`` maps a flag to (it was given, what it needs, that
+    is there); one ParsimError line for the first given without what it needs (a flag ignored in silence is a
+    user's wrong belief)."""
+    from parsim.errors import ParsimError
+
+    for flag, (on, needs, present) in given.items():
+        if on and not present:
+            raise ParsimError(f"{flag} needs {needs}: without it, it would be ignored")
+
+
+def _input_files(flags: dict) -> list:
+    """The files a command's plan flags name as inputs (a model config, a plan, a profile path)."""
+    return [flags.get(k) for k in ("model", "plan_file", "profile") if flags.get(k)]
 
 
 def _check_profile_is_this_device(hw) -> None:
@@ -319,14 +359,16 @@ def _measurement_summary(m, title: str) -> None:
 @plan_options
 def run(
     flags: dict,
-    nproc_per_node: int = typer.Option(..., "--nproc-per-node", help="processes (GPUs, or CPU ranks with gloo)"),
-    steps: int = typer.Option(5, "--steps", help="timed steps"),
-    warmup: int = typer.Option(2, "--warmup", help="untimed steps first (collectives and memory are measured here)"),
+    nproc_per_node: int = typer.Option(..., "--nproc-per-node", help="processes (GPUs, or CPU ranks with gloo)",
+                                       parser=WHOLE),
+    steps: int = typer.Option(5, "--steps", help="timed steps", parser=WHOLE),
+    warmup: int = typer.Option(2, "--warmup", help="untimed steps first (collectives and memory are measured here)",
+                               parser=WHOLE),
     timeout: float = typer.Option(600.0, "--timeout", help="seconds before a hung run is killed and recorded"),
     out: Optional[str] = typer.Option(None, "--out", help="write the Measurement JSON here"),
     nnodes: Optional[str] = typer.Option(None, "--nnodes", help="passed to torchrun (multi-node)"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="passed to torchrun"),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="passed to torchrun"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="passed to torchrun", parser=WHOLE),
     device: Optional[str] = typer.Option(None, "--device", help="cpu to force gloo on a GPU machine"),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -335,7 +377,7 @@ def run(
 
     from parsim.errors import ParsimError
     from parsim.flags import check_int
-    from parsim.jsonio import check_output_path
+    from parsim.jsonio import check_outputs
     from parsim.procs import check_timeout
 
     spec, plan, _ = build_plan(flags)
@@ -352,8 +394,7 @@ def run(
     if node_rank is not None:
         check_int("--node-rank", node_rank, 0, 1_000_000)
     check_timeout(timeout)
-    if out is not None:
-        check_output_path(out)
+    check_outputs({"--out": out}, _input_files(flags))
     world = plan.world_size
     n_nodes = _nnodes(nnodes) if nnodes else 1
     if nproc_per_node * n_nodes != world:
@@ -393,7 +434,7 @@ def _nnodes(text: str) -> int:
 @plan_options
 def trace(
     flags: dict,
-    rank: int = typer.Option(0, "--rank", help="which rank to trace"),
+    rank: int = typer.Option(0, "--rank", help="which rank to trace", parser=WHOLE),
     out: Optional[str] = typer.Option(None, "--out", help="write the Measurement JSON here"),
     compare: bool = typer.Option(False, "--compare", help="print the prediction beside the trace"),
     as_json: bool = typer.Option(False, "--json"),
@@ -402,16 +443,23 @@ def trace(
     require_torch("trace")
     from parsim.errors import ParsimError
     from parsim.executor.trace import trace_plan
-    from parsim.jsonio import atomic_write_json, check_output_path
+    from parsim.jsonio import atomic_write_json, check_outputs
 
     spec, plan, hw = build_plan(flags)
     if not 0 <= rank < plan.world_size:
         raise ParsimError(f"--rank {rank} is outside the world of {plan.world_size} ranks")
-    if out is not None:
-        check_output_path(out)
+    check_outputs({"--out": out}, _input_files(flags))
+    from parsim.codec import executor_refusal
+
+    refusal = executor_refusal(plan, spec)
+    if refusal:  # (a cost-model option the executor does not run: nothing to trace)
+        raise ParsimError(f"cannot trace {plan.describe()}: {refusal}")
     m = trace_plan(spec, plan, rank=rank)
     if out:
         atomic_write_json(out, m.to_dict())
+    if m.status != "ok":
+        raise ParsimError(f"trace of {plan.describe()} rank {rank} failed ({m.status}): "
+                          f"{(m.error or '').splitlines()[0] if m.error else 'no reason given'}")
     pred = None
     if compare:
         from parsim.costmodel import predict as _predict
@@ -484,26 +532,30 @@ def _profile_shapes(measure_shapes_of: str, out: str, out_dir, model: str, as_js
 @guarded
 def profile(
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="ranks (GPUs, or CPU ranks with "
-                                                 "gloo); required unless --measure-shapes-of"),
+                                                 "gloo); required unless --measure-shapes-of", parser=WHOLE),
     out: str = typer.Option(..., "--out", help="profile name (writes NAME.json and NAME.samples.csv in the profile "
                             "folder) "
                             "or a path anywhere (DIR/NAME.json)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted profile"),
     restart: bool = typer.Option(False, "--restart", help="discard an interrupted profile and start over"),
-    min_bytes: int = typer.Option(0, "--min-bytes", help="smallest message (default 1 KiB)"),
-    max_bytes: int = typer.Option(0, "--max-bytes", help="largest message (default 16 MiB on CPU, 1 GiB on GPU)"),
-    factor: int = typer.Option(4, "--factor", help="geometric step of the message sizes"),
+    min_bytes: int = typer.Option(0, "--min-bytes", help="smallest message (default 1 KiB)", parser=WHOLE),
+    max_bytes: int = typer.Option(0, "--max-bytes", help="largest message (default 16 MiB on CPU, 1 GiB on GPU)",
+                                  parser=WHOLE),
+    factor: int = typer.Option(4, "--factor", help="geometric step of the message sizes", parser=WHOLE),
     ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,send", "--ops"),
     model: str = typer.Option("tiny", "--model", help="model whose block is timed (and GEMM shapes taken)"),
-    seq_len: int = typer.Option(512, "--seq-len"),
+    seq_len: int = typer.Option(512, "--seq-len", parser=WHOLE),
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="default: $PARSIM_PROFILES_DIR, else a checkout's "
                                             "profiles/, else ~/.local/share/parsim/profiles"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu to profile gloo on a GPU machine"),
     nnodes: int = typer.Option(1, "--nnodes", help="nodes profiled together (one parsim profile per node, e.g. "
-                               "under srun): collectives across nodes are measured; node 0 writes the profile"),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this node's rank (default $SLURM_NODEID)"),
+                               "under srun): collectives across nodes are measured; node 0 writes the profile",
+                                   parser=WHOLE),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this node's rank (default $SLURM_NODEID)",
+                                            parser=WHOLE),
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="node 0's address (multi-node)"),
-    master_port: int = typer.Option(29500, "--master-port", help="a free port on node 0 (multi-node)"),
+    master_port: int = typer.Option(29500, "--master-port", help="a free port on node 0 (multi-node)",
+                                    parser=WHOLE),
     measure_shapes_of: Optional[str] = typer.Option(None, "--measure-shapes-of", help="a plan JSON (search "
                                                     "--emit-plan) or a list of them: measure their blocks at their "
                                                     "local shapes on this device into the profile --out (which "
@@ -571,7 +623,8 @@ def redistribute(
     dtype: str = typer.Option("bfloat16", "--dtype", help="float32 | bfloat16 | float16 | float8"),
     profile: str = typer.Option("h100-sxm-spec-cal", "--profile", help="profile whose collective times cost the "
                                 "steps"),
-    ranks_per_node: Optional[int] = typer.Option(None, "--ranks-per-node", help="[the profile's GPUs per node]"),
+    ranks_per_node: Optional[int] = typer.Option(None, "--ranks-per-node", help="[the profile's GPUs per node]",
+                                                 parser=WHOLE),
     no_flatten: bool = typer.Option(False, "--no-flatten", help="one mesh axis per collective"),
     no_torch: bool = typer.Option(False, "--no-torch", help="skip torch's planner (no torch import)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
@@ -602,9 +655,9 @@ def orders(
                                              "moe-ep-tp-ac-fsdp"),
     stored: bool = typer.Option(False, "--stored", help="show the stored matrix of the installed torch, run nothing"),
     out: str = typer.Option("profiles/orders.json", "--out", help="data file the matrix is merged into"),
-    steps: int = typer.Option(3, "--steps", help="timed steps per run (after 2 warm-up steps)"),
+    steps: int = typer.Option(3, "--steps", help="timed steps per run (after 2 warm-up steps)", parser=WHOLE),
     cost_repeats: int = typer.Option(3, "--cost-repeats", help="interleaved rounds measuring AC wrapping compile "
-                                     "(0: skip)"),
+                                     "(0: skip)", parser=WHOLE),
     timeout_s: float = typer.Option(600.0, "--timeout", help="seconds per run"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
 ):
@@ -655,7 +708,7 @@ def _orders_progress():
 @guarded
 def validate(
     model: str = typer.Option("tiny", "--model", help="measured tier: preset to run"),
-    nproc_per_node: int = typer.Option(2, "--nproc-per-node", help="measured tier: CPU ranks (gloo)"),
+    nproc_per_node: int = typer.Option(2, "--nproc-per-node", help="measured tier: CPU ranks (gloo)", parser=WHOLE),
     out: str = typer.Option(..., "--out", help="results folder (measurements.jsonl, rows.json, summary.json)"),
     published: Optional[str] = typer.Option(None, "--published", help="a CSV in the schema of "
                                             "bench/published/dev.csv: predict its rows, run nothing"),
@@ -663,9 +716,10 @@ def validate(
                                           "published: each row's spec-sheet profile, calibrated]"),
     uncalibrated: bool = typer.Option(False, "--uncalibrated", help="published: the raw spec-sheet profiles, "
                                       "not their calibrated versions (what `parsim calibrate` fits)"),
-    rounds: int = typer.Option(2, "--rounds", help="interleaved repetitions of every plan"),
-    steps: int = typer.Option(5, "--steps", help="timed steps per run (after 2 warm-up steps)"),
-    max_plans: int = typer.Option(0, "--max-plans", help="run only the first N plans of the space (0: all)"),
+    rounds: int = typer.Option(2, "--rounds", help="interleaved repetitions of every plan", parser=WHOLE),
+    steps: int = typer.Option(5, "--steps", help="timed steps per run (after 2 warm-up steps)", parser=WHOLE),
+    max_plans: int = typer.Option(0, "--max-plans", help="run only the first N plans of the space (0: all)",
+                                  parser=WHOLE),
     measure_blocks: bool = typer.Option(False, "--measure-blocks", help="measured tier: time every plan's blocks "
                                         "at its local shapes and sweep the collectives at the start of every "
                                         "round (DIR/blocks.jsonl, DIR/collectives.jsonl) and predict with each "
@@ -712,7 +766,8 @@ def calibrate(
                                          "compile_memory_factor comm_interference layer_overhead comm_scale_tp "
                                          "comm_scale_dp comm_scale_pp comm_scale_ep comm_scale_all_reduce "
                                          "[measured rows: the CPU set; published rows: the GPU set]"),
-    folds: int = typer.Option(5, "--folds", help="cross-validation folds (grouped by plan family / source table)"),
+    folds: int = typer.Option(5, "--folds", help="cross-validation folds (grouped by plan family / source table)",
+                              parser=WHOLE),
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="where NAME-cal.json goes [the profile folder, as "
                                             "for profile --out-dir]"),
     as_json: bool = typer.Option(False, "--json"),
@@ -743,15 +798,14 @@ def report(
 ):
     """Predicted vs measured per plan or published row: table, statistics, and an HTML page with plots."""
     from parsim.errors import ParsimError
-    from parsim.jsonio import check_output_path
+    from parsim.jsonio import check_outputs
     from parsim.loop_jobs import load_rows
     from parsim.report_html import build_table, write_html
 
     if plotly_js not in ("inline", "cdn"):
         raise ParsimError(f"--plotly-js takes inline or cdn, got {plotly_js!r}")
-    for p in (html, csv):
-        if p:
-            check_output_path(p)
+    check_outputs({"--html": html, "--csv": csv},
+                  [f"{d}/{name}" for d in dirs for name in ("rows.json", "summary.json", "calibration.json")])
     rows = load_rows(dirs)
     table, stats = build_table(rows, dirs)
     if csv:
@@ -803,8 +857,11 @@ def main(argv: list[str] | None = None) -> int:
     exit 2, like ParsimError; Ctrl-C exits 130 after the commands have ended what they started."""
     usage_errors, aborts = _click_exceptions()
     _warnings_as_lines()
+    from parsim.procs import TermAsInterrupt
+
     try:
-        code = app(args=argv, standalone_mode=False, prog_name="parsim")
+        with TermAsInterrupt():  # SIGTERM ends a command as Ctrl-C does: its temporary files and children go
+            code = app(args=argv, standalone_mode=False, prog_name="parsim")
     except usage_errors as e:
         if not e.format_message().strip():  # no_args_is_help: the help was printed
             return _exit(0, argv)

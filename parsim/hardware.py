@@ -27,7 +27,7 @@ from typing import ClassVar
 import numpy as np
 
 from .errors import ParsimError, check_number
-from .jsonio import atomic_write_json, read_json  # noqa: F401 (atomic_write_json re-exported)
+from .jsonio import atomic_write_json, exists, read_json, short_path  # noqa: F401 (atomic_write_json re-exported)
 
 SCHEMA_VERSION = 1
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send")
@@ -456,9 +456,9 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     """A profile by name (the write folder, then the packaged profiles: e.g. ``h100-sxm-spec``) or a path to a
     profile JSON."""
     p = Path(name_or_path)
-    if not p.suffix and not p.exists():
-        p = next((d / f"{name_or_path}.json" for d in profile_dirs() if (d / f"{name_or_path}.json").exists()),
+    if not p.suffix and not exists(p):
+        p = next((d / f"{name_or_path}.json" for d in profile_dirs() if exists(d / f"{name_or_path}.json")),
                  PACKAGED_PROFILES_DIR / f"{name_or_path}.json")
-    if not p.exists():
-        raise ParsimError(f"unknown profile {name_or_path!r} (known: {', '.join(list_profiles())})")
+    if not exists(p):
+        raise ParsimError(f"unknown profile {short_path(p)!r} (known: {', '.join(list_profiles())})")
     return HardwareProfile.from_dict(read_json(p, "corrupt profile"), origin=str(p))

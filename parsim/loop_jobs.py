@@ -353,23 +353,22 @@ def validate_published(csv: str, out_dir: str, profile: str | None, calibrated: 
 
 
 def load_rows(dirs: list[str]) -> list[dict]:
-    """The rows of validate folders (their ``rows.json``), each with the folder it came from."""
-    import json
+    """The rows of validate folders (their ``rows.json``, ``validate.check_rows``), each with the folder it came
+    from."""
+    from .jsonio import exists, read_json
+    from .validate import check_rows
 
     rows = []
     for d in dirs:
         p = Path(d) / "rows.json"
-        if not p.is_file():
+        if not exists(p):
             raise ParsimError(f"{d}: no rows.json (run `parsim validate --out {d}` first)")
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise ParsimError(f"cannot read {p}: {e}") from None
-        if not isinstance(data, list):
-            raise ParsimError(f"{p}: expected a list of rows")
+        data = check_rows(read_json(p, "cannot read"), str(p))
         for r in data:
             r.setdefault("dir", d)
         rows += data
+    if not rows:
+        raise ParsimError(f"no rows in {', '.join(dirs)} (rows.json holds an empty list)")
     return rows
 
 

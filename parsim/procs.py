@@ -44,6 +44,20 @@ def die_with_parent() -> None:
         return
     if os.getppid() == 1:
         os._exit(1)
+    # a process of a tree (tagged) whose parent is not of it was re-parented (to init or to a subreaper, whose pid is
+    # not 1): its parent died before the call
+    tag = os.environ.get(TAG_VAR)
+    if tag and not _carries(os.getppid(), f"{TAG_VAR}={tag}".encode()):
+        os._exit(1)
+
+
+def _carries(pid: int, needle: bytes) -> bool:
+    """Whether process ``pid``'s environment holds ``needle`` (``NAME=value``); True where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return needle in f.read().split(b"\0")
+    except OSError:
+        return True
 
 
 def tagged_pids(tag: str, var: str = TAG_VAR) -> set[int]:
@@ -63,9 +77,8 @@ def tagged_pids(tag: str, var: str = TAG_VAR) -> set[int]:
                 env = f.read()
         except OSError:
             continue
-        if needle in env.split(b"\0"):
-            if not _is_zombie(int(e)):
-                out.add(int(e))
+        if needle in env.split(b"\0") and not _is_zombie(int(e)):
+            out.add(int(e))
     return out
 
 

@@ -9,11 +9,10 @@ beside the measured total; the histogram of signed errors; interval coverage; an
 from __future__ import annotations
 
 import html as _html
-import json
 import math
 from pathlib import Path
 
-from .jsonio import atomic_write_text
+from .jsonio import atomic_write_text, read_json
 from .units import MS
 
 COMPONENT_ORDER = ("compute_forward", "compute_backward", "recompute", "pp_bubble", "optimizer")
@@ -24,7 +23,7 @@ def _calibration(dirs: list[str]) -> dict:
     for d in dirs:
         p = Path(d) / "calibration.json"
         if p.is_file():
-            out[d] = json.loads(p.read_text())
+            out[d] = read_json(p, "cannot read")
     return out
 
 

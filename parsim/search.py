@@ -264,15 +264,19 @@ def candidates(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> tuple[np.ndarra
     """Every (degrees, batch split) of the space before pruning: combos array, per-row (combo index, local batch,
     micro batch, schedule, v) array, and the batch of those rows with default options for the rules."""
     combos = np.array(_degree_combos(spec, n_gpus, sp), dtype=np.int64).reshape(-1, 8)
-    splits: dict[tuple, np.ndarray] = {}
-    keys = [(bool(deg[0] > 1), int(deg[1] * deg[2])) for deg in combos.tolist()]
-    for key, deg in zip(keys, combos.tolist(), strict=True):
-        if key not in splits:
-            splits[key] = np.array(_batch_splits(deg[0], deg[1] * deg[2], sp), dtype=np.int64).reshape(-1, 4)
-    counts = np.array([len(splits[k]) for k in keys], dtype=np.int64)
+    # a combination's batch splits depend on (PP or not, dp) only: one table per such key, gathered per combination
+    keys, key_of = np.unique(np.stack([combos[:, 0] > 1, combos[:, 1] * combos[:, 2]], axis=1), axis=0,
+                             return_inverse=True)
+    tables = [np.array(_batch_splits(2 if has_pp else 1, int(dp), sp), dtype=np.int64).reshape(-1, 4)
+              for has_pp, dp in keys.tolist()]
+    sizes = np.array([len(t) for t in tables], dtype=np.int64)
+    first = np.cumsum(sizes) - sizes
+    key_of = np.ravel(key_of)
+    counts = sizes[key_of]
     r = np.empty((int(counts.sum()), 5), dtype=np.int64)
     r[:, 0] = np.repeat(np.arange(len(combos), dtype=np.int64), counts)
-    r[:, 1:] = np.concatenate([splits[k] for k in keys]) if keys else np.empty((0, 4), dtype=np.int64)
+    every = np.concatenate(tables) if tables else np.empty((0, 4), dtype=np.int64)
+    r[:, 1:] = every[_ranges(first[key_of], counts)]
     c = combos[r[:, 0]]
     degs = {a: c[:, k] for k, a in enumerate(COMBO_COLUMNS)}
     cols = {**degs, "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size, "local_batch_size": r[:, 1],
@@ -533,6 +537,10 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     with counted() as work:
         closest = run(spec, hw, base, opts, sp, res, found, chunk, (t0, deadline), progress, csv_writer)
     res.work = work_of(res, work)
+    if res.stopped_at is not None and not found.top:
+        raise ParsimError(f"--max-seconds {sp.max_seconds:g} ran out after {time.perf_counter() - t0:.1f} s, "
+                          f"{100 * res.stopped_at:.0f}% into the {res.considered:,} plans, before any plan that fits "
+                          "was found: raise it, or pin degrees to make the space smaller")
     if found.top:
         res.top = [RankedPlan(plan_of(base, opts, int(g), sp), float(t), float(m), float(tps), float(mfu), str(dom))
                    for g, t, m, tps, mfu, dom in zip(found.top["gid"], *(found.top[k] for k in _Found.KEYS),
@@ -602,7 +610,8 @@ def _search_bounded(spec, hw, base, opts, sp, res, found, chunk, times, progress
     batches. Skipped plans are counted in ``pruned_bound`` (their memory may be unknown), plans that do not fit
     in ``pruned_memory``."""
     job = _Bounded(spec, hw, base, opts, sp, res, found, chunk, times[1], progress)
-    job.run()
+    if res.stopped_at is None:
+        job.run()
     res.fitting = job.mem.fitting_plans()
     res.screened = job.mem.n_exact
     if found.top or res.stopped_at is not None:
@@ -645,7 +654,10 @@ class _Bounded:
         self.chunk, self.deadline, self.progress = chunk, deadline, progress
         self.counts, self.no = base["row_count"], len(opts)
         self.usable = res.usable_memory_bytes
-        self.row_mem, self.row_time = _row_bounds(spec, hw, base, opts, sp, chunk)
+        tick = (lambda f: progress(int(200 * f), 1000)) if progress else None  # (the bounds: a fifth of it)
+        self.row_mem, self.row_time, bounded = _row_bounds(spec, hw, base, opts, sp, chunk, deadline, tick)
+        if bounded < len(self.row_mem):  # (the time limit came first: the rows bounded are the part searched)
+            res.stopped_at = 0.0
         cand = self.row_mem <= self.usable
         res.pruned_memory = int(self.counts[~cand].sum()) * self.no
         self.rows = np.flatnonzero(cand)[np.argsort(self.row_time[cand], kind="stable")]
@@ -665,7 +677,7 @@ class _Bounded:
             if time.perf_counter() > self.deadline:
                 self.res.stopped_at = lo / n
                 return
-            win = self.rows[lo:lo + size]
+            win, start = self.rows[lo:lo + size], lo
             lo, size = lo + len(win), self.GROWTH * size
             win = win[~self.row_done[win]]
             skip = (self.row_time[win] > self.found.threshold()) & self.found.dominated(self.row_time[win],
@@ -675,10 +687,10 @@ class _Bounded:
             pool.extend(win[~skip])
             # every pair whose bound is below the next rows' is next in ascending order
             if not pool.decide_until(self.row_time[self.rows[lo]] if lo < n else math.inf):
-                self.res.stopped_at = lo / n
+                self.res.stopped_at = start / n
                 return
             if self.progress:
-                self.progress(int(1000 * lo / n), 1000)
+                self.progress(200 + int(800 * lo / n), 1000)
 
     def _seed(self) -> np.ndarray:
         """The rows expanded first: the fastest by time bound, and the fastest few of every range of memory
@@ -798,13 +810,16 @@ class _Pairs:
         job.found.add(gid, r, np.ones(len(gid), bool))
 
 
-def _row_bounds(spec, hw, base, opts, sp, chunk) -> tuple[np.ndarray, np.ndarray]:
+def _row_bounds(spec, hw, base, opts, sp, chunk, deadline: float = math.inf, tick=None
+                ) -> tuple[np.ndarray, np.ndarray, int]:
     """(memory, step time) lower bounds of every (degrees x batch split) row over all its options and device
     orders, computed at the row's first order [derived]: the memory bound at the option of least activations (AC
     "full" where searched, else the least of every AC searched), the terms reshard-after-forward changes left out
     (``memory_lower_bound(any_reshard=True)``); the time bound the least over the options without AC where there
     are any (recompute is never negative and adds to compute, its bubble and nothing else), else over every time
-    class."""
+    class. Returns them and how many rows were bounded by ``deadline`` (the first ones; the others are NaN)."""
+    import time
+
     cls, rep = _memory_classes(opts)
     acs = sorted({(int(o[0]), int(o[1])) for o in opts.tolist()})
     full = [a for a in acs if a[0] == AC_MODES["full"]]
@@ -815,6 +830,11 @@ def _row_bounds(spec, hw, base, opts, sp, chunk) -> tuple[np.ndarray, np.ndarray
     starts = base["row_start"]
     mem, tb = np.full(len(starts), np.inf), np.full(len(starts), np.inf)
     for lo in range(0, len(starts), chunk):
+        if time.perf_counter() > deadline:
+            mem[lo:], tb[lo:] = np.nan, np.nan
+            return mem, tb, lo
+        if tick:
+            tick(lo / len(starts))
         gid0 = starts[lo:lo + chunk] * len(opts)
         for o in mem_reps:
             b = _batch_at(base, opts, gid0 + o, sp, None)
@@ -823,7 +843,7 @@ def _row_bounds(spec, hw, base, opts, sp, chunk) -> tuple[np.ndarray, np.ndarray
             b = _batch_at(base, opts, gid0 + o, sp, None)
             tb[lo:lo + len(gid0)] = np.minimum(tb[lo:lo + len(gid0)], step_time_lower_bound(spec, b, hw))
     tally(row_bounds=len(starts) * (len(mem_reps) + len(time_reps)))
-    return mem, tb * (1.0 - 1e-9)
+    return mem, tb * (1.0 - 1e-9), len(starts)
 
 
 class _Memory:

@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .errors import ParsimError
-from .jsonio import read_json
+from .jsonio import exists, read_json, short_path
 
 # sizes beyond any model trained so far, refused (a 10**6-layer config would take minutes to search)
 MAX_LAYERS = 2**14
@@ -478,9 +478,12 @@ def hf_unmodelled(cfg: dict) -> list[str]:
 
 
 def _hf_error(e: ParsimError, p: Path) -> ParsimError:
+    """A ModelSpec refusal in the config's own field names (whole words only: a message may name them already)."""
+    import re
+
     msg = str(e)
     for ours, theirs in HF_NAMES.items():
-        msg = msg.replace(f"ModelSpec.{ours}", theirs).replace(f"{ours} ", f"{theirs} ", 1) if ours in msg else msg
+        msg = re.sub(rf"(?<![\w.])(?:ModelSpec\.)?{re.escape(ours)}\b", theirs, msg)
     return ParsimError(f"{p}: {msg}")
 
 
@@ -494,8 +497,8 @@ def load_model(name_or_path: str) -> ModelSpec:
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     p = Path(name_or_path)
-    if not p.exists():
-        raise ParsimError(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) and no such file")
+    if not exists(p):
+        raise ParsimError(f"unknown model {short_path(p)!r}: not a preset ({', '.join(PRESETS)}) and no such file")
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ParsimError(f"model folder {p} has no config.json (a Hugging Face model folder holds one)")

@@ -31,7 +31,7 @@ from .codec import validate_plan
 from .costmodel import predict
 from .errors import ParsimError, ParsimWarning
 from .hardware import HardwareProfile, load_profile
-from .jsonio import atomic_write_json
+from .jsonio import atomic_write_json, input_file, loads, read_text
 from .plan import Plan
 from .spec import PRESETS, ModelSpec, MoESpec, load_model
 
@@ -41,6 +41,45 @@ ROW_KEYS = ("tier", "source", "table", "model", "spec", "plan_id", "describe", "
             "predicted_peak_bytes", "predicted_reserved_bytes", "measured_memory_kind", "fits", "time_breakdown_s",
             "model_work_s", "confidence", "plan", "profile", "measured_rounds_s")
 MEASURED_SEQ, MEASURED_GLOBAL_BATCH = 256, 8
+# what ``check_rows`` holds a row read back to: the strings every row has, the numbers it may have (None where
+# not measured or not predicted), the lists of numbers and the objects
+_ROW_STRINGS = ("tier", "model", "plan_id", "status")
+_ROW_NUMBERS = ("n_gpus", "measured_step_s", "predicted_step_s", "measured_peak_bytes", "predicted_peak_bytes",
+                "predicted_reserved_bytes", "model_work_s")
+_ROW_NUMBER_LISTS = ("measured_spread_s", "interval_s", "measured_rounds_s")
+_ROW_OBJECTS = ("plan", "spec", "time_breakdown_s")
+
+
+def check_rows(data, where: str) -> list[dict]:
+    """``data`` (a ``rows.json`` read back) as rows: a list of objects, each with the strings of ``_ROW_STRINGS``
+    (``tier`` measured or published), finite numbers or null where ``_ROW_NUMBERS`` and ``_ROW_NUMBER_LISTS`` name
+    a field, objects or null where ``_ROW_OBJECTS`` do; else one ParsimError line naming the row and the field."""
+    if not isinstance(data, list):
+        raise ParsimError(f"{where}: expected a list of rows, got {type(data).__name__}")
+    for i, r in enumerate(data):
+        if not isinstance(r, dict):
+            raise ParsimError(f"{where}: row {i} is {type(r).__name__}, not an object")
+        for k in _ROW_STRINGS:
+            if not isinstance(r.get(k), str):
+                raise ParsimError(f"{where}: row {i} has no {k} (a string)")
+        if r["tier"] not in ("measured", "published"):
+            raise ParsimError(f"{where}: row {i} has tier {r['tier']!r} (measured or published)")
+        for k in _ROW_NUMBERS + _ROW_NUMBER_LISTS:
+            v = r.get(k)
+            values = v if k in _ROW_NUMBER_LISTS and isinstance(v, list) else [v]
+            if v is not None and not all(_finite_number(x) for x in values):
+                raise ParsimError(f"{where}: row {i} {k}={str(v)[:40]} is not a finite number (or a list of them)")
+        for k in _ROW_OBJECTS:
+            if r.get(k) is not None and not isinstance(r[k], dict):
+                raise ParsimError(f"{where}: row {i} {k} is {type(r[k]).__name__}, not an object")
+        if isinstance(r.get("time_breakdown_s"), dict) and not all(
+                _finite_number(x) for x in r["time_breakdown_s"].values()):
+            raise ParsimError(f"{where}: row {i} time_breakdown_s holds a value that is not a finite number")
+    return data
+
+
+def _finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 # ---- the small space of the measured tier ------------------------------------------------------------------------
@@ -120,10 +159,10 @@ def load_measurements(path: Path) -> list[dict]:
     ignored."""
     out = []
     if path.exists():
-        for line in path.read_text().splitlines():
+        for line in read_text(path, "cannot read").splitlines():
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+                out.append(loads(line, str(path)))
+            except ParsimError:
                 continue
     return out
 
@@ -232,6 +271,21 @@ def _num(v, default=None):
     return v
 
 
+def _whole(r: dict, key: str, default=None) -> int:
+    """Column ``key`` of a published row as a whole number (``default`` where empty); a value that is not one (text,
+    a fraction, inf, beyond 2**53) raises ParsimError naming the column."""
+    v = _num(r.get(key), default)
+    if v is None:
+        raise ParsimError(f"{key} is missing")
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ParsimError(f"{key}={v!r} is not a number") from None
+    if not math.isfinite(f) or f != math.floor(f) or abs(f) > 2**53:
+        raise ParsimError(f"{key}={v!r} is not a whole number")
+    return int(f)
+
+
 def published_plan(r: dict) -> tuple[ModelSpec, Plan]:
     """The (model, plan) of one published row, batch words mapped: without PP a micro batch smaller than the
     per-rank batch is gradient accumulation (parsim: local batch = micro batch, the global batch keeps the rest);
@@ -240,14 +294,14 @@ def published_plan(r: dict) -> tuple[ModelSpec, Plan]:
     dp_replicate), else torchtitan's dp2ep. Raises ParsimError with the reason when
     the row cannot be represented."""
     spec = _published_spec(r)
-    deg = {a: int(_num(r.get(a), 1)) for a in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}
-    ep = int(_num(r.get("ep"), 1))
+    deg = {a: _whole(r, a, 1) for a in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}
+    ep = _whole(r, "ep", 1)
     ac = _num(r.get("ac"))
     if ac is None:
         raise ParsimError(f"AC not representable: {str(r.get('notes', ''))[:160]}")
-    lbs, mbs, gbs = int(r["local_batch_size"]), int(r["micro_batch_size"]), int(r["global_batch_size"])
+    lbs, mbs, gbs = (_whole(r, k) for k in ("local_batch_size", "micro_batch_size", "global_batch_size"))
     sched = _num(r.get("pp_schedule"), "1F1B")
-    v = int(_num(r.get("pp_stages_per_rank"), 1))
+    v = _whole(r, "pp_stages_per_rank", 1)
     if deg["pp"] > 1 and sched == "Interleaved1F1B" and _num(r.get("pp_stages_per_rank")) is None:
         v, why = assumed_virtual_stages(r, spec.n_layers, deg["pp"])
         warnings.warn(ParsimWarning(f"{r.get('id', 'row')}: Interleaved1F1B without a virtual-stage count: "
@@ -259,13 +313,13 @@ def published_plan(r: dict) -> tuple[ModelSpec, Plan]:
     # tp = cp = 1), else folded over dp_replicate x cp x tp (EP larger than the data-parallel size)
     megatron = ep > 1 and deg["dp_shard"] == 1
     ep_from = ("dp_replicate" if deg["dp_replicate"] % ep == 0 else "folded") if megatron else "dp_shard"
-    plan = Plan(**deg, ep=ep, ep_from=ep_from, **note_options(r, deg), seq_len=int(r["seq_len"]), local_batch_size=lbs,
-                micro_batch_size=mbs, global_batch_size=gbs, pp_schedule=sched, pp_stages_per_rank=v, ac=ac,
-                compile=bool(int(_num(r.get("compile"), 0))), float8=bool(int(_num(r.get("float8"), 0))),
+    plan = Plan(**deg, ep=ep, ep_from=ep_from, **note_options(r, deg), seq_len=_whole(r, "seq_len"),
+                local_batch_size=lbs, micro_batch_size=mbs, global_batch_size=gbs, pp_schedule=sched,
+                pp_stages_per_rank=v, ac=ac, compile=bool(_whole(r, "compile", 0)), float8=bool(_whole(r, "float8", 0)),
                 fsdp_reshard_after_forward=_num(r.get("fsdp_reshard_after_forward"), "default"))
-    if plan.world_size != int(r["gpus"]):
+    if plan.world_size != _whole(r, "gpus"):
         raise ParsimError(f"degrees multiply to {plan.world_size}, the row says {r['gpus']} GPUs")
-    validate_plan(plan, spec, int(r["gpus"]))
+    validate_plan(plan, spec, _whole(r, "gpus"))
     return spec, plan
 
 
@@ -380,21 +434,20 @@ def _spec_profile(name: str, calibrated: bool) -> HardwareProfile:
 
 def _published_spec(r: dict) -> ModelSpec:
     if r["model"] != "custom":
-        return PRESETS[r["model"]] if r["model"] in PRESETS else load_model(r["model"])
+        return PRESETS[r["model"]] if r["model"] in PRESETS else load_model(str(r["model"]))
     fam = r["family"]
     moe = None
     if fam == "moe":
-        moe = MoESpec(n_experts=int(r["n_experts"]), top_k=int(r["top_k"]), d_ff_expert=int(r["d_ff_expert"]),
-                      n_shared_experts=int(_num(r.get("n_shared_experts"), 0)),
-                      first_k_dense=int(_num(r.get("first_k_dense"), 0)))
-    d, h = int(r["d_model"]), int(r["n_heads"])
+        moe = MoESpec(n_experts=_whole(r, "n_experts"), top_k=_whole(r, "top_k"), d_ff_expert=_whole(r, "d_ff_expert"),
+                      n_shared_experts=_whole(r, "n_shared_experts", 0), first_k_dense=_whole(r, "first_k_dense", 0))
+    d, h = _whole(r, "d_model"), _whole(r, "n_heads")
     gpt = fam == "gpt"
-    return ModelSpec(name=str(r["id"]), n_layers=int(r["n_layers"]), d_model=d, n_heads=h,
-                     n_kv_heads=int(_num(r.get("n_kv_heads"), h)), d_ff=int(r["d_ff"]),
-                     vocab_size=int(r["vocab_size"]), head_dim=d // h,
+    return ModelSpec(name=str(r["id"]), n_layers=_whole(r, "n_layers"), d_model=d, n_heads=h,
+                     n_kv_heads=_whole(r, "n_kv_heads", h), d_ff=_whole(r, "d_ff"),
+                     vocab_size=_whole(r, "vocab_size"), head_dim=d // h if h else 0,
                      tie_embeddings=str(r.get("tie_embeddings")).lower() in ("true", "1"),
                      mlp="gelu" if gpt else "swiglu", norm="layernorm" if gpt else "rmsnorm", bias=gpt,
-                     max_position_embeddings=int(r["seq_len"]) if gpt else 0, moe=moe)
+                     max_position_embeddings=_whole(r, "seq_len") if gpt else 0, moe=moe)
 
 
 def published_rows(csv_path: str, profiles: dict | None = None, calibrated: bool = True) -> list[dict]:
@@ -403,6 +456,7 @@ def published_rows(csv_path: str, profiles: dict | None = None, calibrated: bool
     development rows) when ``calibrated`` and one is shipped."""
     import pandas as pd
 
+    input_file(csv_path, "cannot read")
     try:
         df = pd.read_csv(csv_path, dtype={"measured_tps_per_gpu": str})
     except (OSError, ValueError) as e:
@@ -420,10 +474,14 @@ def published_rows(csv_path: str, profiles: dict | None = None, calibrated: bool
                     confidence=_num(r.get("confidence"), "low"))
         try:
             spec, plan = published_plan(r)
-        except (ParsimError, KeyError, ValueError) as e:
+        except (ParsimError, KeyError, ValueError, TypeError, OverflowError) as e:
             row = dict.fromkeys(ROW_KEYS)
+            try:
+                gpus = _whole(r, "gpus")
+            except ParsimError:
+                gpus = 0
             row.update(base, model=str(r["model"]), plan_id=str(r["id"]), describe=str(r["id"]),
-                       family=str(r.get("table")), n_gpus=int(r["gpus"]), status="unrepresentable",
+                       family=str(r.get("table")), n_gpus=gpus, status="unrepresentable",
                        reason=str(e), profile=hw.name)
             rows.append(row)
             continue

@@ -200,3 +200,38 @@ def test_interrupted_cli_run_leaves_no_process(sig):
     assert p.returncode == 130, out[-2000:]
     assert "interrupted" in out and "Traceback" not in out
     assert _wait_until(lambda: tagged_pids(mark, "PARSIM_TEST_MARK") == set(), 30)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_signal_during_search_csv_leaves_no_file(tmp_path, sig):
+    """SIGTERM (or Ctrl-C) while `parsim search --csv` streams every plan: exit 130, neither the CSV nor its
+    temporary file is left (the CSV is written beside its target and renamed only when complete)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = tmp_path / "all.csv"
+    p = subprocess.Popen([sys.executable, "-m", "parsim", "search", "--model", "llama3-8b", "--gpus", "64",
+                          "--global-batch-size", "256", "--seq-len", "8192", "--csv", str(out), "--max-plans", "0"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert _wait_until(lambda: any(f.name.startswith(".all.csv.") for f in tmp_path.iterdir()), 120)
+    p.send_signal(sig)
+    try:
+        text, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("parsim search did not end within 120 s of the signal")
+    assert p.returncode == 130 and "Traceback" not in text, text[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_refused_rename_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """The target cannot be replaced (immutable, or a read-only place): one ParsimError line, the temporary file
+    beside it removed."""
+    target = tmp_path / "x.json"
+
+    def refuse(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(ParsimError, match="cannot write"):
+        atomic_write_json(target, {"a": 1})
+    assert list(tmp_path.iterdir()) == []
