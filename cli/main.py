@@ -707,8 +707,9 @@ def _orders_progress():
 @app.command()
 @guarded
 def validate(
-    model: str = typer.Option("tiny", "--model", help="measured tier: preset to run"),
-    nproc_per_node: int = typer.Option(2, "--nproc-per-node", help="measured tier: CPU ranks (gloo)", parser=WHOLE),
+    model: Optional[str] = typer.Option(None, "--model", help="measured tier: preset to run [tiny]"),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="measured tier: CPU ranks (gloo) "
+                                                 "[2]", parser=WHOLE),
     out: str = typer.Option(..., "--out", help="results folder (measurements.jsonl, rows.json, summary.json)"),
     published: Optional[str] = typer.Option(None, "--published", help="a CSV in the schema of "
                                             "bench/published/dev.csv: predict its rows, run nothing"),
@@ -716,16 +717,18 @@ def validate(
                                           "published: each row's spec-sheet profile, calibrated]"),
     uncalibrated: bool = typer.Option(False, "--uncalibrated", help="published: the raw spec-sheet profiles, "
                                       "not their calibrated versions (what `parsim calibrate` fits)"),
-    rounds: int = typer.Option(2, "--rounds", help="interleaved repetitions of every plan", parser=WHOLE),
-    steps: int = typer.Option(5, "--steps", help="timed steps per run (after 2 warm-up steps)", parser=WHOLE),
-    max_plans: int = typer.Option(0, "--max-plans", help="run only the first N plans of the space (0: all)",
-                                  parser=WHOLE),
+    rounds: Optional[int] = typer.Option(None, "--rounds", help="measured tier: interleaved repetitions of every "
+                                         "plan [2]", parser=WHOLE),
+    steps: Optional[int] = typer.Option(None, "--steps", help="measured tier: timed steps per run (after 2 "
+                                        "warm-up steps) [5]", parser=WHOLE),
+    max_plans: Optional[int] = typer.Option(None, "--max-plans", help="measured tier: run only the first N plans "
+                                            "of the space (0: all) [0]", parser=WHOLE),
     measure_blocks: bool = typer.Option(False, "--measure-blocks", help="measured tier: time every plan's blocks "
                                         "at its local shapes and sweep the collectives at the start of every "
                                         "round (DIR/blocks.jsonl, DIR/collectives.jsonl) and predict with each "
                                         "time's median over the rounds (kept in the profile); the summary without "
                                         "the blocks is written beside"),
-    timeout: float = typer.Option(600.0, "--timeout", help="seconds per run"),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="measured tier: seconds per run [600]"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Put predictions beside measurements: run a small space here (resumable), or predict published runs."""
@@ -738,6 +741,11 @@ def validate(
     from parsim.loop_jobs import validate_measured, validate_published
     from parsim.procs import check_timeout
 
+    measured_only = {"--model": model, "--nproc-per-node": nproc_per_node, "--rounds": rounds, "--steps": steps,
+                     "--max-plans": max_plans, "--measure-blocks": measure_blocks or None, "--timeout": timeout}
+    _check_dependent_flags({**{f: (v is not None, "the measured tier (without --published)", not published)
+                               for f, v in measured_only.items()},
+                            "--uncalibrated": (uncalibrated, "--published", bool(published))})
     if Path(out).exists() and not Path(out).is_dir():
         raise ParsimError(f"--out {out} exists and is not a folder")
     if not published:
@@ -746,11 +754,13 @@ def validate(
     if published:
         summary = validate_published(published, out, profile, calibrated=not uncalibrated)
     else:
+        timeout = 600.0 if timeout is None else timeout
         check_timeout(timeout)
         with Bars() as bars:
-            summary = validate_measured(model, nproc_per_node, out, profile=profile, rounds=rounds, steps=steps,
-                                        max_plans=max_plans, timeout_s=timeout, measure_blocks=measure_blocks,
-                                        progress=bars)
+            summary = validate_measured(model or "tiny", 2 if nproc_per_node is None else nproc_per_node, out,
+                                        profile=profile, rounds=2 if rounds is None else rounds,
+                                        steps=5 if steps is None else steps, max_plans=max_plans or 0,
+                                        timeout_s=timeout, measure_blocks=measure_blocks, progress=bars)
     if as_json:
         emit_json(summary)
     else:
@@ -804,6 +814,7 @@ def report(
 
     if plotly_js not in ("inline", "cdn"):
         raise ParsimError(f"--plotly-js takes inline or cdn, got {plotly_js!r}")
+    _check_dependent_flags({"--plotly-js": (plotly_js != "inline", "--html", html is not None)})
     check_outputs({"--html": html, "--csv": csv},
                   [f"{d}/{name}" for d in dirs for name in ("rows.json", "summary.json", "calibration.json")])
     rows = load_rows(dirs)

@@ -513,6 +513,8 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
 
     t0 = time.perf_counter()
     check_number("--gpus", n_gpus, 1, MAX_GPUS, integer=True)
+    if progress:  # (a bar with its clock from the start: a large space spends seconds building its rows)
+        progress(0, 1000)
     res = SearchResult(usable_memory_bytes=hw.usable_memory_bytes * (1.0 - sp.headroom))
     base = _base_rows(spec, n_gpus, sp, hw.gpus_per_node, res.pruned_structural)
     opts, base["orders"] = _options(sp, hw)

@@ -213,6 +213,10 @@ def test_the_cases_the_independent_fuzz_found(tmp_path):
          "folder"),
         (["predict", "--model", "tiny", "--gpus", "4", "--dp-shard", "4_0"], "whole number"),
         (["predict", "--model", "tiny", "--gpus", "+4", "--dp-shard", "4"], "whole number"),
+        (["validate", "--published", "bench/published/dev.csv", "--out", str(tmp_path / "v"), "--rounds", "3"],
+         "measured tier"),
+        (["validate", "--out", str(tmp_path / "v"), "--uncalibrated"], "--published"),
+        (["report", str(rows), "--plotly-js", "cdn"], "--html"),
     ]
     for argv, words in cases:
         rc, out, err = call(argv)
