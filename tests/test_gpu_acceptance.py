@@ -82,7 +82,7 @@ def test_runs_a_gpu_measured_are_predicted_again_on_the_profile_as_it_is():
     """``--repredict``: the committed GPU runs beside today's predictions, with measured blocks and on the curves
     alone (no torch, no measuring)."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_acceptance.py"), "--repredict",
-                        str(ROOT / "bench" / "reports" / "gpu-acceptance" / "2026-11-26" / "acceptance-runs.json")],
+                        str(ROOT / "tests" / "data" / "gpu-acceptance-runs-2026-11-26.json")],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line.split() for line in r.stdout.splitlines()[1:]]
