@@ -12,7 +12,6 @@ class Bars:
     bars: job(progress=bars)``."""
 
     def __init__(self, console=None, transient: bool = False):
-        from rich.console import Console
         from rich.progress import (
             BarColumn,
             Progress,
@@ -22,7 +21,9 @@ class Bars:
             TimeRemainingColumn,
         )
 
-        err = console or Console(stderr=True)
+        from parsim.console import console as folding_console
+
+        err = console or folding_console(stderr=True)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err,
                                  transient=transient, disable=not err.is_terminal)

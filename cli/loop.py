@@ -5,13 +5,14 @@ from __future__ import annotations
 
 def print_summary(summary: dict) -> None:
     from rich import box
-    from rich.console import Console
     from rich.table import Table
+
+    from parsim.console import console as folding_console
 
     def pct(x):
         return "-" if x is None else f"{100 * x:.1f}%"
 
-    con = Console()
+    con = folding_console()
     t = Table(title=f"validation: {summary['n_ok']} of {summary['n_rows']} rows scored "
                     f"({summary['n_unrepresentable']} unrepresentable, {summary['n_low_confidence']} low confidence)",
               caption="tok/s, step: mean |error| of tokens/s and of step time; max: largest tok/s error; ρ: Spearman "
@@ -71,10 +72,11 @@ def print_summary(summary: dict) -> None:
 
 
 def print_calibration(out: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    from parsim.console import console as folding_console
+
+    con = folding_console()
     t = Table(title=f"calibration: {out['n_rows']} rows, {out['folds']} grouped folds")
     t.add_column("parameter")
     t.add_column("factor", justify="right")

@@ -85,6 +85,7 @@ def plan_options(fn):
 
         flags = {n: kwargs.pop(n) for n, _, _ in PLAN_FLAGS}
         flags["model_given"] = flags["model"] is not None
+        flags["profile_given"] = flags["profile"] is not None
         for name in ("model", "profile"):  # what to load, not a pin: the default applies to every command
             if flags[name] is None:
                 flags[name] = DEFAULTS[name]
@@ -193,7 +194,7 @@ def predict(flags: dict, as_json: bool = typer.Option(False, "--json", help="pri
         return
     from parsim.report import print_explain, print_prediction
 
-    print_prediction(pred, spec, plan)
+    print_prediction(pred, spec, plan, hw)
     if why:
         print_explain(why)
 
@@ -211,7 +212,10 @@ def search(
     ac_modes: Optional[str] = typer.Option(None, "--ac-modes", help="comma list of AC modes to search "
                                            "(default: none,selective-op,full,layer:2; --ac pins one)"),
     fixed_order: bool = typer.Option(False, "--default-mesh-order", help="only the default device order"),
-    headroom: float = typer.Option(0.0, "--headroom", help="fraction of usable GPU memory to keep free"),
+    # the default is parsim.search.CLI_HEADROOM (its derivation there; a test ties the two)
+    headroom: float = typer.Option(0.06, "--headroom", help="fraction of usable GPU memory to keep free (the "
+                                   "allocator reserved up to 6% more than predicted on H100; 0 ranks by the "
+                                   "prediction alone)"),
     max_plans: Optional[int] = typer.Option(None, "--max-plans", help="refuse spaces larger than this "
                                             "(default: none; 50,000,000 with --csv, which evaluates every plan; 0 = "
                                             "no limit)", parser=WHOLE),
@@ -324,12 +328,12 @@ def _check_profile_is_this_device(hw) -> None:
 
 
 def _measurement_summary(m, title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from parsim.console import console as folding_console
     from parsim.units import MS, GiB
 
-    con = Console()
+    con = folding_console()
     color = "green" if m.status == "ok" else "red"
     con.print(f"[bold]{title}[/bold] plan {m.plan_id}: [{color}]{m.status}[/{color}] {m.error}")
     if m.status != "ok":
@@ -376,13 +380,15 @@ def run(
     require_torch("run")
 
     from parsim.errors import ParsimError
-    from parsim.flags import check_int
+    from parsim.flags import check_flags, check_int
     from parsim.jsonio import check_outputs
     from parsim.procs import check_timeout
 
-    spec, plan, _ = build_plan(flags)
     if device not in (None, "cpu"):
         raise ParsimError(f"--device takes only cpu (to force gloo on a GPU machine), got {device!r}")
+    check_flags(flags)
+    hw_here, no_profile, dtype_note = _run_profile(flags, device, nproc_per_node)
+    spec, plan, hw = build_plan(flags)
     from parsim.ordering import order_refusal
 
     why = order_refusal(plan)
@@ -399,6 +405,8 @@ def run(
     n_nodes = _nnodes(nnodes) if nnodes else 1
     if nproc_per_node * n_nodes != world:
         raise ParsimError(f"the plan needs {world} ranks, --nproc-per-node x nodes = {nproc_per_node} x {n_nodes}")
+    on_gpu = not (no_profile or hw_here)
+    _check_run_time(spec, plan, hw if on_gpu else hw_here, [dtype_note, no_profile], steps, warmup, timeout)
     from parsim.executor.launch import run_plan
 
     extra = []
@@ -410,11 +418,95 @@ def run(
         extra.append(f"--node-rank={node_rank}")
     m = run_plan(flags["model"], plan, nproc_per_node, steps=steps, warmup=warmup,
                  timeout_s=timeout, out=out,
-                 torchrun_args=extra, device=device)
+                 torchrun_args=extra, device=device, progress=lambda ln: typer.echo(f"step {ln}", err=True))
     if as_json:
         emit_json(m.to_dict())
     else:
         _measurement_summary(m, f"{spec.name} {plan.describe()}")
+    if m.status != "ok":  # a run that did not measure is a failed command (exit 1; bad input is 2)
+        typer.echo(f"error: the run ended with status {m.status}: {_one_line(m.error or '')[:300]}", err=True)
+        raise typer.Exit(1)
+
+
+def _run_profile(flags: dict, device: str | None, nproc: int):
+    """(profile of this machine or None, what to say about the prediction, what to say about the dtype) for a run;
+    on a CPU with no --param-dtype (and no --plan), the dtype is chosen from what this machine measured
+    (``parsim.run_prep``). The notes go to stderr once the run is accepted (a refusal is one line)."""
+    from parsim.run_prep import cpu_dtype, cpu_run_profile
+
+    if device != "cpu" and _has_cuda():
+        return None, "", ""  # a GPU run predicts with --profile (its default: the H100 spec sheet, calibrated)
+    from parsim.machine import this_machine
+
+    hw, why = cpu_run_profile(flags["profile"] if flags.get("profile_given") else None, nproc)
+    dtype_note = ""
+    if flags.get("param_dtype") is None and not flags.get("plan_file"):
+        flags["param_dtype"], reason = cpu_dtype(hw, this_machine()["cpu_flags"])
+        dtype_note = f"param dtype {flags['param_dtype']}: {reason}"
+    return hw, why, dtype_note
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_run_time(spec, plan, hw, notes: list[str], steps: int, warmup: int, timeout: float) -> None:
+    """Refuse a run predicted past --timeout; otherwise say the predicted time a step (or why there is none) and
+    the other notes on stderr."""
+    from parsim.costmodel import predict as _predict
+    from parsim.errors import ParsimError
+    from parsim.run_prep import bf16_slow, check_fits_timeout
+
+    if hw is not None:
+        try:
+            step_s = _predict(spec, plan, hw).step_time_s
+        except ParsimError as e:
+            notes.append(f"no prediction ({_one_line(str(e))})")
+        else:
+            hint = ", or --param-dtype float32 (bf16 GEMMs are slow here)" if (
+                plan.param_dtype == "bfloat16" and bf16_slow(hw)) else ""
+            check_fits_timeout(step_s, steps, warmup, timeout, f" (profile {hw.name}){hint}")
+            notes.append(f"predicted {step_s * 1e3:,.1f} ms a step on profile {hw.name}: {warmup} warmup + {steps} "
+                         f"timed steps ~{step_s * (steps + warmup):,.1f} s, plus start-up")
+    for note in notes:
+        if note:
+            typer.echo(note, err=True)
+
+
+@app.command()
+@guarded
+def profiles(as_json: bool = typer.Option(False, "--json", help="print one JSON document")):
+    """List the installed hardware profiles: what each is, its device, date, whether it describes this machine
+    and whether the current profiler measures more than it holds."""
+    from rich import box
+    from rich.table import Table
+
+    from parsim.console import console as folding_console
+    from parsim.machine import profile_rows
+
+    rows = profile_rows()
+    if as_json:
+        emit_json({"profiles": rows})
+        return
+    t = Table(title=f"{len(rows)} profiles", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), show_edge=False)
+    for col in ("name", "kind", "device", "date", "here", "stale"):
+        t.add_column(col, overflow="fold", no_wrap=col in ("name", "date", "here", "stale"),
+                     min_width={"kind": 12, "device": 14}.get(col))
+    for r in rows:
+        kind = r["kind"] + (f", {r['ranks']} ranks" if r["ranks"] and "cpu" in r["kind"] else "")
+        t.add_row(r["name"], kind, r["device"], r["date"], r["this_machine"].split(":")[0], "yes" if r["stale"] else "")
+    con = folding_console()
+    con.print(t)
+    for r in rows:
+        if r["this_machine_why"]:
+            con.print(f"{r['name']}: not this machine ({r['this_machine_why']})", markup=False)
+        if r["stale"]:
+            con.print(f"{r['name']}: stale, the profiler now also measures {r['stale']} (re-measure: parsim "
+                      "profile --nproc-per-node N --out NAME)", markup=False)
+    con.print("here: whether a measured CPU profile describes this machine (spec sheets and GPU profiles describe "
+              "hardware elsewhere). Use one with --profile NAME; parsim profile --out NAME measures this machine")
 
 
 def _nnodes(text: str) -> int:
@@ -693,9 +785,9 @@ def orders(
 
 
 def _orders_progress():
-    from rich.console import Console
+    from parsim.console import console as folding_console
 
-    con = Console(stderr=True)
+    con = folding_console(stderr=True)
 
     def show(case_name, row):
         con.print(f"{case_name}: {','.join(row['order'])} -> {row['outcome']}"
@@ -828,11 +920,10 @@ def report(
     if as_json:
         emit_json({"stats": stats, "rows": table.astype(object).where(table.notna(), None).to_dict("records")})
         return
-    from rich.console import Console
-
     from parsim.cli.loop import print_summary_table
+    from parsim.console import console as folding_console
 
-    con = Console()
+    con = folding_console()
     print_summary_table(con, stats)
     from rich.table import Table
 

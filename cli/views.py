@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import math
 
-from parsim.plan_text import SHORT_DOMINANT, order_str, sched_str, short_ac, short_batch, short_degrees, short_options
+from parsim.machine import mfu_text
+from parsim.plan_text import (
+    SHORT_DOMINANT,
+    legend,
+    order_str,
+    sched_str,
+    short_ac,
+    short_batch,
+    short_degrees,
+    short_options,
+)
 from parsim.units import MS, GiB
 
 
@@ -12,13 +22,12 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, outputs, as_json, exe
                    measure=0, measure_budget_flops=None):
     """`parsim search`: the search job (``parsim.search_job``) with progress bars and its lines on stderr, then
     its result printed (tables or one JSON document)."""
-    from rich.console import Console
-
     from parsim.cli.common import Bars
+    from parsim.console import console as folding_console
     from parsim.search import result_to_dict
     from parsim.search_job import run_search_job
 
-    err, con = Console(stderr=True), Console()
+    err, con = folding_console(stderr=True), folding_console()
     with Bars(err, transient=True) as bars:
         job = run_search_job(spec, hw, gpus, space, top=top, outputs=outputs, measure=measure,
                              measure_budget_flops=measure_budget_flops, execute=execute, explain=explain,
@@ -98,7 +107,27 @@ def _print_search(con, spec, hw, gpus, space, res, top, wide) -> bool:
         pt.add_row(f"{step / MS:.1f}", f"{mem / GiB:.1f}", short_degrees(plan), sched_str(plan),
                    short_batch(plan), short_ac(plan.ac), short_options(plan))
     con.print(pt)
+    tie = tie_note(res, hw)
+    if tie:
+        con.print(tie)
+    con.print(f"[dim]{legend()}[/dim]")
     return True
+
+
+def tie_note(res, hw) -> str:
+    """A line when ranked plans lie within the best plan's 90% interval (and it in theirs): the model cannot tell
+    them apart, a measurement can."""
+    from parsim.plan import interval_factor
+
+    best, step1 = res.top[0].plan, res.top[0].step_time_s
+    hi1 = step1 * interval_factor(hw, best)
+    tied = [i for i, r in enumerate(res.top, 1) if i > 1 and r.step_time_s / interval_factor(hw, r.plan) <= hi1]
+    if not tied:
+        return ""
+    last = res.top[tied[-1] - 1].step_time_s
+    return (f"plans #1-#{tied[-1]} are a tie: their predicted steps ({step1 / MS:,.1f}-{last / MS:,.1f} ms, "
+            f"{100 * (last / step1 - 1):.1f}% apart) lie within each other's 90% intervals; measure them to choose "
+            "(--measure K re-ranks the top K by measuring their blocks here, --execute K runs them)")
 
 
 def _interval_caption(hw) -> str:
@@ -128,12 +157,8 @@ def _top_table(res, top: int, hw, wide: bool, width: int = 100):
                 ("dominant", "left"))
     else:
         t = Table(title=f"top {n} plans", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False,
-                  caption=f"Per GPU; GiB: memory the caching allocator reserves. {_interval_caption(hw)}. degrees "
-                          "in device order, outermost "
-                          "first. batch: local/micro (ga: gradient accumulation). options: C compile, F8 float8, "
-                          "R- / R+ reshard never / always, aTP async TP, ZeRO1 distributed optimizer, TE Transformer "
-                          "Engine layers, FL fused loss, letters: a "
-                          "wrapper order other than PTACF. --wide: every field")
+                  caption=f"Per GPU; GiB: memory the caching allocator reserves. {_interval_caption(hw)}. "
+                          "The abbreviations are spelled out below; --wide: every field")
         cols = (("#", "right"), ("degrees", "left"), ("sched", "left"), ("batch", "left"), ("AC", "left"),
                 ("options", "left"), ("step ms", "right"), ("tok/s", "right"), ("MFU", "right"),
                 ("GiB", "right"), ("bound", "left"))
@@ -148,10 +173,10 @@ def _top_table(res, top: int, hw, wide: bool, width: int = 100):
                       f"{plan.local_batch_size}/{plan.micro_batch_size}", str(plan.grad_accum_steps), plan.ac,
                       "y" if plan.compile else "n", "y" if plan.float8 else "n", plan.fsdp_reshard_after_forward,
                       ">".join(plan.wrapper_order), f"{step / MS:.1f}", f"{step / q / MS:.0f}-{step * q / MS:.0f}",
-                      f"{tps:,.0f}", f"{mfu * 100:.1f}%", f"{mem / GiB:.1f}", dom)
+                      f"{tps:,.0f}", mfu_text(mfu, hw), f"{mem / GiB:.1f}", dom)
         else:
             row = [str(i), short_degrees(plan), sched_str(plan), short_batch(plan), short_ac(plan.ac),
-                   short_options(plan), f"{step / MS:.1f}", f"{tps:,.0f}", f"{mfu * 100:.1f}%",
+                   short_options(plan), f"{step / MS:.1f}", f"{tps:,.0f}", mfu_text(mfu, hw),
                    f"{mem / GiB:.1f}", SHORT_DOMINANT.get(dom, dom.replace("comm_", ""))]
             t.add_row(*row[:len(cols)])
     return t
@@ -235,10 +260,11 @@ def _print_executed(con, executed):
 def print_redistribution(doc: dict) -> None:
     """`parsim redistribute`: each path as a table of steps with the predicted time of each."""
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    from parsim.console import console as folding_console
+
+    con = folding_console()
     mesh = "x".join(map(str, doc["mesh"]))
     con.print(f"{doc['src']['text']} -> {doc['dst']['text']}   tensor {'x'.join(map(str, doc['shape']))} "
               f"{doc['dtype']} on mesh {mesh} ({doc['ranks_per_node']} ranks per node), profile {doc['profile']}")
@@ -267,10 +293,11 @@ def print_orders(doc: dict) -> None:
     """`parsim orders`: one table per case (order, outcome, loss / memory / time against the default order, what
     the written rules predict), then the disagreements, the effective rules and the measured AC cost."""
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    from parsim.console import console as folding_console
+
+    con = folding_console()
     if not doc["cases"]:
         con.print(f"no stored matrix for torch {doc['torch']}: run `parsim orders`")
         return

@@ -26,7 +26,7 @@ INT_RANGES = {"gpus": (1, MAX_GPUS), **{k: (max(f.low, 1), f.high) for k, f in F
 CLI_NAMES = {k: "--" + k.replace("_", "-") for k in LOAD_DEFAULTS} | {"plan_file": "--plan"} | {
     k: f.cli_flag for k, f in FLAG_FIELDS.items()}
 # flags that only say what to load, not what the plan is
-NOT_PLAN = ("model", "profile", "plan_file", "gpus", "model_given")
+NOT_PLAN = ("model", "profile", "plan_file", "gpus", "model_given", "profile_given")
 
 
 def check_int(name: str, value, low: int, high: int) -> int:

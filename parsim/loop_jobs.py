@@ -17,14 +17,18 @@ from .progress import Log, Progress, log_to_stderr
 
 
 def profile_for_this_machine(name: str, log: Log = log_to_stderr):
-    """Load a profile; a measured CPU profile from another machine gets one warning line."""
+    """Load a profile; a measured CPU profile from another machine, or one that lacks what the current profiler
+    measures (stale), gets one warning line."""
     from .hardware import load_profile
-    from .machine import warning
+    from .machine import missing_quantities, warning
 
     hw = load_profile(name)
     w = warning(hw)
     if w:
         log(w)
+    elif missing_quantities(hw):
+        log(f"warning: profile {hw.name} is stale: the profiler now also measures {', '.join(missing_quantities(hw))}"
+            " (what a step spends beside the curves); re-measure: parsim profile --nproc-per-node N --out NAME")
     return hw
 
 

@@ -86,3 +86,43 @@ def warning(hw) -> str | None:
         return None
     return (f"warning: profile {hw.name} may not describe this machine ({why}); its timings can be off by an order "
             f"of magnitude here. Re-measure: parsim profile --nproc-per-node N --out NAME")
+
+
+def mfu_text(mfu: float, hw) -> str:
+    """MFU for people: a percentage of the device's bf16 peak on GPU profiles; ``n/a`` on a measured CPU profile,
+    whose "peak" is the GEMM rate its profiler measured (a plan in float32 there is reported against bf16's rate:
+    4,967% for tiny on cpu-gloo-2), and ``n/a`` above 100% (a peak that is not the device's)."""
+    if _cpu_measurement(hw) or not 0 <= mfu <= 1:
+        return "n/a"
+    return f"{100 * mfu:.1f}%"
+
+
+def profile_rows() -> list[dict]:
+    """One row per installed profile (``parsim profiles``): name, what it is (spec sheet, measured, calibrated from
+    another), device, ranks it was measured with, date, whether it describes this machine (measured CPU profiles
+    only: a spec sheet or GPU profile describes hardware elsewhere) and what the current profiler measures that it
+    lacks (stale), the file."""
+    from .errors import ParsimError
+    from .hardware import list_profiles, load_profile, profile_dirs
+
+    rows = []
+    for name in list_profiles():
+        path = next((str(d / f"{name}.json") for d in profile_dirs() if (d / f"{name}.json").exists()), "")
+        try:
+            hw = load_profile(name)
+        except ParsimError as e:
+            rows.append({"name": name, "kind": "unreadable", "device": "", "ranks": None, "date": "",
+                         "this_machine": "", "this_machine_why": "", "stale": str(e), "path": path})
+            continue
+        prov = hw.provenance
+        kind = "spec" if hw.source == "spec-sheet" else f"measured {prov.get('device', 'cpu')}"
+        if prov.get("calibrated_from"):
+            kind += ", calibrated"
+        why = mismatch(prov) if _cpu_measurement(hw) else None
+        differ = [k for k in MACHINE_KEYS if why and k in why]
+        rows.append({"name": name, "kind": kind, "device": hw.device_name,
+                     "ranks": prov.get("device_count"), "date": str(prov.get("date", ""))[:10],
+                     "this_machine": ("" if not _cpu_measurement(hw) else f"no: {', '.join(differ)}" if why
+                                      else "yes"), "this_machine_why": why or "",
+                     "stale": ", ".join(missing_quantities(hw)), "path": path})
+    return rows

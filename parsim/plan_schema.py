@@ -184,8 +184,8 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
     PlanField("compile", "bool", False, shown_default="[no]", search="enumerated"),
     PlanField("float8", "bool", False, shown_default="[no]", search="enumerated"),
     PlanField("param_dtype", "choice", "bfloat16", choices=DTYPES, shown_default="[bfloat16]",
-              help="FSDP mixed precision's compute dtype (float32 on a CPU without bf16 instructions): " + " | ".join(
-                  DTYPES)),
+              help="FSDP mixed precision's compute dtype; `parsim run` on a CPU defaults to float32 where this "
+                   "machine's bf16 GEMMs are slow (no AVX-512 BF16 or AMX): " + " | ".join(DTYPES)),
     PlanField("reduce_dtype", "choice", "float32", choices=DTYPES, shown_default="[float32]",
               help="the dtype gradients are reduced in: " + " | ".join(DTYPES)),
     PlanField("wrapper_order", "order", DEFAULT_ORDER, choices=WRAPPERS, flag="--order", search="enumerated",

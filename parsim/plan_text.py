@@ -15,6 +15,8 @@ SHORT_AC = {"none": "-", "full": "full", "selective-op": "sel"}
 SHORT_DOMINANT = {"compute_backward": "bwd", "compute_forward": "fwd", "recompute": "recomp", "pp_bubble": "bubble",
                   "optimizer": "optim", "comm_interference": "interf"}
 WRAPPER_LETTERS = {"pp": "P", "tp": "T", "ac": "A", "compile": "C", "fsdp": "F"}
+WRAPPER_NAMES = {"pp": "pipeline", "tp": "tensor parallel", "ac": "activation checkpointing", "compile": "compile",
+                 "fsdp": "FSDP"}
 
 
 def short_degrees(plan) -> str:
@@ -63,3 +65,24 @@ def sched_str(plan) -> str:
         return "-"
     name = "I1F1B" if plan.pp_schedule == "Interleaved1F1B" else plan.pp_schedule
     return name + (f"/v{plan.pp_stages_per_rank}" if plan.pp_stages_per_rank > 1 else "")
+
+
+def legend() -> str:
+    """Every abbreviation of search's short tables, spelled out, built from the tables above and the plan schema's
+    letters (so a new abbreviation is explained where it is defined)."""
+    from parsim.plan import DEFAULT_ORDER
+    from parsim.plan_schema import PLAN_FIELDS
+
+    axes = ", ".join(f"{s} {a}" for a, s in SHORT_AXES.items() if s != a)
+    same = ", ".join(a for a, s in SHORT_AXES.items() if s == a)
+    ac = ", ".join(f"{s} {a}" for a, s in SHORT_AC.items() if s != a) + ", LN every N-th layer (layer:N)"
+    letters = ", ".join(f"{f.letters} {f.label or f.name}" for f in PLAN_FIELDS if f.letters)
+    wrappers = ", ".join(f"{w} {WRAPPER_NAMES[name]}" for name, w in WRAPPER_LETTERS.items())
+    bound = ", ".join(f"{s} {k.replace('_', ' ')}" for k, s in SHORT_DOMINANT.items())
+    default = "".join(WRAPPER_LETTERS[w] for w in DEFAULT_ORDER)
+    return (f"degrees (device order, outermost first): {same} as named, {axes}, epN expert parallel (/M expert TP; "
+            f"d: borrowed from dp_replicate, f: folded over dp_replicate x cp x tp). sched: I1F1B Interleaved1F1B, "
+            f"/vN stages per rank. batch: local/micro, gaN gradient accumulation steps. AC: {ac}. options: C compile, "
+            f"F8 float8 tensorwise (F8r rowwise, F8g rowwise with high-precision grad weights), R- / R+ reshard "
+            f"after forward never / always, {letters}; a wrapper order other than {default} in its letters "
+            f"({wrappers}). bound: the largest step-time component ({bound}; a mesh axis: its collectives)")

@@ -7,9 +7,9 @@ from .units import MS, GiB
 
 
 def _console():
-    from rich.console import Console
+    from .console import console
 
-    return Console()
+    return console()
 
 
 def option_labels(plan) -> list[str]:
@@ -19,8 +19,10 @@ def option_labels(plan) -> list[str]:
     return options_on(plan, "label")
 
 
-def print_prediction(pred: Prediction, spec, plan) -> None:
+def print_prediction(pred: Prediction, spec, plan, hw) -> None:
     from rich.table import Table
+
+    from .machine import mfu_text
 
     con = _console()
     con.print(f"[bold]{spec.name}[/bold] ({spec.n_params / 1e9:.2f}B params) on {pred.n_gpus} GPUs "
@@ -63,7 +65,7 @@ def print_prediction(pred: Prediction, spec, plan) -> None:
               + (f" (90% interval {pred.interval_s[0] / MS:.1f}-{pred.interval_s[1] / MS:.1f} ms)"
                  if pred.interval_s else "")
               + f", {pred.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
-              f"MFU {pred.mfu * 100:.1f}%, dominant cost {pred.dominant_cost}")
+              f"MFU {mfu_text(pred.mfu, hw)}, dominant cost {pred.dominant_cost}")
 
 
 def comparison_rows(pred: Prediction, meas: Measurement) -> list[tuple[str, float, float]]:

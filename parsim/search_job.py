@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ParsimError
+from .machine import mfu_text
 from .plan_schema import PLAN_FIELDS
 from .plan_text import short_degrees, short_options
 from .progress import Log, Progress, log_to_stderr
@@ -107,7 +108,7 @@ def said_of(spec, hw, res, best, measured) -> str:
         step, mem, tps, mfu = p.step_time_s, p.reserved_memory_bytes, p.tokens_per_s_per_gpu, p.mfu
     q = interval_factor(hw, best)
     return (f"step {step:.3f} s (90% interval {step / q:.3f}-{step * q:.3f} s), {tps:,.0f} tokens/s/GPU, "
-            f"MFU {100 * mfu:.1f}%, {mem / GiB:.1f} GiB reserved per GPU on {hw.name}")
+            f"MFU {mfu_text(mfu, hw)}, {mem / GiB:.1f} GiB reserved per GPU on {hw.name}")
 
 
 def write_best(spec, hw, res, best, measured, outputs: SearchOutputs, model_arg: str | None) -> list[str]:
@@ -145,7 +146,7 @@ def _as_emitted(spec, hw, best) -> str:
 
     rw = predict(spec, dataclasses.replace(best, float8_recipe="rowwise"), hw)
     return (f"; as emitted (float8 rowwise): step {rw.step_time_s:.3f} s, {rw.tokens_per_s_per_gpu:,.0f} "
-            f"tokens/s/GPU, MFU {100 * rw.mfu:.1f}%")
+            f"tokens/s/GPU, MFU {mfu_text(rw.mfu, hw)}")
 
 
 def explain_dict(spec, hw, res, n: int, top: int) -> dict:

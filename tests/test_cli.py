@@ -95,6 +95,12 @@ def test_measured_profile_from_another_machine_warns(tmp_path):
     p = tmp_path / "here.json"
     p.write_text(json.dumps(d))
     r = _run("predict", "--model", "tiny", "--gpus", "2", "--seq-len", "256", "--profile", str(p), "--json")
+    assert r.exit_code == 0 and "may not describe this machine" not in r.stderr, r.stderr
+    assert "is stale" in r.stderr  # (the committed profile predates the optimizer and overhead measurements)
+    d["corrections"]["optimizer_fixed_s"] = 0.01
+    d["provenance"]["device_count"] = 1  # (a one-rank profile: no FSDP or TP overhead to measure)
+    p.write_text(json.dumps(d))
+    r = _run("predict", "--model", "tiny", "--gpus", "2", "--seq-len", "256", "--profile", str(p), "--json")
     assert r.exit_code == 0 and "warning" not in r.stderr, r.stderr
     d["provenance"]["machine"] = dict(here, cpu_flags=here["cpu_flags"] + ["amx_bf16"], cpu_cores=64)
     p = tmp_path / "other.json"

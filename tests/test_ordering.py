@@ -170,5 +170,5 @@ def test_run_refuses_an_order_that_breaks_a_forbidding_rule_between_applied_wrap
     assert r.exit_code == 2 and not launched
     assert "puts compile before tp" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, base)
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 1, r.output  # launched; the recorded run's status (error) ends the command with exit 1
     assert len(launched) == 1 and launched[0].wrapper_order == bad

@@ -13,6 +13,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 from ..jsonio import atomic_write_json
@@ -20,11 +21,15 @@ from ..plan import Plan
 from ..procs import check_timeout, run_tree
 from ..results import Measurement
 
+PROGRESS_PREFIX = "parsim-step "  # the worker's line per step on rank 0 (worker._progress)
+
 
 def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, warmup: int = 2,
              timeout_s: float = 600.0, out: str | None = None, torchrun_args: list[str] | None = None,
-             device: str | None = None, optimizer: str = "adamw") -> Measurement:
-    """Run ``plan`` for real. ``torchrun_args`` pass through (``--nnodes``, ``--rdzv-endpoint`` ...)."""
+             device: str | None = None, optimizer: str = "adamw",
+             progress: Callable[[str], None] | None = None) -> Measurement:
+    """Run ``plan`` for real. ``torchrun_args`` pass through (``--nnodes``, ``--rdzv-endpoint`` ...);
+    ``progress(line)`` receives rank 0's line per step (after ``PROGRESS_PREFIX``) as each step ends."""
     check_timeout(timeout_s)  # before anything is written or started
     torchrun_args = list(torchrun_args or [])
     with tempfile.TemporaryDirectory(prefix="parsim-run-") as tmp:
@@ -43,7 +48,8 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
         if device == "cpu":
             env["PARSIM_DEVICE"] = "cpu"
         t0 = time.perf_counter()
-        code, log = run_tree(cmd, env, timeout_s)  # nothing of the run survives this call, however it ends
+        echo = _StepLines(progress) if progress else None
+        code, log = run_tree(cmd, env, timeout_s, echo=echo)  # nothing of the run survives this call, however it ends
         status = "timeout" if code is None else None
         wall = time.perf_counter() - t0
         prov = {"command": " ".join(cmd), "nproc_per_node": nproc_per_node, "wall_s": wall,
@@ -63,6 +69,20 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
     if out:
         atomic_write_json(out, m.to_dict())
     return m
+
+
+class _StepLines:
+    """Fed the run's output as it comes (in pieces that may split lines); hands on each whole line that starts with
+    the worker's progress prefix, without it."""
+
+    def __init__(self, sink: Callable[[str], None]):
+        self.sink, self.partial = sink, ""
+
+    def __call__(self, text: str) -> None:
+        *lines, self.partial = (self.partial + text).split("\n")
+        for ln in lines:
+            if ln.startswith(PROGRESS_PREFIX):
+                self.sink(ln[len(PROGRESS_PREFIX):].strip())
 
 
 # what a worker killed by a signal said before it died (C++ terminate, a fatal Python error): torchrun's summary,
