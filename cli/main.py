@@ -182,12 +182,18 @@ def build_plan(flags: dict):
 @plan_options
 def predict(flags: dict, as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
             explain: bool = typer.Option(False, "--explain", help="show the collective ledger, one layer's compute "
-                                         "and the tensors it saves per AC mode")):
+                                         "and the tensors it saves per AC mode"),
+            framework: Optional[str] = typer.Option(None, "--framework", help="say what this framework would run "
+                                                    "otherwise: torchtitan (0.3.0) | torchtitan-0.2 | megatron")):
     """Predict per-rank memory, step time and communication of one plan."""
     from parsim.costmodel import predict as _predict
     from parsim.costmodel.explain import predict_and_explain
+    from parsim.frameworks import check_framework, runs_otherwise
 
+    check_framework(framework)
     spec, plan, hw = build_plan(flags)
+    for line in runs_otherwise(plan, spec, framework) if framework else []:
+        typer.echo(f"warning: {framework} would run this plan otherwise: {line}", err=True)
     pred, why = predict_and_explain(spec, plan, hw) if explain else (_predict(spec, plan, hw), None)
     if as_json:
         emit_json(dict(pred.to_dict(), **({"explain": why} if why else {})))
@@ -243,6 +249,8 @@ def search(
     measure_budget_flops: Optional[float] = typer.Option(None, "--measure-budget-flops", help="forward FLOPs above "
                                                          "which a smaller stand-in block is timed instead (default: "
                                                          "2e10 on CPU, none on a GPU)"),
+    framework: Optional[str] = typer.Option(None, "--framework", help="rank only the plans this framework runs as "
+                                            "planned: torchtitan (0.3.0) | torchtitan-0.2 | megatron"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
 ):
     """Search every plan for a model on N GPUs and rank them by predicted step time. Every plan flag given pins
@@ -262,6 +270,9 @@ def search(
     gpus, space = search_space(flags, no_pp=no_pp, no_cp=no_cp, max_tp=max_tp, max_pp=max_pp, ac_modes=ac_modes,
                                default_mesh_order=fixed_order, headroom=headroom, max_plans=max_plans,
                                max_seconds=max_seconds)
+    from parsim.frameworks import restrict_space
+
+    space = restrict_space(space, framework)
     spec = load_model(flags["model"])
     # plans run here are predicted with a profile of this machine (measured first when the given one is not)
     hw = profile_measured_here(flags["profile"]) if execute or measure else profile_for_this_machine(flags["profile"])
@@ -272,7 +283,8 @@ def search(
 
     out = SearchOutputs(emit_plan, emit_torchtitan, torchtitan_format, emit_megatron, csv, execute_out)
     run_search_cli(spec, hw, gpus, space, top=top, explain=explain, as_json=as_json, execute=execute, outputs=out,
-                   model_arg=flags["model"], wide=wide, measure=measure, measure_budget_flops=measure_budget_flops)
+                   model_arg=flags["model"], wide=wide, measure=measure, measure_budget_flops=measure_budget_flops,
+                   framework=framework)
 
 
 def _check_search_options(top, execute, measure, measure_budget_flops, explain, torchtitan_format, outputs,

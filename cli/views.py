@@ -19,7 +19,7 @@ from parsim.units import MS, GiB
 
 
 def run_search_cli(spec, hw, gpus, space, *, top, explain, outputs, as_json, execute=0, model_arg=None, wide=False,
-                   measure=0, measure_budget_flops=None):
+                   measure=0, measure_budget_flops=None, framework=None):
     """`parsim search`: the search job (``parsim.search_job``) with progress bars and its lines on stderr, then
     its result printed (tables or one JSON document)."""
     from parsim.cli.common import Bars
@@ -31,7 +31,7 @@ def run_search_cli(spec, hw, gpus, space, *, top, explain, outputs, as_json, exe
     with Bars(err, transient=True) as bars:
         job = run_search_job(spec, hw, gpus, space, top=top, outputs=outputs, measure=measure,
                              measure_budget_flops=measure_budget_flops, execute=execute, explain=explain,
-                             model_arg=model_arg, progress=bars,
+                             model_arg=model_arg, progress=bars, framework=framework,
                              log=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
     res = job.res
     if as_json:

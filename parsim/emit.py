@@ -46,7 +46,21 @@ def torchtitan_model(spec: ModelSpec) -> tuple[str, str, str] | None:
 
 
 def torchtitan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
-    """What torchtitan ``version`` ("0.3.0" or "0.2") cannot express of this plan, one line each."""
+    """What torchtitan ``version`` ("0.3.0" or "0.2") cannot express of this plan and of its model, one line each."""
+    return torchtitan_plan_gaps(plan, spec, version) + torchtitan_model_gaps(spec)
+
+
+def torchtitan_model_gaps(spec: ModelSpec) -> list[str]:
+    """What torchtitan cannot build of the model whatever the plan."""
+    if torchtitan_model(spec) is not None:
+        return []
+    return [f"model {spec.name}: its dimensions match no torchtitan registry flavour (llama3 8B/70B/405B, "
+            "qwen3 30B-A3B, deepseek_v3 671B); torchtitan builds models from its registries only, so the "
+            "config refuses to build until you add a flavour with these dimensions and name it there"]
+
+
+def torchtitan_plan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
+    """What torchtitan ``version`` runs otherwise of this plan (its mesh, wrappers, EP, float8, AC, dtype)."""
     out = []
     if tuple(plan.mesh_order) != AXES:
         used = [a for a in plan.mesh_order if getattr(plan, a) > 1]
@@ -97,12 +111,7 @@ def torchtitan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
                    "torchtitan applies mixed precision through fully_shard, or autocast without TP and PP; here it "
                    "disables it and trains in float32 (its maybe_enable_amp), while parsim predicted "
                    f"{plan.param_dtype} compute: add dp_shard > 1, or expect float32 speed and memory")
-    out += options_on(plan, "torchtitan_gap")
-    if torchtitan_model(spec) is None:
-        out.append(f"model {spec.name}: its dimensions match no torchtitan registry flavour (llama3 8B/70B/405B, "
-                   "qwen3 30B-A3B, deepseek_v3 671B); torchtitan builds models from its registries only, so the "
-                   "config refuses to build until you add a flavour with these dimensions and name it there")
-    return out
+    return out + options_on(plan, "torchtitan_gap")
 
 
 def _torchtitan_etp(plan: Plan, version: str) -> int:

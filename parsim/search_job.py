@@ -50,13 +50,16 @@ class SearchJob:
 def run_search_job(spec, hw, gpus: int, space, *, top: int, outputs: SearchOutputs = SearchOutputs(),
                    measure: int = 0, measure_budget_flops: float | None = None, execute: int = 0,
                    explain: int | None = None, model_arg: str | None = None, progress: Progress | None = None,
-                   log: Log = log_to_stderr) -> SearchJob:
+                   log: Log = log_to_stderr, framework: str | None = None) -> SearchJob:
     """Search, then measure and re-rank, write the best plan out, execute the top and explain plan ``explain``,
-    as asked (a plan number beyond the ranked ones is refused before anything is written)."""
+    as asked (a plan number beyond the ranked ones is refused before anything is written). With ``framework``
+    (``parsim.frameworks``) the space was cut to what it runs, and a ranked plan it would run otherwise is dropped."""
     from .jsonio import atomic_write_json
     from .plan import Plan
 
     res = search_to_table(spec, hw, gpus, space, top, outputs.table_path, progress)
+    if framework:  # (what the model lacks there is said once: by the emitted file's gaps when one is written)
+        _keep_runnable(res, spec, framework, log, say_model=not outputs.emit_torchtitan)
     if explain is not None and not 1 <= explain <= len(res.top):
         raise ParsimError(f"--explain {explain}: only {len(res.top)} plans ranked")
     job = SearchJob(res=res, best=res.top[0].plan if res.top else None)
@@ -75,6 +78,20 @@ def run_search_job(spec, hw, gpus: int, space, *, top: int, outputs: SearchOutpu
     if explain:
         job.explained = explain_dict(spec, hw, res, explain, top)
     return job
+
+
+def _keep_runnable(res, spec, framework: str, log: Log, say_model: bool = True) -> None:
+    """Drop from the ranked plans and the Pareto front what ``framework`` would run otherwise (said on the log)."""
+    from .frameworks import model_gaps, runs_otherwise
+
+    for line in model_gaps(spec, framework) if say_model else []:
+        log(f"{framework}: {line}")
+    top = [r for r in res.top if not runs_otherwise(r.plan, spec, framework)]
+    pareto = [p for p in res.pareto if not runs_otherwise(p[0], spec, framework)]
+    dropped = len(res.top) - len(top) + len(res.pareto) - len(pareto)
+    if dropped:
+        log(f"{framework}: {dropped} ranked or Pareto plans dropped (it would run them otherwise)")
+    res.top, res.pareto = top, pareto
 
 
 def search_to_table(spec, hw, gpus: int, space, top: int, table_path: str | None, progress: Progress | None):
