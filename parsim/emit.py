@@ -293,8 +293,14 @@ def to_torchtitan_toml(plan: Plan, spec: ModelSpec, prediction: str = "") -> str
 
 
 def megatron_gaps(plan: Plan, spec: ModelSpec) -> list[str]:
-    """What Megatron-LM cannot express of this plan (or expresses differently), one line each."""
-    gaps = []
+    """What Megatron-LM cannot express of this plan and its model (or expresses differently), one line each."""
+    gaps = _megatron_positions(spec, plan)[1]
+    if not spec.norm_eps:
+        gaps.append("norm epsilon: not known for this model (give its config.json); Megatron's default 1e-5 applies")
+    if spec.linear_biases and not {"wq", "wk", "wv"} <= set(spec.linear_biases) or \
+            set(spec.linear_biases) - {"wq", "wk", "wv"}:
+        gaps.append(f"biases on {', '.join(spec.linear_biases)}: Megatron has biases on every linear "
+                    "(--disable-bias-linear off) or on q, k, v only (--add-qkv-bias)")
     mode, every = parse_ac(plan.ac)
     if plan.dp_shard > 1:
         gaps.append(f"FSDP over {plan.dp_shard} ranks: emitted as Megatron-FSDP (--use-megatron-fsdp, "
@@ -336,16 +342,65 @@ def megatron_gaps(plan: Plan, spec: ModelSpec) -> list[str]:
     return gaps + options_on(plan, "megatron_gap")
 
 
+# Every ModelSpec field, and how the Megatron arguments carry it (a flag, or the gap said when it cannot):
+# tests/test_emit_model.py holds every field of ModelSpec, MoESpec and MLASpec to this table.
+MEGATRON_FIELDS = {
+    "name": "(a comment)", "n_layers": "--num-layers", "d_model": "--hidden-size",
+    "n_heads": "--num-attention-heads", "n_kv_heads": "--group-query-attention --num-query-groups",
+    "d_ff": "--ffn-hidden-size", "vocab_size": "--vocab-size (the tokenizer's, padded by Megatron: said)",
+    "head_dim": "--kv-channels", "tie_embeddings": "--untie-embeddings-and-output-weights",
+    "mlp": "--swiglu (GeLU: Megatron's default)", "norm": "--normalization", "bias": "--disable-bias-linear",
+    "linear_biases": "--add-qkv-bias (other patterns: a gap)", "qk_norm": "--qk-layernorm",
+    "max_position_embeddings": "--position-embedding-type learned_absolute --max-position-embeddings",
+    "moe": "--num-experts --moe-router-topk --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
+           "--moe-layer-freq", "mla": "--multi-latent-attention --kv-lora-rank --q-lora-rank --qk-head-dim "
+                                  "--qk-pos-emb-head-dim --v-head-dim",
+    "rope_theta": "--rotary-base (unknown: a gap)", "norm_eps": "--norm-epsilon (unknown: a gap)",
+    "rope_scaling": "--use-rope-scaling --rope-scaling-factor (llama3); --rope-type yarn --rotary-scaling-factor "
+                    "--mscale --mscale-all-dim (MLA); other kinds and non-default numbers: a gap",
+}
+# Megatron's fixed numbers for the two rope scalings it has (rotary_pos_embedding._apply_scaling: low 1, high 4,
+# original 8192; MLATransformerConfig: original_max_position_embeddings 4096, beta_fast 32, beta_slow 1)
+MEGATRON_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+MEGATRON_MLA_YARN = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _megatron_positions(spec: ModelSpec, plan: Plan) -> tuple[list[str], list[str]]:
+    """(flags, gaps) of the position embedding: learned, or RoPE with its base and scaling."""
+    if spec.max_position_embeddings:
+        return ["--position-embedding-type learned_absolute",
+                f"--max-position-embeddings {spec.max_position_embeddings}"], []
+    args = ["--position-embedding-type rope", f"--max-position-embeddings {plan.seq_len}"]
+    gaps = []
+    if spec.rope_theta:
+        args.append(f"--rotary-base {spec.rope_theta:.0f}")
+    else:
+        gaps.append("RoPE base: not known for this model (give its config.json); Megatron's default 10000 applies")
+    scaling = dict(spec.rope_scaling)
+    kind = scaling.get("rope_type", scaling.get("type", ""))
+    fixed = MEGATRON_LLAMA3_SCALING if kind == "llama3" else MEGATRON_MLA_YARN if kind == "yarn" and spec.mla else {}
+    if kind == "llama3":
+        args += ["--use-rope-scaling", f"--rope-scaling-factor {float(scaling.get('factor', 8.0)):g}"]
+    elif kind == "yarn" and spec.mla:
+        args += ["--rope-type yarn", f"--rotary-scaling-factor {float(scaling.get('factor', 1.0)):g}",
+                 f"--mscale {float(scaling.get('mscale', 1.0)):g}",
+                 f"--mscale-all-dim {float(scaling.get('mscale_all_dim', 0.0)):g}"]
+    elif kind:
+        gaps.append(f"rope_scaling {kind}: Megatron's GPT arguments have llama3 scaling and YaRN for MLA only; "
+                    "positions are emitted unscaled, so long-context behaviour differs from the checkpoint")
+    off = {k: scaling[k] for k, v in fixed.items() if k in scaling and float(scaling[k]) != v}
+    if off:
+        gaps.append(f"rope_scaling {kind} with {off}: Megatron fixes {fixed} for it; the emitted positions differ")
+    return args, gaps
+
+
 def _megatron_model_args(spec: ModelSpec, plan: Plan) -> list[str]:
-    """The model's size flags, from its spec (Megatron-LM's GPT arguments)."""
+    """The model's size flags, from its spec (Megatron-LM's GPT arguments; ``MEGATRON_FIELDS``)."""
     args = [f"--num-layers {spec.n_layers}", f"--hidden-size {spec.d_model}",
             f"--num-attention-heads {spec.n_heads}", f"--ffn-hidden-size {spec.d_ff}",
-            f"--seq-length {plan.seq_len}"]
-    if spec.max_position_embeddings:
-        args += ["--position-embedding-type learned_absolute",
-                 f"--max-position-embeddings {spec.max_position_embeddings}"]
-    else:
-        args += ["--position-embedding-type rope", f"--max-position-embeddings {plan.seq_len}"]
+            f"--seq-length {plan.seq_len}", *_megatron_positions(spec, plan)[0]]
+    if spec.norm_eps:
+        args.append(f"--norm-epsilon {spec.norm_eps:g}")
     if not spec.mla:
         args.append(f"--kv-channels {spec.head_dim}")
         if spec.n_kv_heads != spec.n_heads:
@@ -465,10 +520,23 @@ def to_megatron_args(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
     pass, global batch = sequences per optimizer step (gradient accumulation and pipeline microbatches are both
     implied by global / (micro x dp))."""
     gaps = megatron_gaps(plan, spec)
-    args = _megatron_model_args(spec, plan) + _megatron_parallel_args(plan, spec)
+    args = _megatron_model_args(spec, plan) + _megatron_parallel_args(plan, spec) + MEGATRON_TRAINING
     head = _header(plan, spec, plan.world_size, prediction, [], "# ")
     head[-1] = ("# Megatron-LM arguments (pretrain_gpt.py); data and tokenizer flags (--data-path, --tokenizer-type "
-                "...) are yours to add.")
+                f"...) are yours to add: the model's vocabulary is {spec.vocab_size:,} tokens (Megatron pads the "
+                "tokenizer's to a multiple of 128 x tp). The training schedule is Megatron's Llama 3 8B example's "
+                "(examples/llama/train_llama3_8b_h100_fp8.sh); set --train-iters to your run's length.")
+    nodes = -(-plan.world_size // 8)
+    launch = [f"# launch, from a Megatron-LM checkout, on each of {nodes} nodes of 8 GPUs:",
+              f"#   torchrun --nproc_per_node 8 --nnodes {nodes} --node_rank $NODE_RANK --master_addr $MASTER_ADDR "
+              '--master_port 6000 pretrain_gpt.py "${MEGATRON_ARGS[@]}" --data-path ... --tokenizer-type ...']
     lines = [*head, *(["# What Megatron cannot express of this plan:"] + [f"# - {g}" for g in gaps] if gaps else []),
-             *_megatron_env(plan), "MEGATRON_ARGS=(", *[f"  {a}" for a in args], ")"]
+             *launch, *_megatron_env(plan), "MEGATRON_ARGS=(", *[f"  {a}" for a in args], ")"]
     return "\n".join(lines) + "\n"
+
+
+# [public benchmark] Megatron-LM examples/llama/train_llama3_8b_h100_fp8.sh: AdamW (0.9, 0.95), weight decay 0.1,
+# clip 1.0, lr 1.5e-4 cosine to 1e-5; the length (iterations, warmup) is a placeholder the header names
+MEGATRON_TRAINING = ["--optimizer adam", "--adam-beta1 0.9", "--adam-beta2 0.95", "--weight-decay 0.1",
+                     "--clip-grad 1.0", "--lr 1.5e-4", "--min-lr 1e-5", "--lr-decay-style cosine",
+                     "--lr-warmup-iters 100", "--train-iters 1000"]

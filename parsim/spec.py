@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from .errors import ParsimError
 from .jsonio import exists, read_json, short_path
@@ -119,6 +120,11 @@ class ModelSpec:
     max_position_embeddings: int = 0  # > 0: learned absolute position embeddings (GPT-2)
     moe: MoESpec | None = None
     mla: MLASpec | None = None
+    # what a framework needs to build the same model (no cost: FLOPs and bytes do not depend on them); 0 / (): not
+    # known (a spec written by hand), and the emitters say so rather than let a framework's default stand in
+    rope_theta: float = 0.0  # RoPE base (HF rope_theta): Llama 3 5e5, Qwen 1e6, Megatron's default 1e4
+    norm_eps: float = 0.0  # the RMSNorm / LayerNorm epsilon (HF rms_norm_eps, layer_norm_eps)
+    rope_scaling: tuple = ()  # (key, value) pairs of HF's rope_scaling (rope_type llama3 / yarn and its numbers)
 
     def __post_init__(self):
         _positive(self, "n_layers", high=MAX_LAYERS)
@@ -134,6 +140,14 @@ class ModelSpec:
         if self.moe is not None and not isinstance(self.moe, MoESpec) or \
                 self.mla is not None and not isinstance(self.mla, MLASpec):
             raise ParsimError("ModelSpec.moe / mla must be objects of their fields")
+        for n in ("rope_theta", "norm_eps"):
+            v = getattr(self, n)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e12 or v != v:
+                raise ParsimError(f"ModelSpec.{n} must be a number >= 0 (0: not known), got {v!r}")
+        if not isinstance(self.rope_scaling, tuple) or not all(
+                isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str)
+                and isinstance(kv[1], (str, int, float)) for kv in self.rope_scaling):
+            raise ParsimError(f"ModelSpec.rope_scaling must be (name, value) pairs, got {self.rope_scaling!r}")
         biasable = {"wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b", "w1", "w2", "w3"}
         if not isinstance(self.linear_biases, tuple) or not set(self.linear_biases) <= biasable:
             raise ParsimError(f"ModelSpec.linear_biases must be a tuple of {sorted(biasable)}, got "
@@ -340,39 +354,50 @@ class ModelSpec:
                 d["mla"] = MLASpec(**d["mla"])
             if isinstance(d.get("linear_biases"), list):
                 d["linear_biases"] = tuple(d["linear_biases"])
+            if isinstance(d.get("rope_scaling"), list):
+                d["rope_scaling"] = tuple(tuple(kv) if isinstance(kv, list) else kv for kv in d["rope_scaling"])
             return ModelSpec(**d)
         except TypeError as e:
             raise ParsimError(f"bad model spec: {e}") from None
 
 
 # ---- presets (Hugging Face config.json values, see docs/hardware-facts.md) ----------------------------------------
+# Llama 3 (Meta-Llama-3-8B/70B config.json: rope_theta 500000, rms_norm_eps 1e-5, no rope_scaling; Llama 3.1 adds
+# rope_scaling llama3 factor 8: give its config.json); Mixtral-8x7B-v0.1 1e6 / 1e-5; Qwen3-30B-A3B 1e6 / 1e-6;
+# DeepSeek-V3 1e4 / 1e-6 with YaRN (factor 40 from 4096 positions); the tiny models (parsim's executor) 5e5 / 1e-5
+_LLAMA3: dict[str, Any] = dict(rope_theta=5e5, norm_eps=1e-5)
 PRESETS: dict[str, ModelSpec] = {
-    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
-    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256),
-    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256),
+    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256, **_LLAMA3),
+    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256, **_LLAMA3),
+    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256, **_LLAMA3),
     "mixtral-8x7b": ModelSpec(
-        "mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, moe=MoESpec(n_experts=8, top_k=2, d_ff_expert=14336)
+        "mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, moe=MoESpec(n_experts=8, top_k=2, d_ff_expert=14336),
+        rope_theta=1e6, norm_eps=1e-5,
     ),
     "qwen3-30b-a3b": ModelSpec(
         "qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, head_dim=128, qk_norm=True,
-        moe=MoESpec(n_experts=128, top_k=8, d_ff_expert=768),
+        moe=MoESpec(n_experts=128, top_k=8, d_ff_expert=768), rope_theta=1e6, norm_eps=1e-6,
     ),
     "deepseek-v3": ModelSpec(
         "deepseek-v3", 61, 7168, 128, 128, 18432, 129280,
         moe=MoESpec(n_experts=256, top_k=8, d_ff_expert=2048, n_shared_experts=1, first_k_dense=3),
         mla=MLASpec(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        rope_theta=1e4, norm_eps=1e-6,
+        rope_scaling=(("beta_fast", 32), ("beta_slow", 1), ("factor", 40), ("mscale", 1.0), ("mscale_all_dim", 1.0),
+                      ("original_max_position_embeddings", 4096), ("rope_type", "yarn")),
     ),
     # GPT-3 175B as trained with Megatron-LM (Narayanan et al. 2021, arXiv:2104.04473, Table 1): tied embeddings,
     # learned positions (2048), LayerNorm, biases, GeLU MLP of 4*d.
     "gpt3-175b": ModelSpec(
         "gpt3-175b", 96, 12288, 96, 96, 4 * 12288, 51200, tie_embeddings=True, mlp="gelu", norm="layernorm",
-        bias=True, max_position_embeddings=2048,
+        bias=True, max_position_embeddings=2048, norm_eps=1e-5,
     ),
     # CPU-sized models for real multi-process runs on this machine
-    "tiny": ModelSpec("tiny", 4, 256, 8, 4, 768, 2048),
+    "tiny": ModelSpec("tiny", 4, 256, 8, 4, 768, 2048, rope_theta=5e5, norm_eps=1e-5),
     "tiny-moe": ModelSpec(
         "tiny-moe", 4, 256, 8, 4, 768, 2048,
         moe=MoESpec(n_experts=8, top_k=2, d_ff_expert=256, n_shared_experts=1, first_k_dense=1),
+        rope_theta=5e5, norm_eps=1e-5,
     ),
 }
 
@@ -399,6 +424,17 @@ def _hf_linear_biases(cfg: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _hf_positions(cfg: dict, eps_key: str, theta_key: str = "rope_theta") -> dict:
+    """rope_theta, norm_eps and rope_scaling as transformers reads them: rope_theta defaults to 10000 (every
+    RoPE model class of transformers), the epsilon to 1e-6 (Llama, Qwen) or 1e-5 (GPT-NeoX LayerNorm)."""
+    scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
+    pairs = tuple(sorted((str(k), v) for k, v in scaling.items() if isinstance(v, (str, int, float))
+                         and not isinstance(v, bool)))
+    default_eps = 1e-5 if eps_key == "layer_norm_eps" else 1e-6
+    return {"rope_theta": float(cfg.get(theta_key) or 10000.0), "norm_eps": float(cfg.get(eps_key) or default_eps),
+            "rope_scaling": pairs}
+
+
 def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
     """Build a ModelSpec from a Hugging Face ``config.json`` dict (model_type llama, mistral, mixtral, qwen2,
     qwen3, qwen3_moe, deepseek_v3, gpt_neox, gpt2)."""
@@ -413,7 +449,7 @@ def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
             n_kv_heads=g("num_key_value_heads", heads), vocab_size=g("vocab_size"),
             tie_embeddings=bool(g("tie_word_embeddings", False)),
             head_dim=int(g("head_dim", 0, req=False) or 0),
-            linear_biases=_hf_linear_biases(cfg),
+            linear_biases=_hf_linear_biases(cfg), **_hf_positions(cfg, "rms_norm_eps"),
         )
         if mt == "mixtral":
             moe = MoESpec(n_experts=g("num_local_experts"), top_k=g("num_experts_per_tok"),
@@ -441,14 +477,16 @@ def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
         return ModelSpec(name=name, n_layers=g("num_hidden_layers"), d_model=g("hidden_size"), n_heads=heads,
                          n_kv_heads=heads, d_ff=g("intermediate_size"), vocab_size=g("vocab_size"),
                          tie_embeddings=bool(g("tie_word_embeddings", False)), mlp="gelu", norm="layernorm",
-                         bias=bool(g("use_bias", True) if "use_bias" in cfg else True))
+                         bias=bool(g("use_bias", True) if "use_bias" in cfg else True),
+                         **_hf_positions(cfg, "layer_norm_eps", theta_key="rotary_emb_base"))
     if mt == "gpt2":
         d = g("n_embd")
         heads = g("n_head")
         return ModelSpec(name=name, n_layers=g("n_layer"), d_model=d, n_heads=heads, n_kv_heads=heads,
                          d_ff=int(g("n_inner", 4 * d, req=False) or 4 * d), vocab_size=g("vocab_size"),
                          tie_embeddings=True, mlp="gelu", norm="layernorm", bias=True,
-                         max_position_embeddings=g("n_positions", 1024))
+                         max_position_embeddings=g("n_positions", 1024),
+                         norm_eps=float(g("layer_norm_epsilon", 1e-5, req=False)))
     raise ParsimError(
         f"unsupported model_type {mt!r} in config.json "
         "(supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, gpt_neox, gpt2)"
@@ -472,8 +510,6 @@ def hf_unmodelled(cfg: dict) -> list[str]:
                    "whole sequence (an over-estimate of attention time at sequences longer than the window)")
     if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]):
         out.append("layer_types with non-full attention layers are ignored: every layer is costed as full attention")
-    if cfg.get("rope_scaling"):
-        out.append("rope_scaling is ignored (it does not change FLOPs or memory: informational)")
     return out
 
 

@@ -290,6 +290,13 @@ def test_megatron_parser_and_validate_args_accept_the_emitted_arguments(name, me
             spec.moe.n_experts, spec.moe.top_k, spec.moe.d_ff_expert]
     if plan.ep > 1:  # Megatron's expert TP defaults to the dense TP: the emitted one must be parsim's
         assert d["expert_tensor_parallel_size"] == plan.etp
+    # the model as its checkpoint has it: RoPE base, norm epsilon, YaRN for MLA; and a training schedule
+    assert [d["rotary_base"], d["layernorm_epsilon"]] == [int(spec.rope_theta), spec.norm_eps]
+    scaling = dict(spec.rope_scaling)
+    if scaling.get("rope_type") == "yarn":
+        assert [d["rope_type"], d["rotary_scaling_factor"], d["mscale"], d["mscale_all_dim"]] == [
+            "yarn", scaling["factor"], scaling["mscale"], scaling["mscale_all_dim"]]
+    assert d["optimizer"] == "adam" and d["lr"] > 0 and d["train_iters"] > 0 and d["lr_decay_style"] == "cosine"
 
 
 def test_megatron_arguments_name_what_they_cannot_say():

@@ -22,7 +22,9 @@ FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context
           "recompute_granularity", "recompute_method", "recompute_num_layers", "fp8", "fp8_recipe",
           "transformer_impl", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
           "num_query_groups", "kv_channels", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-          "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "multi_latent_attention")
+          "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "multi_latent_attention",
+          "rotary_base", "layernorm_epsilon", "use_rope_scaling", "rope_scaling_factor", "rope_type",
+          "rotary_scaling_factor", "mscale", "mscale_all_dim", "optimizer", "lr", "train_iters", "lr_decay_style")
 
 
 def emitted_args(path: str) -> list[str]:
