@@ -427,7 +427,8 @@ def _hf_linear_biases(cfg: dict) -> tuple[str, ...]:
 def _hf_positions(cfg: dict, eps_key: str, theta_key: str = "rope_theta") -> dict:
     """rope_theta, norm_eps and rope_scaling as transformers reads them: rope_theta defaults to 10000 (every
     RoPE model class of transformers), the epsilon to 1e-6 (Llama, Qwen) or 1e-5 (GPT-NeoX LayerNorm)."""
-    scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
+    raw = cfg.get("rope_scaling")
+    scaling: dict = raw if isinstance(raw, dict) else {}
     pairs = tuple(sorted((str(k), v) for k, v in scaling.items() if isinstance(v, (str, int, float))
                          and not isinstance(v, bool)))
     default_eps = 1e-5 if eps_key == "layer_norm_eps" else 1e-6
