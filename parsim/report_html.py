@@ -95,23 +95,13 @@ def _figures(table, stats):
                           xaxis_type="log", yaxis_type="log", xaxis_title="measured ms", yaxis_title="predicted ms",
                           height=560)
     figs.append(scatter)
-    top = ok.sort_values("measured_ms").tail(60)
-    bars = go.Figure()
-    comps = sorted({k for b in top.breakdown_ms for k in b},
-                   key=lambda k: (COMPONENT_ORDER.index(k) if k in COMPONENT_ORDER else 99, k))
-    labels = [f"{r.describe} ({r.model})" for r in top.itertuples()]
-    for k in comps:
-        bars.add_trace(go.Bar(x=labels, y=[b.get(k, 0.0) for b in top.breakdown_ms], name=k))
-    bars.add_trace(go.Scatter(x=labels, y=top.measured_ms, mode="markers", name="measured",
-                              marker=dict(symbol="diamond", size=10, color="black")))
-    bars.update_layout(barmode="stack", title="predicted components (uncalibrated) beside the measured step",
-                       yaxis_title="ms", height=560, xaxis_tickangle=-45)
-    figs.append(bars)
-    hist = go.Figure(go.Histogram(x=ok.err_pct, nbinsx=30))
-    hist.update_layout(title="signed step-time error (%)", xaxis_title="(shown - measured) / measured, %",
-                       height=380)
+    figs.append(_component_bars(ok))
+    scored = ok[ok.confidence != "low"]  # the rows the statistics score (low-confidence rows are drawn, not scored)
+    hist = go.Figure(go.Histogram(x=scored.err_pct, nbinsx=30))
+    hist.update_layout(title=f"signed step-time error (%) of the {len(scored)} scored rows",
+                       xaxis_title="(shown - measured) / measured, %", height=380)
     figs.append(hist)
-    iv = ok[ok.low_ms.notna()]
+    iv = scored[scored.low_ms.notna()]
     if len(iv):
         covered = (iv.low_ms <= iv.measured_ms) & (iv.measured_ms <= iv.high_ms)
         cov = go.Figure(go.Bar(x=["inside the interval", "outside"], y=[int(covered.sum()), int((~covered).sum())]))
@@ -119,6 +109,44 @@ def _figures(table, stats):
                           height=340)
         figs.append(cov)
     return figs
+
+
+BAR_ROW_PX = 22  # [assumed] one horizontal bar with its label in a 12 px font, and the gap between bars
+BAR_MARGIN_PX = 140  # title, legend and axis
+
+
+def unique_labels(table) -> list[str]:
+    """One label per row: the plan and model, with the source where two rows would read the same, and a number
+    where even that repeats (plotly draws rows that share a category as one stacked bar)."""
+    base = [f"{r.describe} ({r.model})" for r in table.itertuples()]
+    seen: dict[str, int] = {}
+    out = []
+    for r, b in zip(table.itertuples(), base, strict=True):
+        label = f"{b} [{r.source}]" if base.count(b) > 1 and r.source else b
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
+    return out
+
+
+def _component_bars(ok):
+    """The predicted components of up to 60 rows (the longest measured steps) as horizontal stacked bars, one per
+    row, the measured step beside each: a figure as tall as its rows, labels on the left where they fit."""
+    import plotly.graph_objects as go
+
+    top = ok.sort_values("measured_ms").tail(60)
+    comps = sorted({k for b in top.breakdown_ms for k in b},
+                   key=lambda k: (COMPONENT_ORDER.index(k) if k in COMPONENT_ORDER else 99, k))
+    labels = unique_labels(top)
+    bars = go.Figure()
+    for k in comps:
+        bars.add_trace(go.Bar(y=labels, x=[b.get(k, 0.0) for b in top.breakdown_ms], name=k, orientation="h"))
+    bars.add_trace(go.Scatter(y=labels, x=top.measured_ms, mode="markers", name="measured",
+                              marker=dict(symbol="diamond", size=9, color="black")))
+    bars.update_layout(barmode="stack", title=f"predicted components (uncalibrated) beside the measured step: "
+                                              f"the {len(top)} longest measured steps",
+                       xaxis_title="ms", height=BAR_MARGIN_PX + BAR_ROW_PX * len(top),
+                       yaxis=dict(automargin=True, tickfont=dict(size=11), type="category"))
+    return bars
 
 
 def _stats_html(stats: dict) -> str:
@@ -175,15 +203,17 @@ def write_html(path: str, table, stats: dict, dirs: list[str], plotly_js: str = 
 <html lang="en"><head><meta charset="utf-8"><title>parsim report</title>
 <style>body{{font-family:system-ui,sans-serif;margin:1.5em;max-width:1400px}} table{{border-collapse:collapse;
 font-size:13px}} td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}} td:first-child{{text-align:left}}
-tr.rule td{{color:#555;font-style:italic}} tr.src td{{color:#333}} .rows td:nth-child(1){{text-align:left}}</style>
+tr.rule td{{color:#555;font-style:italic}} tr.src td{{color:#333}} .rows td:nth-child(1){{text-align:left}}
+.scroll{{max-width:100%;overflow-x:auto}} .rows td:last-child{{text-align:left;min-width:16em;max-width:32em;
+white-space:normal}}</style>
 </head><body>
 <h1>parsim: predicted vs measured</h1>
 <p>From {_html.escape(', '.join(dirs))}. "shown" is the out-of-fold calibrated prediction where a calibration
 exists (each row predicted by a fit that did not see its group), else the prediction as made. Scored: rows with
 status ok, a measurement and confidence other than low.</p>
-{_stats_html(stats)}
+<div class="scroll">{_stats_html(stats)}</div>
 {''.join(parts)}
-<h2>every row, by |error|</h2>
-{rows_html}
+<h2>every row ({len(table)}), by |error|</h2>
+<div class="scroll">{rows_html}</div>
 </body></html>"""
     atomic_write_text(path, doc)

@@ -283,7 +283,53 @@ def test_html_report_renders_in_a_real_browser(tmp_path):
     dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000",
                           "--dump-dom", f"file://{tmp_path / 'r.html'}"], capture_output=True, text=True,
                          timeout=120).stdout
-    assert dom.count('class="main-svg"') >= 3 and "every row, by |error|" in dom
+    assert dom.count('class="main-svg"') >= 3 and "by |error|" in dom
+
+
+# measures the drawn page in the browser: page width, and per figure its plot height, bars and distinct bar labels
+PROBE = """<script>window.addEventListener('load', () => setTimeout(() => {
+  const out = {width: document.documentElement.scrollWidth, figures: []};
+  document.querySelectorAll('.js-plotly-plot').forEach(gd => {
+    const bars = gd.data.filter(t => t.type === 'bar' && t.orientation === 'h');
+    const labels = bars.length ? bars[0].y : [];
+    out.figures.push({title: gd.layout.title.text, plot_px: gd._fullLayout._size.h, bars: labels.length,
+                      distinct: new Set(labels).size});
+  });
+  document.body.setAttribute('data-probe', JSON.stringify(out));
+}, 1000));</script>"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium (apt-get install chromium)")
+def test_the_published_rows_page_is_readable_at_1400_px(tmp_path):
+    """The development rows' page in chromium at 1,400 px: nothing wider than the window (tables scroll in their
+    box), one bar per row in the component chart (rows that share a plan get their source), at least 12 px of plot
+    per bar (its label's height), every plot at least 150 px high, the counts the charts state those of the
+    statistics."""
+    import html as H
+    import re
+
+    rows = V.published_rows("bench/published/dev.csv")
+    V.write_results(tmp_path, rows, V.summarize(rows), {})
+    from parsim.report_html import build_table, write_html
+
+    table, stats = build_table(rows, [str(tmp_path)])
+    write_html(str(tmp_path / "r.html"), table, stats, [str(tmp_path)])
+    page = tmp_path / "r.html"
+    page.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
+    dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1400,900",
+                          "--virtual-time-budget=20000", "--dump-dom", f"file://{page}"], capture_output=True,
+                         text=True, timeout=180).stdout
+    probe = json.loads(H.unescape(re.search(r'data-probe="([^"]*)"', dom).group(1)))
+    assert probe["width"] <= 1400, probe
+    bars = [f for f in probe["figures"] if f["bars"]]
+    drawn = int(((table.status == "ok") & table.measured_ms.notna() & table.shown_ms.notna()).sum())
+    assert len(bars) == 1 and bars[0]["bars"] == bars[0]["distinct"] == min(60, drawn), bars
+    assert bars[0]["plot_px"] >= 12 * bars[0]["bars"], bars
+    assert all(f["plot_px"] >= 150 for f in probe["figures"]), probe["figures"]  # a few ticks and their labels
+    n = stats["as predicted"]["n"]
+    titles = " ".join(f["title"] for f in probe["figures"])
+    assert f"of the {n} scored rows" in titles and f"of {n} rows" in titles, titles
 
 
 def test_loop_commands_refuse_bad_input_with_one_line(tmp_path):
