@@ -40,23 +40,45 @@ def torchtitan_model(spec: ModelSpec) -> tuple[str, str, str] | None:
     from .spec import PRESETS
 
     for name, entry in TORCHTITAN_MODELS.items():
-        if dataclasses.replace(spec, name=name) == PRESETS[name]:
+        p = PRESETS[name]  # by dimensions: the flavour's own RoPE and epsilon are torchtitan's
+        if dataclasses.replace(spec, name=name, rope_theta=p.rope_theta, norm_eps=p.norm_eps,
+                               rope_scaling=p.rope_scaling) == p:
             return entry
     return None
 
 
+def llama_buildable(spec: ModelSpec) -> str:
+    """'' when torchtitan 0.3.0's llama3 modules build this model from its dimensions (a dense SwiGLU, RMSNorm, GQA
+    decoder without biases or qk-norm, heads of d_model / n_heads, untied output, RoPE without or with llama3
+    scaling); otherwise what stands in the way."""
+    scaling = dict(spec.rope_scaling)
+    why = [w for cond, w in (
+        (spec.moe is not None, "mixture of experts"), (spec.mla is not None, "multi-latent attention"),
+        (spec.mlp != "swiglu", f"{spec.mlp} MLP"), (spec.norm != "rmsnorm", spec.norm),
+        (spec.bias or bool(spec.linear_biases), "linear biases"), (spec.qk_norm, "qk-norm"),
+        (spec.max_position_embeddings > 0, "learned positions"), (spec.tie_embeddings, "tied embeddings"),
+        (spec.head_dim != spec.d_model // spec.n_heads, f"head_dim {spec.head_dim} != d_model / n_heads"),
+        (scaling.get("rope_type", scaling.get("type", "llama3")) != "llama3", "rope scaling other than llama3"),
+    ) if cond]
+    return ", ".join(why)
+
+
 def torchtitan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
     """What torchtitan ``version`` ("0.3.0" or "0.2") cannot express of this plan and of its model, one line each."""
-    return torchtitan_plan_gaps(plan, spec, version) + torchtitan_model_gaps(spec)
+    return torchtitan_plan_gaps(plan, spec, version) + torchtitan_model_gaps(spec, version)
 
 
-def torchtitan_model_gaps(spec: ModelSpec) -> list[str]:
-    """What torchtitan cannot build of the model whatever the plan."""
-    if torchtitan_model(spec) is not None:
+def torchtitan_model_gaps(spec: ModelSpec, version: str = "0.3.0") -> list[str]:
+    """What torchtitan cannot build of the model whatever the plan (0.3.0 builds a dense llama-family model outside
+    its registry from the dimensions: not a gap)."""
+    if torchtitan_model(spec) is not None or version == "0.3.0" and not llama_buildable(spec):
         return []
+    why = llama_buildable(spec)
     return [f"model {spec.name}: its dimensions match no torchtitan registry flavour (llama3 8B/70B/405B, "
-            "qwen3 30B-A3B, deepseek_v3 671B); torchtitan builds models from its registries only, so the "
-            "config refuses to build until you add a flavour with these dimensions and name it there"]
+            "qwen3 30B-A3B, deepseek_v3 671B)" + (f" and its {why} keep torchtitan's llama3 modules from building "
+                                                  "it" if why else "") +
+            "; torchtitan builds models from its registries, so the config refuses to build until you add a "
+            "flavour with these dimensions and name it there"]
 
 
 def torchtitan_plan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]:
@@ -181,25 +203,61 @@ def _parallelism_030(plan: Plan, spec: ModelSpec) -> list[str]:
 
 def _model_spec_030(plan: Plan, spec: ModelSpec) -> list[str]:
     model = torchtitan_model(spec)
-    if model is None:
-        return ["    raise NotImplementedError(NOT_EXPRESSED[-1])"]
-    module, flavor, _ = model
     recipe = "rowwise" if plan.float8_recipe == "tensorwise" else plan.float8_recipe
     # torchtitan's recipes keep the output projection (and a MoE router) in bf16
     keep = ["lm_head", "router.gate"] if spec.moe else ["lm_head"]
     conv = (f"[Float8LinearConverter.Config(recipe_name={recipe!r}, filter_fqns={keep!r}, "
             f"model_compile_enabled={plan.compile})]" if plan.float8 else "None")
-    return [f"    from torchtitan.models.{module} import model_registry",
-            *(["    from torchtitan.components.quantization import Float8LinearConverter"] if plan.float8 else []),
-            "",
+    f8 = ["    from torchtitan.components.quantization import Float8LinearConverter"] if plan.float8 else []
+    if model is None:
+        return _llama_spec_030(plan, spec, f8, conv) if not llama_buildable(spec) else [
+            "    raise NotImplementedError(NOT_EXPRESSED[-1])"]
+    module, flavor, _ = model
+    return [f"    from torchtitan.models.{module} import model_registry", *f8, "",
             f"    return model_registry({flavor!r}, attn_backend='flex', converters={conv})"]
+
+
+def _llama_spec_030(plan: Plan, spec: ModelSpec, f8: list[str], conv: str) -> list[str]:
+    """A model outside torchtitan's registry, built from its dimensions with torchtitan 0.3.0's llama3 modules as
+    its registry flavours are (``torchtitan.models.llama3``: the layer builder, the inits, the model spec's
+    parallelize / pipelining functions and state-dict adapter), flavour "parsim"; RoPE base, llama3 scaling and the
+    norm epsilon from the spec."""
+    scaling = dict(spec.rope_scaling)
+    rope = (f"theta={spec.rope_theta or 10000.0!r}, scaling='llama', scaling_factor={float(scaling['factor'])!r}, "
+            f"low_freq_factor={float(scaling.get('low_freq_factor', 1.0))!r}, "
+            f"high_freq_factor={float(scaling.get('high_freq_factor', 4.0))!r}, original_max_position_embeddings="
+            f"{int(scaling.get('original_max_position_embeddings', 8192))}" if scaling else
+            f"theta={spec.rope_theta or 10000.0!r}, scaling='none'")
+    eps = spec.norm_eps or 1e-5
+    return [
+        "    from torchtitan.distributed.pipeline_parallel import pipeline_llm",
+        "    from torchtitan.models import llama3 as L",
+        "    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm",
+        "    from torchtitan.protocols.model_spec import ModelSpec", *f8, "",
+        f"    dim, vocab, eps = {spec.d_model}, {spec.vocab_size}, {eps!r}",
+        f"    layers = L._build_llama3_layers(fuse_qkv=True, n_layers={spec.n_layers}, dim=dim, "
+        f"n_heads={spec.n_heads}, n_kv_heads={spec.n_kv_heads},",
+        f"                                    hidden_dim={spec.d_ff}, attn_backend='flex', rope=ComplexRoPE.Config(",
+        f"                                        dim={spec.head_dim}, max_seq_len={plan.seq_len}, {rope}))",
+        "    layers = [dataclasses.replace(b, attention_norm=dataclasses.replace(b.attention_norm, eps=eps),",
+        "                                  ffn_norm=dataclasses.replace(b.ffn_norm, eps=eps)) for b in layers]",
+        "    config = L.Llama3Model.Config(",
+        "        dim=dim, vocab_size=vocab, layers=layers,",
+        "        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,",
+        "                                        param_init=L._EMBEDDING_INIT),",
+        "        norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=L._NORM_INIT),",
+        "        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=L._output_linear_init(dim)))",
+        *([f"    for c in {conv}:", "        config = c.build().convert(config)"] if f8 else []),
+        "    return ModelSpec(name='llama3', flavor='parsim', model=config, parallelize_fn=L.parallelize_llama,",
+        "                     pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,",
+        "                     state_dict_adapter=L.Llama3StateDictAdapter)"]
 
 
 def to_torchtitan_python(plan: Plan, spec: ModelSpec, prediction: str = "") -> str:
     """The plan as a torchtitan 0.3.0 config module: torchtitan's own recipe for the model (``llama3_70b()`` ...:
     loss, dataloader, optimizer, checkpointing) with what the plan decides replaced (see the module docstring)."""
     gaps = torchtitan_gaps(plan, spec, "0.3.0")
-    model = torchtitan_model(spec)
+    model = torchtitan_model(spec) or (("llama3", "parsim", "llama3_8b") if not llama_buildable(spec) else None)
     recipe = f"(\"torchtitan.models.{model[0]}.config_registry\", \"{model[2]}\")" if model else "None"
     no_graphs = plan.pp > 1 or plan.ep > 1
     notes = ["attention: torchtitan 0.3.0 language models take FlexAttention with block-causal masks (SDPA is "

@@ -101,4 +101,4 @@ def runs_otherwise(plan, spec, framework: str) -> list[str]:
 def model_gaps(spec, framework: str) -> list[str]:
     from .emit import torchtitan_model_gaps
 
-    return [] if framework == "megatron" else torchtitan_model_gaps(spec)
+    return [] if framework == "megatron" else torchtitan_model_gaps(spec, TORCHTITAN_VERSION[framework])

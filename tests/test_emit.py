@@ -149,14 +149,27 @@ def torchtitan_030(tmp_path_factory):
                          ["torchtitan==0.3.0", "triton", "torchao"])
     out = tmp_path_factory.mktemp("emitted-030")
     files = _emit_matrix(out, to_torchtitan_python, ".py")
-    # a model from an HF folder: the dimensions of llama3-8b are its 8B flavour; a 16-layer d=2048 one has none
-    cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-           "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256}
-    for tag, c in (("hf_8b", cfg), ("hf_1b", dict(cfg, hidden_size=2048, num_hidden_layers=16))):
+    # a model from an HF folder: the dimensions of llama3-8b are its 8B flavour; a 16-layer d=2048 one and a
+    # Mistral-7B are built from their dimensions (llama3 modules, flavour "parsim"); a Qwen2 (q/k/v biases) is not
+    for (tag, c), plan in zip(HF_030.items(), (Plan(dp_shard=8, seq_len=8192), Plan(dp_shard=8, seq_len=8192),
+                                               Plan(dp_shard=4, tp=2, seq_len=4096, float8=True, compile=True,
+                                                    float8_recipe="rowwise"), Plan(dp_shard=8, seq_len=4096)),
+                              strict=True):
         path = out / f"parsim_plan_{tag}.py"
-        path.write_text(to_torchtitan_python(Plan(dp_shard=8, seq_len=8192), from_hf_config(c, name=tag)))
-        files[path.stem] = (path, 8)
+        path.write_text(to_torchtitan_python(plan, from_hf_config(c, name=tag)))
+        files[path.stem] = (path, plan.world_size)
     return _run_checks(py, "torchtitan_030_check.py", files)
+
+
+_LLAMA_CFG = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+              "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256}
+HF_030 = {"hf_8b": _LLAMA_CFG, "hf_1b": dict(_LLAMA_CFG, hidden_size=2048, num_hidden_layers=16),
+          "hf_mistral": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+                         "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                         "vocab_size": 32000, "rope_theta": 10000.0, "rms_norm_eps": 1e-05},
+          "hf_qwen2": {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 13824,
+                       "num_attention_heads": 40, "num_hidden_layers": 48, "num_key_value_heads": 8,
+                       "vocab_size": 152064, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06}}
 
 
 @pytest.mark.slow
@@ -189,10 +202,15 @@ def test_torchtitan_030_builds_and_checks_the_emitted_config(name, torchtitan_03
 
 
 @pytest.mark.slow
-def test_torchtitan_030_hf_models_map_by_dimensions_or_refuse(torchtitan_030):
+def test_torchtitan_030_hf_models_map_by_dimensions_build_from_them_or_refuse(torchtitan_030):
     assert torchtitan_030["parsim_plan_hf_8b"]["model"] == ["llama3", "8B"]
-    err = torchtitan_030["parsim_plan_hf_1b"]["error"]
-    assert err.startswith("NotImplementedError") and "match no torchtitan registry flavour" in err
+    for tag in ("hf_1b", "hf_mistral"):  # outside the registry: torchtitan's llama3 modules at these dimensions
+        d = torchtitan_030[f"parsim_plan_{tag}"]
+        assert "error" not in d, d.get("error")
+        assert d["model"] == ["llama3", "parsim"] and d["n_params"] == from_hf_config(HF_030[tag]).n_params
+    assert torchtitan_030["parsim_plan_hf_mistral"]["float8_linears"]  # the converters run on the built model
+    err = torchtitan_030["parsim_plan_hf_qwen2"]["error"]
+    assert err.startswith("NotImplementedError") and "linear biases keep torchtitan's llama3 modules" in err
 
 
 @pytest.fixture(scope="session")
