@@ -272,7 +272,18 @@ def _batch_splits(pp: int, dp: int, sp: SearchSpace) -> list[tuple]:
 def candidates(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> tuple[np.ndarray, np.ndarray, PlanBatch]:
     """Every (degrees, batch split) of the space before pruning: combos array, per-row (combo index, local batch,
     micro batch, schedule, v) array, and the batch of those rows with default options for the rules."""
-    combos = np.array(_degree_combos(spec, n_gpus, sp), dtype=np.int64).reshape(-1, 8)
+    combos = _combos(spec, n_gpus, sp)
+    ((rows, b),) = list(candidate_chunks(combos, sp, max_rows=0))
+    return combos, rows, b
+
+
+def _combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> np.ndarray:
+    return np.array(_degree_combos(spec, n_gpus, sp), dtype=np.int64).reshape(-1, 8)
+
+
+def candidate_chunks(combos: np.ndarray, sp: SearchSpace, max_rows: int = 1 << 20):
+    """``candidates``' (rows, batch) in pieces of whole combinations, about ``max_rows`` rows each (0: one piece),
+    so that a huge space is checked piece by piece rather than built whole (29 M rows at 2^20 GPUs)."""
     # a combination's batch splits depend on (PP or not, dp) only: one table per such key, gathered per combination
     keys, key_of = np.unique(np.stack([combos[:, 0] > 1, combos[:, 1] * combos[:, 2]], axis=1), axis=0,
                              return_inverse=True)
@@ -282,16 +293,21 @@ def candidates(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> tuple[np.ndarra
     first = np.cumsum(sizes) - sizes
     key_of = np.ravel(key_of)
     counts = sizes[key_of]
-    r = np.empty((int(counts.sum()), 5), dtype=np.int64)
-    r[:, 0] = np.repeat(np.arange(len(combos), dtype=np.int64), counts)
     every = np.concatenate(tables) if tables else np.empty((0, 4), dtype=np.int64)
-    r[:, 1:] = every[_ranges(first[key_of], counts)]
-    c = combos[r[:, 0]]
-    degs = {a: c[:, k] for k, a in enumerate(COMBO_COLUMNS)}
-    cols = {**degs, "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size, "local_batch_size": r[:, 1],
-            "micro_batch_size": r[:, 2], "pp_schedule": r[:, 3], "pp_stages_per_rank": r[:, 4],
-            **pinned_columns(sp, degs)}
-    return combos, r, batch_of(cols, (AXES,), (DEFAULT_ORDER,), None)
+    ends = np.cumsum(counts)
+    bounds = [0, len(combos)] if not max_rows else sorted(
+        {0, len(combos), *np.searchsorted(ends, np.arange(max_rows, int(ends[-1]) if len(ends) else 0, max_rows),
+                                          side="right").tolist()})
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        r = np.empty((int(counts[lo:hi].sum()), 5), dtype=np.int64)
+        r[:, 0] = np.repeat(np.arange(lo, hi, dtype=np.int64), counts[lo:hi])
+        r[:, 1:] = every[_ranges(first[key_of[lo:hi]], counts[lo:hi])]
+        c = combos[r[:, 0]]
+        degs = {a: c[:, k] for k, a in enumerate(COMBO_COLUMNS)}
+        cols = {**degs, "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size,
+                "local_batch_size": r[:, 1], "micro_batch_size": r[:, 2], "pp_schedule": r[:, 3],
+                "pp_stages_per_rank": r[:, 4], **pinned_columns(sp, degs)}
+        yield r, batch_of(cols, (AXES,), (DEFAULT_ORDER,), None)
 
 
 # the columns of ``_degree_combos``' tuples (ep_from: the index in plan_schema.EP_FROM)
@@ -311,15 +327,29 @@ def pinned_columns(sp: SearchSpace, deg: dict) -> dict:
     return out
 
 
-def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict) -> dict:
+RULE_CHUNK = 1 << 20  # candidate rows built and checked by the structural rules at a time (--max-seconds between)
+
+
+def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict, deadline=(0.0, math.inf)) -> dict:
     """The legal (degrees, batch split) rows and the distinct device orders of each, as arrays (``n`` base rows:
-    every row in each of its orders, numbered row after row); what the rules prune is counted in ``pruned``."""
-    combos, rows, b = candidates(spec, n_gpus, sp)
-    reasons = invalid_reasons(b, spec)
-    ok = reasons == ""
-    for k, n in Counter(reasons[~ok].tolist()).items():
+    every row in each of its orders, numbered row after row); what the rules prune is counted in ``pruned``. The
+    rules run a chunk of candidate rows at a time; past ``deadline`` (start, end) the search is refused in one line
+    (a space of 2^20 GPUs holds tens of millions of candidate rows: seconds of rules)."""
+    combos = _combos(spec, n_gpus, sp)
+    kept: list[np.ndarray] = []
+    broken: Counter[str] = Counter()
+    done = 0
+    for piece, b in candidate_chunks(combos, sp, RULE_CHUNK):
+        if done:  # (past the first piece: a small space is checked whole, and the search's own deadline applies)
+            _check_building(deadline, done, sp)
+        reasons = invalid_reasons(b, spec)
+        ok = reasons == ""
+        broken.update(reasons[~ok].tolist())
+        kept.append(piece[ok])
+        done += len(piece)
+    for k, n in broken.items():
         pruned[str(k)] = int(n)
-    rows = rows[ok]
+    rows = np.concatenate(kept) if kept else np.empty((0, 5), dtype=np.int64)
     if not len(rows):
         return {}
     # distinct device orders per combination: signature = ranks per node of every group
@@ -344,6 +374,16 @@ def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict) -> di
     out["combos"] = combos
     out["perms"] = perms
     return out
+
+
+def _check_building(deadline: tuple, done: int, sp: SearchSpace) -> None:
+    import time
+
+    t0, end = deadline
+    if time.perf_counter() > end:
+        raise ParsimError(f"--max-seconds {sp.max_seconds:g} ran out after {time.perf_counter() - t0:.1f} s while "
+                          f"checking the space's degree and batch-split rows ({done:,} checked), before any plan was "
+                          "evaluated: raise it, or pin degrees to make the space smaller")
 
 
 def _first_distinct(sig: np.ndarray) -> np.ndarray:
@@ -525,7 +565,8 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
     if progress:  # (a bar with its clock from the start: a large space spends seconds building its rows)
         progress(0, 1000)
     res = SearchResult(usable_memory_bytes=hw.usable_memory_bytes * (1.0 - sp.headroom))
-    base = _base_rows(spec, n_gpus, sp, hw.gpus_per_node, res.pruned_structural)
+    deadline = t0 + sp.max_seconds if sp.max_seconds else math.inf
+    base = _base_rows(spec, n_gpus, sp, hw.gpus_per_node, res.pruned_structural, (t0, deadline))
     opts, base["orders"] = _options(sp, hw)
     nb = base.get("n", 0)
     res.considered = nb * len(opts)
@@ -543,7 +584,6 @@ def search(spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace, t
                           + ("" if sp.max_plans is not None else " for a search that evaluates every plan (--csv)")
                           + ": pin degrees, AC or batch sizes, or raise --max-plans (0 = no limit)")
     found = _Found(top_k)
-    deadline = t0 + sp.max_seconds if sp.max_seconds else math.inf
     run = _search_bounded if prune else _search_all
     with counted() as work:
         closest = run(spec, hw, base, opts, sp, res, found, chunk, (t0, deadline), progress, csv_writer)

@@ -343,6 +343,23 @@ def test_what_the_pruned_search_relies_on(model, gpus, kw, profile):
         assert np.allclose(lo, hi, rtol=1e-12, atol=0)
 
 
+def test_max_seconds_bounds_the_checking_of_a_huge_space(monkeypatch):
+    """The rows are built and checked a piece at a time; past --max-seconds the search is refused in one line (a
+    2^20-GPU space took 28 s here before --max-seconds 3 could act)."""
+    import parsim.search as S
+
+    monkeypatch.setattr(S, "RULE_CHUNK", 1000)
+    spec, hw = PRESETS["llama3-70b"], load_profile("h100-sxm-spec-cal")
+    with pytest.raises(Exception, match="max-seconds .* while checking the space's degree and batch-split rows "
+                                        r"\([\d,]+ checked\)"):
+        search(spec, hw, 256, SearchSpace(global_batch_size=512, seq_len=8192, max_seconds=1e-6))
+    small = search(spec, hw, 256, SearchSpace(global_batch_size=512, seq_len=8192))  # pieces: the same rows
+    monkeypatch.setattr(S, "RULE_CHUNK", 1 << 20)
+    whole = search(spec, hw, 256, SearchSpace(global_batch_size=512, seq_len=8192))
+    assert small.considered == whole.considered and small.pruned_structural == whole.pruned_structural
+    assert [r.plan.plan_id for r in small.top] == [r.plan.plan_id for r in whole.top]
+
+
 def test_max_seconds_stops_and_says_so():
     spec, hw = PRESETS["llama3-70b"], load_profile("h100-sxm-spec-cal")
     # out of time before any plan that fits was found: one line that says so, not an empty result
