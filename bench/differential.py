@@ -29,7 +29,7 @@ Failures are grouped by signature (the checks that fail and how), each group's s
 simplify one field at a time while the same signature still fails) and its remaining non-default fields are the
 fields that matter. Every case is a row of the CSV (resumable: a case already in it is not traced again).
 
-    python bench/differential.py --n 3000 --out bench/reports/differential/cases.csv
+    python bench/differential.py --n 3000 --out bench/reports/differential/2026-11-28/cases.csv
     python bench/differential.py --n 200 --seed 7 --no-shrink --workers 2
 """
 
@@ -807,7 +807,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=200, help="cases to draw")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="bench/reports/differential/cases.csv", help="CSV of every case (resumable)")
+    ap.add_argument("--out", default="bench/reports/differential/2026-11-28/cases.csv",
+                    help="CSV of every case (resumable)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--tol", type=float, default=MEM_TOL)
     ap.add_argument("--no-shrink", action="store_true")

@@ -13,12 +13,12 @@ many launched) and what dynamo did (graphs, graph breaks, recompiles):
 
 Writes ``OUT/float8-compile.json`` (everything) and the executor's logs and kernel CSVs beside it.
 
-What it found (H200, torch 2.11; ``bench/reports/gpu-acceptance-h200/compile-fix/``): the block compiles the same
-every way (one graph, no break; fp32 under autocast 10.4 ms against 25.9 eager), but the executor's compiled runs
-launched no Triton kernel at all, bf16 included: the executor's first step counts collectives under a
+What it found (H200, torch 2.11; ``bench/reports/gpu-acceptance-h200/2026-11-28/compile-fix/``): the block compiles
+the same every way (one graph, no break; fp32 under autocast 10.4 ms against 25.9 eager), but the executor's
+compiled runs launched no Triton kernel at all, bf16 included: the executor's first step counts collectives under a
 TorchDispatchMode, where dynamo does not trace and marks the code skipped for the rest of the process, so every
-compiled plan had been timed eager (fixed in ``executor.worker.compile_after_modes``; float8 compiled 112.4 ->
-83.4 ms a step, -6.4% against its prediction instead of -30.5%).
+compiled plan had been timed eager (fixed in ``executor.worker.compile_after_modes``; float8 compiled 112.4 -> 83.4
+ms a step, -6.4% against its prediction instead of -30.5%).
 
     python bench/gpu_float8_compile.py --out DIR            # on the GPU machine
 """

@@ -8,7 +8,8 @@ timed, interleaved five times: the compute alone, the collective alone, and the 
 medians per call and ``extra`` = alternating - compute - collective: what a collective costs beyond its standalone
 time (the profiler's curves) when it sits between compute, as every TP and EP collective of a step does. On 4
 ranks sharing 2 cores a woken rank waits for a core that another rank computes on; on ranks with a core each it
-should be ~0. A diagnostic, not a profile quantity (stop 57's figures: bench/reports/fresh-machine-stop57)."""
+should be ~0. A diagnostic, not a profile quantity (figures:
+bench/reports/local-tier-first-avx2/2026-11-29)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ shard orders where one dim is sharded twice: 18 layouts, 306 pairs — this scri
 2. runs both on 4 gloo ranks (``parsim.executor.redistribute_torch``): each path step by step, one
    ``redistribute_local_tensor`` per step; the result is gathered back and compared with the full tensor; pairs
    whose paths differ are timed interleaved (``--repeats`` each, the order alternating), median per path;
-3. writes ``bench/reports/redistribute/pairs.csv`` and ``summary.json`` and prints the summary.
+3. writes ``bench/reports/redistribute/2026-11-22/pairs.csv`` and ``summary.json`` and prints the summary.
 
     python bench/redistribute_bench.py [--shape 1024x1024] [--repeats 9] [--profile cpu-gloo-4]
 """

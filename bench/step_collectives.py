@@ -5,11 +5,11 @@ rank's wait, skew between ranks included); each (op, bytes, group) is then set b
 (``HardwareProfile.collective_time_s``, the cost model's input), per call and summed over the run:
 
     python bench/step_collectives.py --model tiny --nproc-per-node 2 --degrees '{"dp_shard": 2}' \\
-        --profile bench/reports/fresh-machine-stop57/profiles/fresh-2.json
+        --profile bench/reports/local-tier-first-avx2/2026-11-29/profiles/fresh-2.json
 
 Bytes follow the cost model's ledger: an all-gather's input (the shard), a reduce-scatter's and an all-reduce's
 whole buffer. Calls under 1 kB (loss logging, the gradient norm) are left out. A diagnostic, not a profile quantity
-(stop 58's figures: bench/reports/fresh-machine-stop58).
+(figures: bench/reports/fsdp-overhead/2026-11-29).
 """
 
 from __future__ import annotations

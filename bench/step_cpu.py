@@ -8,7 +8,7 @@ waits nothing fills.
     python bench/step_cpu.py --model tiny-moe --nproc-per-node 4 --degrees '{"dp_shard": 4}' --steps 6
 
 Process CPU time counts every thread of the rank (gloo's included) in user and kernel mode. A diagnostic, not a
-profile quantity (stop 61's figures: bench/reports/fresh-machine-stop61/README.md).
+profile quantity (figures: bench/reports/core-sharing/2026-11-29/README.md).
 """
 
 from __future__ import annotations

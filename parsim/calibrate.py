@@ -93,7 +93,8 @@ DEFAULT_PARAMETERS = ("gemm_eff_max", "memory_efficiency", "compile_memory_facto
 # at 512 tokens to -2% at 32k), the Hopper rows asking for x0.70 of MAMF and the Ampere rows for ~x0.78. Our own
 # Hopper measurements show the same gap from the other side: steps composed from GEMM / attention / bandwidth
 # curves measured on the same GPU were 16-19% (H100) and 23-26% (H200) faster than the steps
-# (``bench/reports/gpu-acceptance*``). Fitted x1.11 on Ampere (fold range 1.08-1.15; 0.78 of MAMF against 0.70);
+# (``bench/reports/gpu-acceptance*/2026-11-28``). Fitted x1.11 on Ampere (fold range 1.08-1.15; 0.78 of MAMF
+# against 0.70);
 # out of fold 7.93% / 22.8% -> 7.32% / 19.0%. A Blackwell profile takes the others' factor (no row here).
 GPU_PARAMETERS = ("gemm_eff_max", "attention_eff_max", "float8_eff_max", "memory_efficiency", "comm_scale_tp",
                   "comm_scale_dp", "comm_scale_ep", "comm_scale_all_reduce", "triton_attention",

@@ -40,7 +40,7 @@ UNCALIBRATED_LOG_HALFWIDTH = {
     # `parsim validate --published bench/published/dev.csv`, 2026-11-22; rounded up
     "spec-sheet": 0.6,
     # [measured] 39 plans of the CPU tier before calibration (q = 0.273, x/÷ 1.31; tiny / tiny-moe on 2 and 4 gloo
-    # ranks, 3 interleaved rounds, bench/reports/validate-cpu), 2026-11-22; rounded up
+    # ranks, 3 interleaved rounds, bench/reports/validate-cpu/2026-11-28), 2026-11-22; rounded up
     "measured": 0.3,
 }
 

@@ -307,7 +307,7 @@ def round_means(block_rounds: list[dict]) -> dict:
     The mean, not the median [derived from measurement]: one round's burst (a fresh block, 2 warm-ups, 5
     repetitions, about 0.35 s) reads one of two levels on this 2-core AVX2 EPYC (tiny's dense block 8.5-9.5 or
     11.5-12.6 ms forward, steady within a burst, on either CPU), and over 69 stored rounds the bursts moved 7.8%
-    (sd) where the rounds' steps moved 2.7%, uncorrelated (0.01; ``bench/reports/fresh-machine-stop62/
+    (sd) where the rounds' steps moved 2.7%, uncorrelated (0.01; ``bench/reports/pipeline-shared-cores/2026-11-29/
     block-bursts.txt``): the steps run through both levels, and the median of three rounds picks one of them.
     Re-scored, six stored 3-round folders went 10.3% -> 9.6% on average with the mean (five better; one tiny / 2
     ranks 14.1% -> 11.7%, one tiny-moe / 2 9.7% -> 10.1%); with two rounds mean and median agree."""

@@ -15,7 +15,7 @@ import pytest
 SLICE_SEED = 2026
 # CI's slice: the first 30 plans of the seeded draw (about 90 s on a 2-core machine with 2 trace servers); the same
 # draw's first 90 and 300 plans run with `python -m pytest -m long`; bench/differential.py draws thousands and
-# --recompare re-scores the stored draws (bench/reports/differential)
+# --recompare re-scores the stored draws (bench/reports/differential/2026-11-28)
 SLICE_TRACED = 30
 
 

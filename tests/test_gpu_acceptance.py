@@ -53,7 +53,7 @@ def test_one_gpu_profile_takes_its_interconnect_from_the_spec_profile():
     from parsim.profiler.run import spec_profile_of, with_interconnect
 
     spec = load_profile("h100-sxm-spec")
-    gpu = load_profile("h100-measured")  # the first H100's profile (bench/reports/gpu-acceptance)
+    gpu = load_profile("h100-measured")  # the first H100's profile (bench/reports/gpu-acceptance/2026-11-28)
     assert gpu.source == "measured" and "H100" in gpu.device_name and gpu.measured_blocks
     assert gpu.provenance["interconnect_from"] == "h100-sxm-spec" == spec_profile_of(gpu.device_name)
     assert gpu.topology == spec.topology and gpu.gpus_per_node == 8

@@ -116,7 +116,8 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
             # [derived] cast: read bf16 (2 B), write fp8 (1 B) per element, the fused casts of torch.compile and
             # Transformer Engine (the amax pass taken as hidden); rowwise recipes quantize each operand along both
             # axes (the backward GEMMs scale along the other dimension), tensorwise reuses one scale.
-            # [measured, one H200, bench/reports/gpu-acceptance-h200: llama3-8b blocks at four local shapes, torchao's
+            # [measured, one H200, bench/reports/gpu-acceptance-h200/2026-11-28: llama3-8b blocks at four local
+            # shapes, torchao's
             # recipe as executor.float8 runs it] float8 - bf16 per block compiled -0.81..-2.12 ms against
             # -0.35..-2.29 composed (5 B, the amax pass unhidden: -0.27..-1.95, no closer, and the published rows
             # 17.2% -> 19.3% uncalibrated); eager torchao casts (each op a kernel, ~33 B per element) +8.7..+12.7 ms,
@@ -245,8 +246,8 @@ def host_issue_times(hw: HardwareProfile) -> tuple[float, float] | None:
     chain of 8, forward + backward 4.9 / 4.7 / 5.3 ms on 256 / 512 / 1024 tokens (host-bound: the kernels take
     ~2-3.6 ms) and 6.2 / 11.7 / 22.5 ms on 2048 / 4096 / 8192 tokens, where the host needs ~5 ms: nothing of it
     shows; a 2- vs 6-layer executor step on the same GPU adds 20.0 ms per layer for 19.97 ms of kernels
-    (bench/reports/gpu-acceptance).] The sum the CPU's overhead uses would add ~1.6 ms per layer forward to every
-    GPU plan, however large its kernels."""
+    (bench/reports/gpu-acceptance/2026-11-28).] The sum the CPU's overhead uses would add ~1.6 ms per layer
+    forward to every GPU plan, however large its kernels."""
     block = hw.samples.get("block") if isinstance(hw.samples, dict) else None
     if not block or "host_fwd_s" not in block:
         return None

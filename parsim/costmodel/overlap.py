@@ -39,7 +39,7 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
       (replicate only), the all-reduces of the whole unit; the unshards are ``comm.fsdp_gathers_per_pass`` per
       reduction, replicate only too (FSDP2's world-size-1 unshard still fills the unsharded parameters; inside a
       tiny step on 2 ranks dp_replicate 2 spent 0.15-0.32 s beside its collectives where dp_shard 2 spent 0.15-0.28,
-      bench/step_collectives.py, bench/reports/fresh-machine-stop58); units holding a MoE block's routed experts
+      bench/step_collectives.py, bench/reports/fsdp-overhead/2026-11-29); units holding a MoE block's routed experts
       (the MoE block's where ep = 1, the routed experts' own where ep > 1) take the MoE probe's quantities
       (``fsdp_moe_call_*``) where the profile has them, the dense blocks' otherwise;
     * ``framework_tp`` = layers x microbatches x (``tp_block_fixed_s`` + ``tp_block_s_per_byte`` x one gathered

@@ -39,7 +39,7 @@ def shared_cores(b: PlanBatch, hw: HardwareProfile, M, ga, compute_mb, t_mb, mea
     share cores (s > 1) take the schedule's simulated step instead of the larger bound (``shared_makespan``, at
     least both) [derived]. Re-scored on twelve stored fresh-machine folders (62 pipeline rows),
     pp 4 on 4 ranks: mean |error| 18.3% -> 12.7%, bias -17.1% -> -6.0% (six rows); every pipeline row 12.0% ->
-    11.3%, bias -2.8% -> -1.9% (``bench/reports/fresh-machine-stop62``)."""
+    11.3%, bias -2.8% -> -1.9% (``bench/reports/pipeline-shared-cores/2026-11-29``)."""
     s = float(hw.corrections.get("compute_scale", 1.0))
     others_mb = compute_mb
     if mean_compute_mb is not None:  # the other stages' mean: pp x mean - own, over pp - 1 (own where pp is 1)

@@ -18,7 +18,7 @@ from ..blockshape import BlockShape, HeadShape
 # so a block there is timed in that steady state: ``STEADY_CHAIN`` calls back to back, one synchronize, seconds
 # divided by the calls. One call timed alone pays the host's issue time wherever the device waits for it (an
 # H100, llama3-8b block on 4096 tokens: 13.0 ms alone against the ~10 ms its kernels take in a 6-layer step;
-# bench/reports/gpu-acceptance, bench/gpu_dispatch.py). On CPU the host runs the kernels itself: one call.
+# bench/reports/gpu-acceptance/2026-11-28, bench/gpu_dispatch.py). On CPU the host runs the kernels itself: one call.
 STEADY_CHAIN = 8
 FLOAT8_RECIPE = "tensorwise"  # what a float8 block's linears run (``executor.float8``), recorded with its times
 

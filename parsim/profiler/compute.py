@@ -232,7 +232,7 @@ def core_sharing_sample(ranks: int, seq_len: int = 256, reps: int = 8, cycles: i
     2.48 / 2.41 pair made one session's 4-rank predictions 16% high, where 2.0 fit the steps). Interleaved in one
     session, four runs each: the old probe read 2.07 / 2.45 / 2.02 / 2.12, the paired one (4 repetitions a phase)
     2.03 / 2.15 / 1.90 / 2.05; with 8 (the default, about 23 s) three runs read 2.09 / 2.20 / 2.15
-    (``bench/reports/fresh-machine-stop61/core-sharing-probe.txt``). A cycle's two phases are a second apart
+    (``bench/reports/core-sharing/2026-11-29/core-sharing-probe.txt``). A cycle's two phases are a second apart
     on the same processes: the machine's drift and a process's own luck (its allocations, its placement) cancel
     in the ratio."""
     import multiprocessing as mp

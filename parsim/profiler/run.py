@@ -204,8 +204,8 @@ def framework_probe_ranks(device_type: str, nproc_per_node: int) -> int:
     framework spends beside its collectives then is measured under that sharing: on a 2-core AVX2 EPYC, 4 ranks
     read 59 ms per TP block where 2 ranks x the core-sharing factor gave 50, 9.8 ms per FSDP unit against 5.9,
     and re-scoring stored 4-rank validate runs with the 4-rank probe moved tiny 10.5% / 22.1% -> 9.5% / 17.6%,
-    tiny-moe 8.7% / 24.6% -> 7.3% / 20.5%: one probe, bench/reports/fresh-machine-stop57); on GPUs 2 (no sharing)
-    [measured]."""
+    tiny-moe 8.7% / 24.6% -> 7.3% / 20.5%: one probe, bench/reports/local-tier-first-avx2/2026-11-29); on GPUs 2
+    (no sharing) [measured]."""
     return max(2, nproc_per_node) if device_type == "cpu" else 2
 
 
