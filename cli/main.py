@@ -196,7 +196,9 @@ def predict(flags: dict, as_json: bool = typer.Option(False, "--json", help="pri
         typer.echo(f"warning: {framework} would run this plan otherwise: {line}", err=True)
     pred, why = predict_and_explain(spec, plan, hw) if explain else (_predict(spec, plan, hw), None)
     if as_json:
-        emit_json(dict(pred.to_dict(), **({"explain": why} if why else {})))
+        from parsim.machine import mfu_value
+
+        emit_json(dict(pred.to_dict(), mfu=mfu_value(pred.mfu, hw), **({"explain": why} if why else {})))
         return
     from parsim.report import print_explain, print_prediction
 

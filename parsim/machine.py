@@ -88,6 +88,11 @@ def warning(hw) -> str | None:
             f"of magnitude here. Re-measure: parsim profile --nproc-per-node N --out NAME")
 
 
+def mfu_value(mfu: float, hw) -> float | None:
+    """MFU for the JSON output: the fraction of the device's bf16 peak, or None where ``mfu_text`` says n/a."""
+    return None if _cpu_measurement(hw) or not 0 <= mfu <= 1 else float(mfu)
+
+
 def mfu_text(mfu: float, hw) -> str:
     """MFU for people: a percentage of the device's bf16 peak on GPU profiles; ``n/a`` on a measured CPU profile,
     whose "peak" is the GEMM rate its profiler measured (a plan in float32 there is reported against bf16's rate:

@@ -985,12 +985,14 @@ def _pair_bounds(spec, hw, base, opts, sp, pr, po, chunk, deadline, tick=None) -
 
 def result_to_dict(res: SearchResult, spec: ModelSpec, hw: HardwareProfile, n_gpus: int, sp: SearchSpace,
                    top: int) -> dict:
+    from .machine import mfu_value
+
     def row(plan, step, mem, *rest):
         q = interval_factor(hw, plan)
         d = {"plan_id": plan.plan_id, "describe": plan.describe(), "step_time_s": step,
              "interval_s": [step / q, step * q], "reserved_memory_bytes": mem, "plan": plan.to_dict()}
         if rest:
-            d.update(tokens_per_s_per_gpu=rest[0], mfu=rest[1], dominant_cost=rest[2])
+            d.update(tokens_per_s_per_gpu=rest[0], mfu=mfu_value(rest[1], hw), dominant_cost=rest[2])
         return d
 
     out = {"model": spec.name, "profile": hw.name, "n_gpus": n_gpus, "global_batch_size": sp.global_batch_size,

@@ -48,6 +48,11 @@ def test_mfu_is_a_percentage_of_a_device_peak_or_not_shown():
     r = CliRunner().invoke(app, ["predict", "--model", "tiny", "--gpus", "2", "--dp-shard", "2", "--profile",
                                  "cpu-gloo-2-cal", "--param-dtype", "float32"])
     assert r.exit_code == 0 and "MFU n/a" in r.output, r.output
+    r = CliRunner().invoke(app, ["predict", "--model", "tiny", "--gpus", "2", "--dp-shard", "2", "--profile",
+                                 "cpu-gloo-2-cal", "--param-dtype", "float32", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["mfu"] is None  # the JSON says nothing rather than 4,967%
+    r = CliRunner().invoke(app, ["predict", "--model", "llama3-8b", "--gpus", "8", "--dp-shard", "8", "--json"])
+    assert 0 < json.loads(r.stdout)["mfu"] < 1
 
 
 def test_the_legend_spells_out_every_abbreviation_the_tables_use():
