@@ -401,7 +401,7 @@ def run(
     if device not in (None, "cpu"):
         raise ParsimError(f"--device takes only cpu (to force gloo on a GPU machine), got {device!r}")
     check_flags(flags)
-    hw_here, no_profile, dtype_note = _run_profile(flags, device, nproc_per_node)
+    on_cpu, hw_here, notes = _run_profile(flags, device, nproc_per_node)
     spec, plan, hw = build_plan(flags)
     from parsim.ordering import order_refusal
 
@@ -419,8 +419,7 @@ def run(
     n_nodes = _nnodes(nnodes) if nnodes else 1
     if nproc_per_node * n_nodes != world:
         raise ParsimError(f"the plan needs {world} ranks, --nproc-per-node x nodes = {nproc_per_node} x {n_nodes}")
-    on_gpu = not (no_profile or hw_here)
-    _check_run_time(spec, plan, hw if on_gpu else hw_here, [dtype_note, no_profile], steps, warmup, timeout)
+    _check_run_time(spec, plan, hw_here if on_cpu else hw, notes, steps, warmup, timeout)
     from parsim.executor.launch import run_plan
 
     extra = []
@@ -443,21 +442,21 @@ def run(
 
 
 def _run_profile(flags: dict, device: str | None, nproc: int):
-    """(profile of this machine or None, what to say about the prediction, what to say about the dtype) for a run;
-    on a CPU with no --param-dtype (and no --plan), the dtype is chosen from what this machine measured
+    """(on a CPU, the profile of this machine or None, the notes: the dtype chosen, why there is no profile) for a
+    run; on a CPU with no --param-dtype (and no --plan), the dtype is chosen from what this machine measured
     (``parsim.run_prep``). The notes go to stderr once the run is accepted (a refusal is one line)."""
     from parsim.run_prep import cpu_dtype, cpu_run_profile
 
     if device != "cpu" and _has_cuda():
-        return None, "", ""  # a GPU run predicts with --profile (its default: the H100 spec sheet, calibrated)
+        return False, None, []  # a GPU run predicts with --profile (its default: the H100 spec sheet, calibrated)
     from parsim.machine import this_machine
 
     hw, why = cpu_run_profile(flags["profile"] if flags.get("profile_given") else None, nproc)
-    dtype_note = ""
+    notes = [why] if why else []
     if flags.get("param_dtype") is None and not flags.get("plan_file"):
         flags["param_dtype"], reason = cpu_dtype(hw, this_machine()["cpu_flags"])
-        dtype_note = f"param dtype {flags['param_dtype']}: {reason}"
-    return hw, why, dtype_note
+        notes.insert(0, f"param dtype {flags['param_dtype']}: {reason}")
+    return True, hw, notes
 
 
 def _has_cuda() -> bool:
@@ -485,8 +484,7 @@ def _check_run_time(spec, plan, hw, notes: list[str], steps: int, warmup: int, t
             notes.append(f"predicted {step_s * 1e3:,.1f} ms a step on profile {hw.name}: {warmup} warmup + {steps} "
                          f"timed steps ~{step_s * (steps + warmup):,.1f} s, plus start-up")
     for note in notes:
-        if note:
-            typer.echo(note, err=True)
+        typer.echo(note, err=True)
 
 
 @app.command()

@@ -452,13 +452,20 @@ def list_profiles() -> list[str]:
     return sorted({p.stem for d in profile_dirs() for p in d.glob("*.json") if p.stem != "orders"})
 
 
-def load_profile(name_or_path: str) -> HardwareProfile:
-    """A profile by name (the write folder, then the packaged profiles: e.g. ``h100-sxm-spec``) or a path to a
-    profile JSON."""
+def profile_path(name_or_path: str) -> Path:
+    """The file of a profile given by name (the write folder, then the packaged profiles) or by path; the packaged
+    folder's name when none exists."""
     p = Path(name_or_path)
     if not p.suffix and not exists(p):
         p = next((d / f"{name_or_path}.json" for d in profile_dirs() if exists(d / f"{name_or_path}.json")),
                  PACKAGED_PROFILES_DIR / f"{name_or_path}.json")
+    return p
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A profile by name (the write folder, then the packaged profiles: e.g. ``h100-sxm-spec``) or a path to a
+    profile JSON."""
+    p = profile_path(name_or_path)
     if not exists(p):
         raise ParsimError(f"unknown profile {short_path(p)!r} (known: {', '.join(list_profiles())})")
     return HardwareProfile.from_dict(read_json(p, "corrupt profile"), origin=str(p))

@@ -97,9 +97,8 @@ def mfu_text(mfu: float, hw) -> str:
     """MFU for people: a percentage of the device's bf16 peak on GPU profiles; ``n/a`` on a measured CPU profile,
     whose "peak" is the GEMM rate its profiler measured (a plan in float32 there is reported against bf16's rate:
     4,967% for tiny on cpu-gloo-2), and ``n/a`` above 100% (a peak that is not the device's)."""
-    if _cpu_measurement(hw) or not 0 <= mfu <= 1:
-        return "n/a"
-    return f"{100 * mfu:.1f}%"
+    value = mfu_value(mfu, hw)
+    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 def profile_rows() -> list[dict]:
@@ -108,11 +107,11 @@ def profile_rows() -> list[dict]:
     only: a spec sheet or GPU profile describes hardware elsewhere) and what the current profiler measures that it
     lacks (stale), the file."""
     from .errors import ParsimError
-    from .hardware import list_profiles, load_profile, profile_dirs
+    from .hardware import list_profiles, load_profile, profile_path
 
     rows = []
     for name in list_profiles():
-        path = next((str(d / f"{name}.json") for d in profile_dirs() if (d / f"{name}.json").exists()), "")
+        path = str(profile_path(name))
         try:
             hw = load_profile(name)
         except ParsimError as e:

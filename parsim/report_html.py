@@ -118,11 +118,14 @@ BAR_MARGIN_PX = 140  # title, legend and axis
 def unique_labels(table) -> list[str]:
     """One label per row: the plan and model, with the source where two rows would read the same, and a number
     where even that repeats (plotly draws rows that share a category as one stacked bar)."""
+    from collections import Counter
+
     base = [f"{r.describe} ({r.model})" for r in table.itertuples()]
+    shared = Counter(base)
     seen: dict[str, int] = {}
     out = []
     for r, b in zip(table.itertuples(), base, strict=True):
-        label = f"{b} [{r.source}]" if base.count(b) > 1 and r.source else b
+        label = f"{b} [{r.source}]" if shared[b] > 1 and r.source else b
         seen[label] = seen.get(label, 0) + 1
         out.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
     return out

@@ -39,6 +39,7 @@ from ..codec import validate_plan
 from ..plan import Plan
 from ..procs import die_with_parent
 from ..spec import load_model
+from .launch import PROGRESS_PREFIX
 from .loss import loss_sum
 
 SEED_DATA = 1000
@@ -301,8 +302,6 @@ def _progress(i: int, total: int, warmup: int, wall_s: float, loss: float) -> No
     """``parsim-step 3/7 timed 612.3 ms loss 7.6879`` on stderr: which step, whether its time counts (warmup steps
     do not), its wall time from the barrier before it to the one after, the loss."""
     kind = "timed" if i >= warmup else "warmup"
-    from .launch import PROGRESS_PREFIX
-
     print(f"{PROGRESS_PREFIX}{i + 1}/{total} {kind} {wall_s * 1e3:.1f} ms loss {loss:.4f}", file=sys.stderr,
           flush=True)
 
