@@ -388,6 +388,9 @@ def run(
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="passed to torchrun"),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="passed to torchrun", parser=WHOLE),
     device: Optional[str] = typer.Option(None, "--device", help="cpu to force gloo on a GPU machine"),
+    profile_trace: Optional[str] = typer.Option(
+        None, "--profile-trace", help="folder: each rank writes its torch.profiler trace of the timed steps there "
+                                      "(rank<r>.trace.json.gz; read it with parsim read-trace)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Run a plan for real under torchrun (gloo on CPU, NCCL on GPUs) and measure it."""
@@ -431,7 +434,8 @@ def run(
         extra.append(f"--node-rank={node_rank}")
     m = run_plan(flags["model"], plan, nproc_per_node, steps=steps, warmup=warmup,
                  timeout_s=timeout, out=out,
-                 torchrun_args=extra, device=device, progress=lambda ln: typer.echo(f"step {ln}", err=True))
+                 torchrun_args=extra, device=device, progress=lambda ln: typer.echo(f"step {ln}", err=True),
+                 profile_trace=profile_trace)
     if as_json:
         emit_json(m.to_dict())
     else:
@@ -874,7 +878,12 @@ def validate(
 @app.command()
 @guarded
 def calibrate(
-    dirs: list[str] = typer.Argument(..., help="folders written by `parsim validate`"),
+    dirs: Optional[list[str]] = typer.Argument(None, help="folders written by `parsim validate`"),
+    trace: Optional[list[str]] = typer.Option(None, "--trace", help="a folder written by `parsim run "
+                                              "--profile-trace` (repeat for more plans): fit to its traced steps' "
+                                              "components instead of validation rows"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="with --trace: the profile to calibrate [this "
+                                          "machine's, as run picks it]"),
     params: Optional[str] = typer.Option(None, "--params", help="comma-separated parameters to fit, of "
                                          "gemm_eff_max attention_eff_max float8_eff_max memory_efficiency "
                                          "compile_memory_factor comm_interference layer_overhead comm_scale_tp "
@@ -893,6 +902,21 @@ def calibrate(
 
     if not 2 <= folds <= 100:
         raise ParsimError(f"--folds must be in 2..100, got {folds}")
+    if trace:
+        if dirs:
+            raise ParsimError("give validation folders or --trace folders, not both (each is its own fit)")
+        from parsim.loop_jobs import calibrate_traces
+
+        out = calibrate_traces(list(trace), profile, out_dir)
+        if as_json:
+            emit_json(out)
+        else:
+            from parsim.cli.trace_view import print_trace_calibration
+
+            print_trace_calibration(out)
+        return
+    if not dirs:
+        raise ParsimError("give the folders `parsim validate` wrote, or --trace folders")
     out = calibrate_dirs(dirs, params, folds, out_dir)
     if as_json:
         emit_json(out)
@@ -949,6 +973,46 @@ def report(
     con.print(t)
     if html:
         con.print(f"wrote {html}")
+
+
+@app.command("read-trace")
+@guarded
+@plan_options
+def read_trace(
+    flags: dict,
+    traces: list[str] = typer.Argument(..., help="trace files (.json, .json.gz: one per rank) or folders of them"),
+    html: Optional[str] = typer.Option(None, "--html", help="write a plotly page here"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
+):
+    """Read torch.profiler traces: where each profiled step went (compute by phase and kind, collectives by axis,
+    exposed and hidden, idle); with the plan that ran (--plan or the plan flags, and --model), beside the prediction."""
+    from parsim.flags import given_plan_flags
+    from parsim.jsonio import check_outputs
+    from parsim.trace_compare import compare, summary
+    from parsim.traceread import PLAN_FILE, read_traces, recorded_plan
+
+    check_outputs({"--html": html}, list(traces))
+    planned = flags.get("model_given") or flags.get("plan_file") or given_plan_flags(flags)
+    if not planned and recorded_plan(traces):  # a `run --profile-trace` folder says what ran
+        flags["plan_file"] = planned = next(os.path.join(p, PLAN_FILE) for p in traces
+                                            if os.path.isfile(os.path.join(p, PLAN_FILE)))
+    if planned:
+        spec, plan, hw = build_plan(flags)
+        res = compare(read_traces(traces, plan), spec, plan, hw)
+    else:
+        res = summary(read_traces(traces))
+    if html:
+        from parsim.trace_html import write_html
+
+        write_html(html, res)
+    if as_json:
+        emit_json(res)
+        return
+    from parsim.cli.trace_view import print_trace
+
+    print_trace(res)
+    if html:
+        typer.echo(f"wrote {html}")
 
 
 def _click_exceptions() -> tuple[tuple, tuple]:

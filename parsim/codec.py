@@ -591,3 +591,14 @@ def canonical_key(key: str, names: dict[str, str]) -> str:
     if op == "all_to_all" and (axis == "ep" or ("ep" in names and names.get(axis, axis) == names["ep"])):
         return f"{op}/ep"
     return f"{op}/{names.get(axis, axis)}"
+
+
+def rank_sets_named(p: Plan, rank: int = 0) -> dict[frozenset, str]:
+    """The ranks of each of ``rank``'s groups -> the axis name its collectives carry (``AXIS_PRIORITY``): what a
+    traced collective's process-group ranks are matched against. Groups of one rank are left out."""
+    sets = _rank_sets(p, rank)
+    out: dict[frozenset, str] = {}
+    for a in AXIS_PRIORITY:
+        if a in sets and len(sets[a]) > 1:
+            out.setdefault(sets[a], a)
+    return out

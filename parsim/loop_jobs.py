@@ -439,3 +439,51 @@ def _headline(s: dict) -> dict:
     keys = ("n", "step_time_mape", "step_time_max_ape", "spearman", "interval_coverage",
             "interval_median_rel_halfwidth", "top1_regret")
     return {k: s.get(k) for k in keys}
+
+
+def calibrate_traces(dirs: list[str], profile: str | None, out_dir: str | None) -> dict:
+    """`parsim calibrate --trace`: each folder (``run --profile-trace``) is one traced plan; fit the profile's
+    factors to their components (``trace_calibrate``), write ``<profile>-trace-cal.json``."""
+    import os
+
+    from . import trace_calibrate as T
+    from .hardware import load_profile, profile_write_dir
+    from .jsonio import check_output_path
+    from .plan import Plan
+    from .spec import load_model
+    from .traceread import PLAN_FILE, read_traces, recorded_plan
+
+    SHOWN = ("gemm", "attention", "memory", "framework", "overhead", "idle")  # noqa: N806 - a local table
+    plans = []
+    for d in dirs:
+        doc = recorded_plan([d])
+        if doc is None:
+            raise ParsimError(f"{d}: no {PLAN_FILE} (what ran): trace with `parsim run --profile-trace {d}`")
+        plan = Plan.from_dict(doc["plan"])
+        plans.append(T.TracedPlan(spec=load_model(doc["model"]), plan=plan, traces=tuple(read_traces([d], plan)),
+                                  unprofiled_step_s=doc.get("unprofiled_median_step_s")))
+    if profile:
+        hw = load_profile(profile)
+    else:
+        from .run_prep import cpu_run_profile
+
+        hw, why = cpu_run_profile(None, plans[0].plan.world_size)
+        if hw is None:
+            raise ParsimError(f"give --profile: {why}")
+    target = (Path(out_dir) if out_dir else profile_write_dir()) / f"{hw.name}-trace-cal.json"
+    check_output_path(target, make_parents=True)
+    fit = T.fit_traced(plans, hw)
+    new = T.trace_calibrated_profile(hw, plans, fit, list(dirs))
+    written = os.path.relpath(new.save(target))
+    rows = []
+    for tp, t, b, a, steps in zip(plans, fit["traced"], fit["before"], fit["after"], fit["steps"], strict=True):
+        comps = sorted({k for k in list(t) + list(a) if k in SHOWN or (k.startswith("comm_")
+                                                                       and k != "comm_interference")})
+        rows.append({"plan": f"{tp.spec.name} {tp.plan.describe()}", "traced_step_s": sum(steps) / len(steps),
+                     "predicted_before_s": b["step"], "predicted_after_s": a["step"],
+                     "components": [{"component": k, "traced_s": t.get(k, 0.0), "before_s": b.get(k, 0.0),
+                                     "after_s": a.get(k, 0.0)} for k in comps]})
+    return {"profile": hw.name, "written": written, "factors": fit["factors"],
+            "parameters": {n: T.PARAMETERS[n][0] for n in fit["factors"]},
+            "interval_log_halfwidth_by_group": new.calibration["interval_log_halfwidth_by_group"],
+            "interval_log_halfwidth": new.calibration["interval_log_halfwidth"], "plans": rows}

@@ -61,7 +61,8 @@ def test_bad_inputs_one_line_exit_2(tmp_path):
 
 def test_core_imports_no_torch():
     code = ("import sys; import parsim.costmodel, parsim.search, parsim.spec, parsim.plan, parsim.hardware, "
-            "parsim.report, parsim.cli.main; print('torch' in sys.modules)")
+            "parsim.report, parsim.traceread, parsim.trace_compare, parsim.trace_calibrate, parsim.trace_html, "
+            "parsim.cli.main; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

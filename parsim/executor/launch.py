@@ -20,6 +20,7 @@ from ..jsonio import atomic_write_json
 from ..plan import Plan
 from ..procs import check_timeout, run_tree
 from ..results import Measurement
+from ..traceread import PLAN_FILE
 
 PROGRESS_PREFIX = "parsim-step "  # the worker's line per step on rank 0 (worker._progress)
 
@@ -27,9 +28,11 @@ PROGRESS_PREFIX = "parsim-step "  # the worker's line per step on rank 0 (worker
 def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, warmup: int = 2,
              timeout_s: float = 600.0, out: str | None = None, torchrun_args: list[str] | None = None,
              device: str | None = None, optimizer: str = "adamw",
-             progress: Callable[[str], None] | None = None) -> Measurement:
+             progress: Callable[[str], None] | None = None, profile_trace: str | None = None) -> Measurement:
     """Run ``plan`` for real. ``torchrun_args`` pass through (``--nnodes``, ``--rdzv-endpoint`` ...);
-    ``progress(line)`` receives rank 0's line per step (after ``PROGRESS_PREFIX``) as each step ends."""
+    ``progress(line)`` receives rank 0's line per step (after ``PROGRESS_PREFIX``) as each step ends;
+    ``profile_trace``: a folder where each rank writes its torch.profiler trace of the timed steps
+    (``worker.StepTracer``)."""
     check_timeout(timeout_s)  # before anything is written or started
     torchrun_args = list(torchrun_args or [])
     with tempfile.TemporaryDirectory(prefix="parsim-run-") as tmp:
@@ -47,12 +50,15 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if device == "cpu":
             env["PARSIM_DEVICE"] = "cpu"
+        if profile_trace:
+            env["PARSIM_PROFILE_TRACE"] = os.path.abspath(profile_trace)
         t0 = time.perf_counter()
         echo = _StepLines(progress) if progress else None
         code, log = run_tree(cmd, env, timeout_s, echo=echo)  # nothing of the run survives this call, however it ends
         status = "timeout" if code is None else None
         wall = time.perf_counter() - t0
         prov = {"command": " ".join(cmd), "nproc_per_node": nproc_per_node, "wall_s": wall,
+                **({"profile_trace": os.path.abspath(profile_trace)} if profile_trace else {}),
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": model,
                 "plan": plan.to_dict()}
         if status == "timeout":
@@ -66,6 +72,10 @@ def run_plan(model: str, plan: Plan, nproc_per_node: int, *, steps: int = 5, war
         else:
             with open(res_f) as f:
                 m = _merge(plan, json.load(f), prov)
+    if profile_trace and os.path.isdir(profile_trace):  # what ran, beside the traces (calibrate --trace reads it)
+        atomic_write_json(os.path.join(profile_trace, PLAN_FILE), {
+            "model": model, "plan": plan.to_dict(), "unprofiled_median_step_s": m.median_step_time_s,
+            "profiled_median_step_s": m.provenance.get("profiled_median_step_s"), "measurement": m.to_dict()})
     if out:
         atomic_write_json(out, m.to_dict())
     return m
@@ -122,6 +132,10 @@ def _merge(plan: Plan, res: dict, prov: dict) -> Measurement:
                 comm_counts=r0.get("comm_counts", {}),
                 compiled_graphs=r0.get("compiled_graphs"),
                 step_time_p90_s=sorted(times)[max(0, int(round(0.9 * len(times))) - 1)] if times else None)
+    n_prof = len(r0.get("profiled_step_times_s") or [])
+    prof = [max(r["profiled_step_times_s"][i] for r in ranks) for i in range(n_prof)]
+    if prof:  # --profile-trace: the profiled steps, timed apart from the measurement
+        prov.update(profiled_step_times_s=prof, profiled_median_step_s=statistics.median(prof))
     tps = plan.global_batch_size * plan.seq_len / med / plan.world_size if med else None
     reserved = [r["memory_breakdown_bytes"]["reserved_peak"] for r in ranks
                 if "reserved_peak" in (r.get("memory_breakdown_bytes") or {})]
