@@ -1001,6 +1001,8 @@ def read_trace(
         res = compare(read_traces(traces, plan), spec, plan, hw)
     else:
         res = summary(read_traces(traces))
+    ran = recorded_plan(traces)
+    res["unprofiled_step_s"] = (ran or {}).get("unprofiled_median_step_s")
     if html:
         from parsim.trace_html import write_html
 

@@ -31,6 +31,9 @@ def print_trace(res: dict) -> None:
               f"{ranks[0]['steps']} profiled steps each; median step {_ms(res['median_step_s'])} ms; slowest rank "
               f"{res['slowest_rank']}")
     slow = next(r for r in ranks if r["rank"] == res["slowest_rank"])
+    if res.get("unprofiled_step_s") is not None:
+        con.print(f"the same plan without the profiler: {_ms(res['unprofiled_step_s'])} ms a step (the traced steps "
+                  "hold the profiler's own cost)")
     if res.get("rows"):
         t = Table(title=f"rank {res['slowest_rank']}'s mean step: traced vs predicted ({res['model']} "
                         f"{res['plan']}, profile {res['profile']})", box=box.SIMPLE_HEAD)

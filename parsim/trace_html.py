@@ -52,6 +52,14 @@ def _figures(res: dict) -> list:
         f.update_layout(barmode="group", title="compute by phase and kind", xaxis_title="ms per step",
                         height=max(360, 28 * len(kr)), yaxis={"automargin": True})
         figs.append(f)
+    else:  # no plan: the traced kinds alone
+        slow = next(r for r in res["ranks"] if r["rank"] == res["slowest_rank"])
+        kinds = sorted(slow["kinds_s"].items())
+        f = go.Figure()
+        f.add_bar(name="traced", y=[k for k, _ in kinds], x=[v / MS for _, v in kinds], orientation="h")
+        f.update_layout(title=f"compute by phase and kind, rank {res['slowest_rank']}", xaxis_title="ms per step",
+                        height=max(360, 28 * len(kinds)), yaxis={"automargin": True})
+        figs.append(f)
     top = res.get("top_kernels") or []
     if top:
         f = go.Figure()
@@ -79,6 +87,13 @@ def _collectives_html(res: dict) -> str:
     return df.to_html(index=False, float_format=lambda x: f"{x:,.2f}", na_rep="?", classes="rows", escape=True)
 
 
+def _observer(res: dict) -> str:
+    if res.get("unprofiled_step_s") is None:
+        return ""
+    return (f" The same plan without the profiler: {res['unprofiled_step_s'] / MS:,.1f} ms a step (the profiler's "
+            f"own cost is in the traced steps).")
+
+
 def write_html(path: str, res: dict) -> None:
     figs = _figures(res)
     parts = [f.to_html(full_html=False, include_plotlyjs=(i == 0), default_width="100%")
@@ -93,7 +108,7 @@ font-size:13px}} td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}
 </head><body>
 <h1>parsim: a traced job</h1>
 <p>{res['ranks_read']} of {res['world_size']} ranks read ({res['device']}); {head}. Components partition each
-profiled step (they sum to it); comm_&lt;axis&gt; is collective time no compute overlapped.</p>
+profiled step (they sum to it); comm_&lt;axis&gt; is collective time no compute overlapped.{_observer(res)}</p>
 {''.join(parts)}
 <h2>collectives of rank {res['slowest_rank']} (per step)</h2>
 <div class="scroll">{_collectives_html(res)}</div>
