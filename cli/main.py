@@ -985,7 +985,8 @@ def read_trace(
     as_json: bool = typer.Option(False, "--json", help="print one JSON document"),
 ):
     """Read torch.profiler traces: where each profiled step went (compute by phase and kind, collectives by axis,
-    exposed and hidden, idle); with the plan that ran (--plan or the plan flags, and --model), beside the prediction."""
+    exposed and hidden, idle); with the plan that ran (--plan or the plan flags, and --model), beside the prediction
+    (a CPU trace on this machine's profile unless --profile names one)."""
     from parsim.flags import given_plan_flags
     from parsim.jsonio import check_outputs
     from parsim.trace_compare import compare, summary
@@ -998,7 +999,17 @@ def read_trace(
                                             if os.path.isfile(os.path.join(p, PLAN_FILE)))
     if planned:
         spec, plan, hw = build_plan(flags)
-        res = compare(read_traces(traces, plan), spec, plan, hw)
+        read = read_traces(traces, plan)
+        if not flags.get("profile_given") and all(r.device == "cpu" for r in read):
+            from parsim.run_prep import cpu_run_profile
+
+            here, why = cpu_run_profile(None, plan.world_size)  # a CPU trace: this machine's profile, as run picks
+            hw = here
+        if hw is None:
+            typer.echo(f"warning: the trace alone: {why}; or give --profile", err=True)
+            res = summary(read)
+        else:
+            res = compare(read, spec, plan, hw)
     else:
         res = summary(read_traces(traces))
     ran = recorded_plan(traces)
