@@ -453,3 +453,22 @@ def test_the_attention_backward_takes_the_profiles_measured_ratio():
                             overheads=block_overheads(hw), compute_scale=1.0) for r in (2.5, 3.0)}
     assert float(costs[3.0].bwd[0] - costs[2.5].bwd[0]) == pytest.approx(0.5 * float(attn[0]), rel=1e-9)
     assert float(costs[3.0].fwd[0]) == float(costs[2.5].fwd[0])
+
+
+def test_ledger_refuses_words_it_does_not_know():
+    """A misspelt op, phase, overlap or axis in a ledger record is an error, not a collective that every group-by
+    naming the right word silently misses."""
+    import numpy as np
+
+    from parsim.costmodel.comm import Ledger
+    from parsim.hardware import load_profile
+
+    led = Ledger(load_profile("h100-sxm-spec"), 1)
+    led.add("ok", "all_gather", "tp", 1e6, 1, np.array([2]), 8, "forward", "exposed")
+    assert len(led.records) == 1
+    for bad in (("allgather", "tp", "forward", "exposed"), ("all_gather", "tp", "fwd", "exposed"),
+                ("all_gather", "tp", "forward", "hidden"), ("all_gather", "tensor", "forward", "exposed"),
+                ("all_gather", [("dp_shard", True), ("dpshard", False)], "forward", "fsdp_gather")):
+        op, axis, phase, overlap = bad
+        with pytest.raises(ValueError, match="not one of the known words"):
+            led.add("bad", op, axis, 1e6, 1, np.array([2]), 8, phase, overlap)

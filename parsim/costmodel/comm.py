@@ -41,10 +41,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..hardware import COLLECTIVE_OPS
 from .layers import ac_counts as _ac_counts
 from .layers import param_tensor_counts
 
 FSDP_OVERLAPS = ("fsdp_gather", "fsdp_reduce")
+# the vocabulary of a record: when in the step it runs, and what hides it (exposed: nothing; pp: the pipeline
+# schedule; fsdp_*: FSDP's prefetch and overlap, ``overlap.fsdp_exposed``); ``Ledger.add`` refuses anything else,
+# so that a misspelt word cannot silently drop a collective from every group-by that names the right one
+RECORD_PHASES = ("forward", "backward", "forward+backward", "step")
+RECORD_OVERLAPS = ("exposed", "pp") + FSDP_OVERLAPS
 
 
 @dataclass
@@ -84,6 +90,16 @@ def axis_class_scale(hw, axis: str, op: str) -> float:
     return float(c.get(f"comm_scale_{AXIS_CLASS.get(axis, axis)}", 1.0)) * float(c.get(f"comm_scale_op_{op}", 1.0))
 
 
+def _check_words(what: str, op: str, axis, phase: str, overlap: str) -> None:
+    names = [a for a, _ in axis] if isinstance(axis, list) else [axis]
+    checks = [("op", op, op in COLLECTIVE_OPS), ("phase", phase, phase in RECORD_PHASES),
+              ("overlap", overlap, overlap in RECORD_OVERLAPS)] + [("axis", a, a in AXIS_CLASS) for a in names]
+    bad = [(k, v) for k, v, ok in checks if not ok]
+    if bad:
+        raise ValueError(f"ledger record {what!r}: " + ", ".join(f"{k} {v!r} is not one of the known words"
+                                                                 for k, v in bad))
+
+
 class Ledger:
     """The records of one rank, and group-bys over them."""
 
@@ -97,6 +113,7 @@ class Ledger:
         names by plan (FSDP over dp_shard, or dp_shard+cp when cp > 1): its time is computed once.
         ``time_bytes_scale``: the call is timed as ``op`` of that many times its bytes (a permute issued as an
         all-to-all sends all of its buffer, where the all-to-all curve's call of the same size sends (g-1)/g)."""
+        _check_words(what, op, axis, phase, overlap)
         n = self.n
         group = np.broadcast_to(np.asarray(group), (n,))
         rpn = np.broadcast_to(rpn, (n,))
