@@ -990,13 +990,13 @@ def read_trace(
     from parsim.flags import given_plan_flags
     from parsim.jsonio import check_outputs
     from parsim.trace_compare import compare, summary
-    from parsim.traceread import PLAN_FILE, read_traces, recorded_plan
+    from parsim.traceread import plan_file_of, read_traces, recorded_plan
 
     check_outputs({"--html": html}, list(traces))
     planned = flags.get("model_given") or flags.get("plan_file") or given_plan_flags(flags)
-    if not planned and recorded_plan(traces):  # a `run --profile-trace` folder says what ran
-        flags["plan_file"] = planned = next(os.path.join(p, PLAN_FILE) for p in traces
-                                            if os.path.isfile(os.path.join(p, PLAN_FILE)))
+    ran = recorded_plan(traces)  # a `run --profile-trace` folder says what ran
+    if not planned and ran:
+        flags["plan_file"] = planned = plan_file_of(traces)
     if planned:
         spec, plan, hw = build_plan(flags)
         read = read_traces(traces, plan)
@@ -1012,7 +1012,6 @@ def read_trace(
             res = compare(read, spec, plan, hw)
     else:
         res = summary(read_traces(traces))
-    ran = recorded_plan(traces)
     res["unprofiled_step_s"] = (ran or {}).get("unprofiled_median_step_s")
     if html:
         from parsim.trace_html import write_html

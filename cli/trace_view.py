@@ -19,10 +19,26 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def print_trace(res: dict) -> None:
+def _table(title: str, columns: tuple[str, ...], rows, last=None):
+    """A table whose first column is a name (left) and the rest numbers (right); ``last`` a bold closing row."""
     from rich import box
     from rich.table import Table
 
+    t = Table(title=title, box=box.SIMPLE_HEAD)
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*r)
+    if last is not None:
+        t.add_row(*last, style="bold")
+    return t
+
+
+def _by_size(d: dict) -> list:
+    return sorted(d.items(), key=lambda kv: -kv[1])
+
+
+def print_trace(res: dict) -> None:
     from parsim.console import console as folding_console
 
     con = folding_console()
@@ -35,40 +51,25 @@ def print_trace(res: dict) -> None:
         con.print(f"the same plan without the profiler: {_ms(res['unprofiled_step_s'])} ms a step (the traced steps "
                   "hold the profiler's own cost)")
     if res.get("rows"):
-        t = Table(title=f"rank {res['slowest_rank']}'s mean step: traced vs predicted ({res['model']} "
-                        f"{res['plan']}, profile {res['profile']})", box=box.SIMPLE_HEAD)
-        for c in ("component", "traced ms", "predicted ms", "traced - predicted"):
-            t.add_column(c, justify="left" if c == "component" else "right")
-        for r in res["rows"]:
-            t.add_row(r["component"], _ms(r["traced_s"]), _ms(r["predicted_s"]), _ms(r["diff_s"]))
-        t.add_row("step", _ms(res["step_traced_s"]), _ms(res["step_predicted_s"]),
-                  _ms(res["step_traced_s"] - res["step_predicted_s"]), style="bold")
-        con.print(t)
-        k = Table(title="compute by phase and kind", box=box.SIMPLE_HEAD)
-        for c in ("phase.kind", "traced ms", "predicted ms"):
-            k.add_column(c, justify="left" if c == "phase.kind" else "right")
-        for r in res["kind_rows"]:
-            k.add_row(r["component"], _ms(r["traced_s"]), _ms(r["predicted_s"]))
-        con.print(k)
+        con.print(_table(f"rank {res['slowest_rank']}'s mean step: traced vs predicted ({res['model']} "
+                         f"{res['plan']}, profile {res['profile']})",
+                         ("component", "traced ms", "predicted ms", "traced - predicted"),
+                         [(r["component"], _ms(r["traced_s"]), _ms(r["predicted_s"]), _ms(r["diff_s"]))
+                          for r in res["rows"]],
+                         ("step", _ms(res["step_traced_s"]), _ms(res["step_predicted_s"]),
+                          _ms(res["step_traced_s"] - res["step_predicted_s"]))))
+        con.print(_table("compute by phase and kind", ("phase.kind", "traced ms", "predicted ms"),
+                         [(r["component"], _ms(r["traced_s"]), _ms(r["predicted_s"])) for r in res["kind_rows"]]))
         con.print(f"MFU traced {_pct(res['mfu_traced'])}, predicted {_pct(res['mfu_predicted'])}; prediction "
                   f"{_pct(res['step_error'])} against the traced step")
         con.print("most of the difference: " + "; ".join(
             f"{r['component']} {_ms(r['traced_s'])} traced vs {_ms(r['predicted_s'])} predicted"
             for r in res["explains"]))
     else:
-        t = Table(title=f"rank {res['slowest_rank']}'s mean step", box=box.SIMPLE_HEAD)
-        t.add_column("component")
-        t.add_column("ms", justify="right")
-        for name, v in sorted(slow["components_s"].items(), key=lambda kv: -kv[1]):
-            t.add_row(name, _ms(v))
-        t.add_row("step", _ms(slow["step_s"]), style="bold")
-        con.print(t)
-        k = Table(title="compute by phase and kind", box=box.SIMPLE_HEAD)
-        k.add_column("phase.kind")
-        k.add_column("ms", justify="right")
-        for name, v in sorted(slow["kinds_s"].items(), key=lambda kv: -kv[1]):
-            k.add_row(name, _ms(v))
-        con.print(k)
+        con.print(_table(f"rank {res['slowest_rank']}'s mean step", ("component", "ms"),
+                         [(n, _ms(v)) for n, v in _by_size(slow["components_s"])], ("step", _ms(slow["step_s"]))))
+        con.print(_table("compute by phase and kind", ("phase.kind", "ms"),
+                         [(n, _ms(v)) for n, v in _by_size(slow["kinds_s"])]))
     _collectives(con, res)
     for n in res.get("notes") or []:
         con.print(f"note: {n}")
@@ -97,21 +98,16 @@ def _collectives(con, res: dict) -> None:
 def print_trace_calibration(out: dict) -> None:
     import math
 
-    from rich import box
-    from rich.table import Table
-
     from parsim.console import console as folding_console
 
     con = folding_console()
     con.print("factors: " + ", ".join(f"{k} x{v:.3g}" for k, v in out["factors"].items()))
     for p in out["plans"]:
-        t = Table(title=f"{p['plan']}: step traced {_ms(p['traced_step_s'])} ms, predicted "
-                        f"{_ms(p['predicted_before_s'])} -> {_ms(p['predicted_after_s'])} ms", box=box.SIMPLE_HEAD)
-        for c in ("component", "traced ms", "before ms", "after ms"):
-            t.add_column(c, justify="left" if c == "component" else "right")
-        for r in p["components"]:
-            t.add_row(r["component"], _ms(r["traced_s"]), _ms(r["before_s"]), _ms(r["after_s"]))
-        con.print(t)
+        con.print(_table(f"{p['plan']}: step traced {_ms(p['traced_step_s'])} ms, predicted "
+                         f"{_ms(p['predicted_before_s'])} -> {_ms(p['predicted_after_s'])} ms",
+                         ("component", "traced ms", "before ms", "after ms"),
+                         [(r["component"], _ms(r["traced_s"]), _ms(r["before_s"]), _ms(r["after_s"]))
+                          for r in p["components"]]))
     near = ", ".join(f"{g} x/÷{math.exp(q):.2f}" for g, q in out["interval_log_halfwidth_by_group"].items())
     con.print(f"90% intervals: {near} (the traced families); other families x/÷"
               f"{math.exp(out['interval_log_halfwidth']):.2f}")

@@ -143,6 +143,18 @@ def apply(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
         corrections=corr)
 
 
+def factor_ceiling(name: str, hw: HardwareProfile) -> float:
+    """Largest value of factor ``name`` that keeps the efficiency it scales at most 1 on ``hw`` (inf for a factor
+    that scales no efficiency)."""
+    base = {"gemm_eff_max": lambda: hw.gemm_efficiency.eff_max,
+            "attention_eff_max": lambda: max(hw.attention_efficiency.eff_max,
+                                             getattr(hw.attention_keys_efficiency, "eff_max", 0.0)),
+            "float8_eff_max": lambda: getattr(hw.float8_gemm_efficiency, "eff_max", 1e-9),
+            "memory_efficiency": lambda: hw.memory_efficiency,
+            "compile_memory_factor": lambda: hw.compile_memory_bound_factor}.get(name)
+    return 1.0 / base() if base else math.inf
+
+
 class _Rows:
     """Rows grouped by (model, profile) into batches, so that one parameter vector is one evaluate per group."""
 
@@ -160,13 +172,7 @@ class _Rows:
     def ceiling(self, name: str) -> float:
         """Largest factor that keeps an efficiency at most 1 on every profile (the fit meets the cap as a bound,
         not as a flat region it cannot leave)."""
-        base = {"gemm_eff_max": lambda hw: hw.gemm_efficiency.eff_max,
-                "attention_eff_max": lambda hw: max(hw.attention_efficiency.eff_max,
-                                                    getattr(hw.attention_keys_efficiency, "eff_max", 0.0)),
-                "float8_eff_max": lambda hw: getattr(hw.float8_gemm_efficiency, "eff_max", 1e-9),
-                "memory_efficiency": lambda hw: hw.memory_efficiency,
-                "compile_memory_factor": lambda hw: hw.compile_memory_bound_factor}.get(name)
-        return min(1.0 / base(hw) for *_, hw in self.groups) if base else math.inf
+        return min(factor_ceiling(name, hw) for *_, hw in self.groups)
 
     def predict(self, factors: dict[str, float], subset: np.ndarray | None = None) -> np.ndarray:
         out = np.full(len(self.rows), np.nan)

@@ -453,7 +453,6 @@ def calibrate_traces(dirs: list[str], profile: str | None, out_dir: str | None) 
     from .spec import load_model
     from .traceread import PLAN_FILE, read_traces, recorded_plan
 
-    SHOWN = ("gemm", "attention", "memory", "framework", "overhead", "idle")  # noqa: N806 - a local table
     plans = []
     for d in dirs:
         doc = recorded_plan([d])
@@ -477,7 +476,7 @@ def calibrate_traces(dirs: list[str], profile: str | None, out_dir: str | None) 
     written = os.path.relpath(new.save(target))
     rows = []
     for tp, t, b, a, steps in zip(plans, fit["traced"], fit["before"], fit["after"], fit["steps"], strict=True):
-        comps = sorted({k for k in list(t) + list(a) if k in SHOWN or (k.startswith("comm_")
+        comps = sorted({k for k in list(t) + list(a) if k in T.SHOWN_COMPONENTS or (k.startswith("comm_")
                                                                        and k != "comm_interference")})
         rows.append({"plan": f"{tp.spec.name} {tp.plan.describe()}", "traced_step_s": sum(steps) / len(steps),
                      "predicted_before_s": b["step"], "predicted_after_s": a["step"],

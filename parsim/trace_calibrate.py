@@ -41,12 +41,14 @@ import math
 import statistics
 from datetime import datetime, timezone
 
-from .calibrate import PARAMETERS, apply
+from .calibrate import PARAMETERS, apply, factor_ceiling
 from .errors import ParsimError
 from .hardware import HardwareProfile
 from .plan import Plan, interval_group
 from .spec import ModelSpec
 
+# what `calibrate --trace` shows per plan, traced beside predicted (with each comm_<axis>)
+SHOWN_COMPONENTS = ("gemm", "attention", "memory", "framework", "overhead", "idle")
 # kind of compute -> the factor its seconds are inversely proportional to
 KIND_FACTORS = {"gemm": "gemm_eff_max", "attention": "attention_eff_max", "memory": "memory_efficiency"}
 AXIS_CLASS = {"tp": "comm_scale_tp", "pp": "comm_scale_pp", "ep": "comm_scale_ep", "dp_shard": "comm_scale_dp",
@@ -118,14 +120,15 @@ def _predicted(tp: TracedPlan, hw: HardwareProfile) -> dict:
     from .costmodel import predict
     from .trace_compare import IDLE_LIKE, predicted_kinds
 
-    tb = predict(tp.spec, tp.plan, hw).time_breakdown_s
+    pred = predict(tp.spec, tp.plan, hw)
+    tb = pred.time_breakdown_s
     out = {k: float(v) for k, v in tb.items() if k.startswith("comm_")}
-    kinds = predicted_kinds(tp.spec, tp.plan, hw)
+    kinds = predicted_kinds(tp.spec, tp.plan, hw, tb)
     for kind in list(KIND_FACTORS) + ["overhead", "other"]:
         out[kind] = sum(v for k, v in kinds.items() if k.endswith("." + kind))
     out["bubble"] = sum(float(tb.get(k, 0.0)) for k in IDLE_LIKE)
     out["framework"] = sum(float(v) for k, v in tb.items() if k.startswith("framework_"))
-    out["step"] = float(predict(tp.spec, tp.plan, hw).step_time_s)
+    out["step"] = float(pred.step_time_s)
     return out
 
 
@@ -137,11 +140,7 @@ def _ratio(pred: float, traced: float, inverse: bool) -> float | None:
 
 def _clip(name: str, f: float, hw: HardwareProfile) -> float:
     """``f`` within ``TRACE_BOUNDS`` (and an efficiency at most 1)."""
-    lo, hi = TRACE_BOUNDS
-    base = {"gemm_eff_max": hw.gemm_efficiency.eff_max, "memory_efficiency": hw.memory_efficiency,
-            "attention_eff_max": getattr(hw.attention_efficiency, "eff_max", 0.0)}.get(name)
-    if base:
-        hi = min(hi, 1.0 / base)  # an efficiency stays at most 1
+    lo, hi = TRACE_BOUNDS[0], min(TRACE_BOUNDS[1], factor_ceiling(name, hw))
     return float(min(max(f, lo), hi))
 
 

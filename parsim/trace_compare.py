@@ -94,18 +94,19 @@ def _notes(r: RankTrace) -> list[str]:
     return out
 
 
-def predicted_kinds(spec, plan, hw) -> dict:
+def predicted_kinds(spec, plan, hw, base: dict | None = None) -> dict:
     """The predicted compute phases split by kind: ``"<phase>.<kind>"`` -> s for gemm, attention, memory,
     ``overhead`` (the per-layer host overhead: measured block minus the model) and ``other`` (what none of these
     holds: the output layer and loss where the profile measured them, fixed terms). Derivation: a phase's compute
     time is linear in 1/efficiency of each kind (GEMM seconds = FLOPs / (eff x peak); memory-bound = bytes / (eff x
     bandwidth)) and in the overhead factor, so the seconds that appear when one kind's efficiency is scaled by
     ``PROBE`` (0.5: never against the cap at 1) are that kind's seconds x (1/PROBE - 1), and those that appear when
-    the overhead is doubled are the overhead's. Four more evaluations of the plan."""
+    the overhead is doubled are the overhead's. Four more evaluations of the plan (``base``: the plan's
+    ``time_breakdown_s`` on ``hw`` where the caller has it)."""
     from .calibrate import apply
     from .costmodel import predict
 
-    base = predict(spec, plan, hw).time_breakdown_s
+    base = predict(spec, plan, hw).time_breakdown_s if base is None else base
     probes = {"gemm": ("gemm_eff_max", PROBE), "attention": ("attention_eff_max", PROBE),
               "memory": ("memory_efficiency", PROBE), "overhead": ("layer_overhead", 2.0)}
     out = {}
@@ -142,7 +143,7 @@ def compare(traces: list[RankTrace], spec, plan, hw) -> dict:
         t = traced.get(name, 0.0)
         if p or t:
             rows.append({"component": name, "traced_s": t, "predicted_s": p, "diff_s": t - p})
-    kinds_pred = predicted_kinds(spec, plan, hw)
+    kinds_pred = predicted_kinds(spec, plan, hw, pred.time_breakdown_s)
     kind_rows = []
     for k in sorted(set(kinds_pred) | set(rank["kinds_s"])):
         t, p = rank["kinds_s"].get(k, 0.0), kinds_pred.get(k, 0.0)

@@ -155,21 +155,27 @@ def trace_files(paths: list[str]) -> list[str]:
     return out
 
 
-def recorded_plan(paths: list[str]) -> dict | None:
-    """The ``PLAN_FILE`` ({model, plan, measurement}) of the one folder among ``paths`` that has one, else None."""
+def plan_file_of(paths: list[str]) -> str | None:
+    """The ``PLAN_FILE`` of the one folder among ``paths`` that has one, else None."""
     found = [os.path.join(p, PLAN_FILE) for p in paths if os.path.isfile(os.path.join(p, PLAN_FILE))]
     if len(found) > 1:
         raise ParsimError(f"{len(found)} folders record a plan ({', '.join(found)}): read one plan's traces at a "
                           "time")
-    if not found:
+    return found[0] if found else None
+
+
+def recorded_plan(paths: list[str]) -> dict | None:
+    """What ``plan_file_of(paths)`` holds ({model, plan, measurement, ...}), else None."""
+    path = plan_file_of(paths)
+    if path is None:
         return None
-    with open(found[0]) as f:
+    with open(path) as f:
         try:
             doc = json.load(f)
         except json.JSONDecodeError as e:
-            raise ParsimError(f"{found[0]}: not JSON: {e}") from None
+            raise ParsimError(f"{path}: not JSON: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("plan"), dict) or not isinstance(doc.get("model"), str):
-        raise ParsimError(f"{found[0]}: needs model and plan")
+        raise ParsimError(f"{path}: needs model and plan")
     return doc
 
 
@@ -373,16 +379,19 @@ def _partition(t0: float, t1: float, compute: list[tuple], comm: list[tuple]):
             sl = comm_owner[a:b]
             sl[(sl < 0) & ~busy[a:b]] = j
     by_label: dict[tuple, float] = defaultdict(float)
-    for i in np.unique(owner[busy]):
-        by_label[compute[int(i)][2]] += float(seg[owner == i].sum())
+    per_compute = np.bincount(owner[busy], weights=seg[busy], minlength=len(compute))
+    for k in np.flatnonzero(np.bincount(owner[busy], minlength=len(compute))):
+        by_label[compute[int(k)][2]] += float(per_compute[k])
     exposed: dict[int, float] = defaultdict(float)
-    for j in np.unique(comm_owner[comm_owner >= 0]):
-        exposed[int(j)] += float(seg[comm_owner == j].sum())
+    alone = comm_owner >= 0
+    per_comm = np.bincount(comm_owner[alone], weights=seg[alone], minlength=len(comm))
+    for k in np.flatnonzero(np.bincount(comm_owner[alone], minlength=len(comm))):
+        exposed[int(k)] += float(per_comm[k])
     idle = float(seg[~busy & (comm_owner < 0)].sum())
     return by_label, exposed, hidden, idle
 
 
-def _step_record(rank, name, t0, t1, by_label, comms, exposed, hidden, idle) -> TracedStep:
+def _step_record(rank, name, t0, t1, by_label, comms, exposed, hidden) -> TracedStep:
     """Assemble one step from the partition (us in, s out)."""
     comp: dict = defaultdict(float)
     kinds: dict = defaultdict(float)
@@ -400,11 +409,8 @@ def _step_record(rank, name, t0, t1, by_label, comms, exposed, hidden, idle) -> 
                                       input_bytes=c["bytes"], dtype=c["dtype"], start_s=(c["start"] - t0) * 1e-6,
                                       duration_s=max(dur, 0.0),
                                       exposed_s=min(exposed.get(j, 0.0) * 1e-6, max(dur, 0.0))))
-    comp["idle"] += idle * 1e-6
-    step_s = (t1 - t0) * 1e-6
-    # the partition's segments sum to the window up to float rounding: the rounding goes to idle
-    comp["idle"] += step_s - sum(comp.values())
-    comp["idle"] = max(comp["idle"], 0.0)
+    # idle is what the rest leaves of the window (the partition's idle up to float rounding)
+    comp["idle"] = max((t1 - t0) * 1e-6 - sum(comp.values()), 0.0)
     return TracedStep(rank=rank, name=name, step_s=sum(comp.values()), components_s=dict(comp), kinds_s=dict(kinds),
                       hidden_comm_s={k: v for k, v in hid.items() if v > 0}, collectives=tuple(colls))
 
@@ -423,13 +429,13 @@ def _cpu_steps(path: str, ev: list[dict], steps: list[dict], ctx: _Context):
     out: list[TracedStep] = []
     totals: dict[str, float] = defaultdict(float)
     calls: Counter = Counter()
-    for st in sorted(steps, key=lambda e: e["ts"]):
+    steps = sorted(steps, key=lambda e: e["ts"])
+    mine = _by_step(steps, [w for w in walked if w[0].get("cat") == "cpu_op" and not HOST_OPS.match(w[0]["name"])])
+    for st, ops in zip(steps, mine, strict=True):
         t0, t1 = float(st["ts"]), float(st["ts"]) + float(st["dur"])
         last_bwd = max([b for b in bwd if t0 <= b <= t1], default=t0)
         compute = []
-        for op, anc, segs in walked:
-            if not (t0 <= op["ts"] < t1) or op.get("cat") != "cpu_op" or HOST_OPS.match(op["name"]):
-                continue
+        for op, anc, segs in ops:
             if any(HOST_OPS.match(a) and a.startswith(("c10d::", "_c10d")) for a in anc):
                 continue
             label = (_phase(anc, op["name"], float(op["ts"]), last_bwd), _kind(anc + [op["name"]]))
@@ -440,11 +446,25 @@ def _cpu_steps(path: str, ev: list[dict], steps: list[dict], ctx: _Context):
                 calls[op["name"]] += 1
         comms = [_gloo_collective(e, launches, ctx) for e in comm_raw if t0 <= e["ts"] < t1]
         comms = [c for c in comms if c["op"] != "barrier"]
-        by_label, exposed, hidden, idle = _partition(t0, t1, compute, [(c["start"], c["end"], j)
-                                                                      for j, c in enumerate(comms)])
-        out.append(_step_record(ctx.rank, st["name"], t0, t1, by_label, comms, exposed, hidden, idle))
+        by_label, exposed, hidden, _idle = _partition(t0, t1, compute, [(c["start"], c["end"], j)
+                                                                       for j, c in enumerate(comms)])
+        out.append(_step_record(ctx.rank, st["name"], t0, t1, by_label, comms, exposed, hidden))
     top = [(n, s, calls[n]) for n, s in _largest(totals, 12)]
     return out, top
+
+
+def _by_step(steps: list[dict], walked: list) -> list[list]:
+    """The walked ops of each step (``steps`` sorted by start): those that start inside its span."""
+    import bisect
+
+    starts = [float(st["ts"]) for st in steps]
+    out: list[list] = [[] for _ in steps]
+    for w in walked:
+        ts = float(w[0]["ts"])
+        i = bisect.bisect_right(starts, ts) - 1
+        if i >= 0 and ts < starts[i] + float(steps[i]["dur"]):
+            out[i].append(w)
+    return out
 
 
 def _fsdp_launches(walked) -> list[tuple[float, str, bool]]:
@@ -480,7 +500,7 @@ def _gloo_collective(e: dict, launches, ctx: _Context) -> dict:
 # ---------------------------------------------------------------------------------------------------------- GPU
 def _gpu_steps(path: str, ev: list[dict], steps: list[dict], kernels: list[dict], ctx: _Context):
     cpu = [e for e in ev if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver",
-                                             "python_function", None) and e not in kernels]
+                                             "python_function", None)]
     by_thread: dict = defaultdict(list)
     for e in cpu:
         by_thread[(e.get("pid"), e.get("tid"))].append(e)
@@ -520,9 +540,9 @@ def _gpu_steps(path: str, ev: list[dict], steps: list[dict], kernels: list[dict]
             compute.append((ks, ke, (_phase(anc, "", ts, last_bwd), kind)))
             totals[k["name"]] += (ke - ks) * 1e-6
             calls[k["name"]] += 1
-        by_label, exposed, hidden, idle = _partition(t0, t1, compute, [(c["start"], c["end"], j)
-                                                                      for j, c in enumerate(comms)])
-        out.append(_step_record(ctx.rank, st["name"], t0, t1, by_label, comms, exposed, hidden, idle))
+        by_label, exposed, hidden, _idle = _partition(t0, t1, compute, [(c["start"], c["end"], j)
+                                                                       for j, c in enumerate(comms)])
+        out.append(_step_record(ctx.rank, st["name"], t0, t1, by_label, comms, exposed, hidden))
     for c in (c for s in out for c in s.collectives):
         totals[f"nccl {c.op}"] += c.duration_s
         calls[f"nccl {c.op}"] += 1
