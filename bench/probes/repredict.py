@@ -23,8 +23,11 @@ def main(out_dir: str, profiles: list[str]) -> None:
     lines = [ln for ln in lines if ln["version"] == version]
     for name in profiles:
         s = V.summarize(V.measured_rows(lines, load_profile(name)))
+        rule = s.get("constant_mfu_rule") or {}
         print(name, len(lines), json.dumps({k: round(s[k], 4) if isinstance(s.get(k), float) else s.get(k)
-                                            for k in KEYS}))
+                                            for k in KEYS}),
+              "constant-MFU rule:", json.dumps({k: round(rule[k], 4) for k in ("tps_mape", "tps_max_ape")
+                                               if isinstance(rule.get(k), float)}))
 
 
 if __name__ == "__main__":
