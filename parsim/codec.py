@@ -436,18 +436,32 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def invalid_reasons(b: PlanBatch, spec: ModelSpec | None = None) -> np.ndarray:
-    """Key of the first rule each row breaks, ``""`` where none (rules needing a model are skipped without one)."""
+# the rules that read only the batch split (global, local and micro batch, schedule, stages per rank), pp and dp:
+# the first of RULES, so that a row's first broken rule is one of them whenever it breaks one (search checks them
+# once per (pp, dp) key of its batch-split tables, ``search.candidate_chunks``)
+SPLIT_RULES = RULES[:8]
+
+
+def invalid_reasons(b: PlanBatch, spec: ModelSpec | None = None, rules: tuple[Rule, ...] = RULES) -> np.ndarray:
+    """Key of the first of ``rules`` each row breaks, ``""`` where none (rules needing a model are skipped without
+    one)."""
     if np.ndim(b.pp) == 0:  # one plan as scalars (``_row``): plain truth values, no array overhead
-        active = [r for r in RULES if spec is not None or not r.needs_spec]
+        active = [r for r in rules if spec is not None or not r.needs_spec]
         return np.array([next((r.key for r in active if r.broken(b, spec)), "")], dtype=object)
-    out = np.full(len(b), "", dtype=object)
+    keys = np.array([r.key for r in rules] + [""], dtype=object)
+    return keys[first_broken(b, spec, rules)]
+
+
+def first_broken(b: PlanBatch, spec: ModelSpec | None = None, rules: tuple[Rule, ...] = RULES) -> np.ndarray:
+    """Per row the index in ``rules`` of the first rule it breaks, ``len(rules)`` where none (rules needing a model
+    are skipped without one)."""
+    out = np.full(len(b), len(rules), dtype=np.int64)
     open_ = np.ones(len(b), dtype=bool)
-    for rule in RULES:
+    for i, rule in enumerate(rules):
         if rule.needs_spec and spec is None:
             continue
         hit = open_ & np.broadcast_to(np.asarray(rule.broken(b, spec), dtype=bool), (len(b),))
-        out[hit] = rule.key
+        out[hit] = i
         open_ &= ~hit
     return out
 

@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .codec import PlanBatch, batch_of, decode, encode_field, group_rpn, invalid_reasons
-from .costmodel.step import evaluate, memory_lower_bound, step_time_lower_bound
+from .codec import RULES, SPLIT_RULES, PlanBatch, batch_of, decode, encode_field, first_broken, group_rpn
+from .costmodel.step import evaluate, memory_lower_bound, optimizer_step_lower_bound, step_time_lower_bound
 from .costmodel.work import counted, tally
 from .errors import ParsimError, check_number
 from .hardware import HardwareProfile
@@ -281,17 +281,23 @@ def _combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> np.ndarray:
     return np.array(_degree_combos(spec, n_gpus, sp), dtype=np.int64).reshape(-1, 8)
 
 
-def candidate_chunks(combos: np.ndarray, sp: SearchSpace, max_rows: int = 1 << 20):
+def candidate_chunks(combos: np.ndarray, sp: SearchSpace, max_rows: int = 1 << 20, split_pruned: Counter | None = None):
     """``candidates``' (rows, batch) in pieces of whole combinations, about ``max_rows`` rows each (0: one piece),
-    so that a huge space is checked piece by piece rather than built whole (29 M rows at 2^20 GPUs)."""
-    # a combination's batch splits depend on (PP or not, dp) only: one table per such key, gathered per combination
-    keys, key_of = np.unique(np.stack([combos[:, 0] > 1, combos[:, 1] * combos[:, 2]], axis=1), axis=0,
+    so that a huge space is checked piece by piece rather than built whole (29 M rows at 2^20 GPUs).
+    ``split_pruned``: the rows that break a batch-split rule (``codec.SPLIT_RULES``, which read only the batch
+    split, pp and dp and come first in ``RULES``) are left out, counted there by rule, instead of built."""
+    # a combination's batch splits depend on (pp, dp) only: one table per such key, gathered per combination
+    keys, key_of = np.unique(np.stack([combos[:, 0], combos[:, 1] * combos[:, 2]], axis=1), axis=0,
                              return_inverse=True)
-    tables = [np.array(_batch_splits(2 if has_pp else 1, int(dp), sp), dtype=np.int64).reshape(-1, 4)
-              for has_pp, dp in keys.tolist()]
+    key_of = np.ravel(key_of)
+    tables = [np.array(_batch_splits(int(pp), int(dp), sp), dtype=np.int64).reshape(-1, 4)
+              for pp, dp in keys.tolist()]
+    if split_pruned is not None:
+        per_key = np.bincount(key_of, minlength=len(keys))
+        tables = [_split_legal(t, int(pp), int(dp), sp, int(n), split_pruned)
+                  for t, (pp, dp), n in zip(tables, keys.tolist(), per_key.tolist(), strict=True)]
     sizes = np.array([len(t) for t in tables], dtype=np.int64)
     first = np.cumsum(sizes) - sizes
-    key_of = np.ravel(key_of)
     counts = sizes[key_of]
     every = np.concatenate(tables) if tables else np.empty((0, 4), dtype=np.int64)
     ends = np.cumsum(counts)
@@ -308,6 +314,26 @@ def candidate_chunks(combos: np.ndarray, sp: SearchSpace, max_rows: int = 1 << 2
                 "local_batch_size": r[:, 1], "micro_batch_size": r[:, 2], "pp_schedule": r[:, 3],
                 "pp_stages_per_rank": r[:, 4], **pinned_columns(sp, degs)}
         yield r, batch_of(cols, (AXES,), (DEFAULT_ORDER,), None)
+
+
+def _split_legal(table: np.ndarray, pp: int, dp: int, sp: SearchSpace, combos: int, pruned: Counter) -> np.ndarray:
+    """The batch splits of ``table`` (one (pp, dp) key's) that break no batch-split rule; those that do are counted
+    in ``pruned`` by the first they break, once per combination of the key (``combos``)."""
+    if not len(table):
+        return table
+    cols = {"pp": pp, "dp_replicate": dp, "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size,
+            "local_batch_size": table[:, 0], "micro_batch_size": table[:, 1], "pp_schedule": table[:, 2],
+            "pp_stages_per_rank": table[:, 3]}
+    broken = first_broken(batch_of(cols, (AXES,), (DEFAULT_ORDER,), None), None, SPLIT_RULES)
+    _count_broken(pruned, broken, SPLIT_RULES, combos)
+    return table[broken == len(SPLIT_RULES)]
+
+
+def _count_broken(pruned: Counter, broken: np.ndarray, rules: tuple, times: int = 1) -> None:
+    """Add to ``pruned`` (rule key -> rows) ``times`` each row of ``broken`` (``codec.first_broken``)."""
+    for i, n in enumerate(np.bincount(broken, minlength=len(rules) + 1)[:len(rules)].tolist()):
+        if n:
+            pruned[rules[i].key] += n * times
 
 
 # the columns of ``_degree_combos``' tuples (ep_from: the index in plan_schema.EP_FROM)
@@ -339,12 +365,12 @@ def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict, deadl
     kept: list[np.ndarray] = []
     broken: Counter[str] = Counter()
     done = 0
-    for piece, b in candidate_chunks(combos, sp, RULE_CHUNK):
+    for piece, b in candidate_chunks(combos, sp, RULE_CHUNK, broken):
         if done:  # (past the first piece: a small space is checked whole, and the search's own deadline applies)
             _check_building(deadline, done, sp)
-        reasons = invalid_reasons(b, spec)
-        ok = reasons == ""
-        broken.update(reasons[~ok].tolist())
+        first = first_broken(b, spec)
+        ok = first == len(RULES)
+        _count_broken(broken, first, RULES)
         kept.append(piece[ok])
         done += len(piece)
     for k, n in broken.items():
@@ -656,9 +682,9 @@ def _search_bounded(spec, hw, base, opts, sp, res, found, chunk, times, progress
        are not skipped on their exact memory have every device order evaluated in full.
 
     Replays are batched: seed rows first (the fastest, and the fastest of every range of memory bounds, so that
-    slow plans of little memory are skipped against a front from the start), then per window every later pair
-    that the plans found so far do not skip (a superset of what later pairs need), in geometrically growing
-    batches. Skipped plans are counted in ``pruned_bound`` (their memory may be unknown), plans that do not fit
+    slow plans of little memory are skipped against a front from the start), then per window every pair the
+    window will decide that the plans found so far do not skip (a superset of what those pairs need), in one
+    batch. Skipped plans are counted in ``pruned_bound`` (their memory may be unknown), plans that do not fit
     in ``pruned_memory``."""
     job = _Bounded(spec, hw, base, opts, sp, res, found, chunk, times[1], progress)
     if res.stopped_at is None:
@@ -698,7 +724,6 @@ class _Bounded:
     SEED_FAST = 64  # seed rows of the smallest time bounds
     SEED_BUCKETS, SEED_PER_BUCKET = 32, 2  # and the fastest of every range of memory bounds (log-spaced)
     FIRST_WINDOW, GROWTH = 16384, 4  # rows of the first window after the seed, and how each next one grows
-    FIRST_BATCH = 2048  # replays of a pool's first batch; each later batch at most doubles the total
 
     def __init__(self, spec, hw, base, opts, sp, res, found, chunk, deadline, progress):
         self.spec, self.hw, self.base, self.opts, self.sp, self.res, self.found = spec, hw, base, opts, sp, res, found
@@ -706,7 +731,8 @@ class _Bounded:
         self.counts, self.no = base["row_count"], len(opts)
         self.usable = res.usable_memory_bytes
         tick = (lambda f: progress(int(200 * f), 1000)) if progress else None  # (the bounds: a fifth of it)
-        self.row_mem, self.row_time, bounded = _row_bounds(spec, hw, base, opts, sp, chunk, deadline, tick)
+        self.row_mem, self.row_time, bounded = _row_bounds(spec, hw, base, opts, sp, chunk, deadline, tick,
+                                                           self.usable)
         if bounded < len(self.row_mem):  # (the time limit came first: the rows bounded are the part searched)
             res.stopped_at = 0.0
         cand = self.row_mem <= self.usable
@@ -766,6 +792,7 @@ class _Pairs:
         e = np.empty(0, np.int64)
         self.pr, self.po, self.pc, self.lb, self.order = e, e, e, np.empty(0), e
         self.done = np.empty(0, bool)
+        self.limit = math.inf  # the time bound up to which the current ``decide_until`` decides
 
     def extend(self, rows: np.ndarray) -> None:
         """Add every pair of ``rows`` that may fit (the others count as not fitting)."""
@@ -793,6 +820,7 @@ class _Pairs:
         """Decide, in ascending time bound and in growing steps, the undecided pairs whose bound is at most
         ``limit`` (every pair with ``seed``); False when the time limit came."""
         job = self.job
+        self.limit = math.inf if seed else limit
         order = self.order[~self.done[self.order]]
         if not seed:
             order = order[self.lb[order] <= limit]
@@ -833,16 +861,16 @@ class _Pairs:
 
     def _prefetch(self, sel: np.ndarray) -> None:
         """Replay the pairs ``sel`` need and, while plans are found to skip against, the other undecided pairs of
-        the pool they do not skip (a superset of what those need: later checks skip more), the fastest first, up to
-        twice what was replayed before (at least ``FIRST_BATCH``): a few batches, each replaying every memory
-        structure it holds once."""
+        the pool that this ``decide_until`` will decide (time bound at most its limit) and that the plans found so
+        far do not skip (a superset of what those need: later checks skip more): one batch per window, each
+        replaying every memory structure it holds once (a batch costs about as much for a few hundred pairs as for
+        a few thousand of the same structures)."""
         job, pr, pc = self.job, self.pr, self.pc
         need = [sel]
         if np.isfinite(job.found.threshold()):
             rest = self.order[~self.done[self.order]]
-            rest = rest[np.isnan(job.mem.values[pr[rest], pc[rest]])]
-            rest = rest[~self._skippable(rest, job.mem.lower[pr[rest], pc[rest]])]
-            need.append(rest[:max(job.FIRST_BATCH, 2 * job.mem.n_exact)])
+            rest = rest[(self.lb[rest] <= self.limit) & np.isnan(job.mem.values[pr[rest], pc[rest]])]
+            need.append(rest[~self._skippable(rest, job.mem.lower[pr[rest], pc[rest]])])
         both = np.concatenate(need)
         job.mem.exact(pr[both], pc[both], job.deadline)
 
@@ -861,25 +889,27 @@ class _Pairs:
         job.found.add(gid, r, np.ones(len(gid), bool))
 
 
-def _row_bounds(spec, hw, base, opts, sp, chunk, deadline: float = math.inf, tick=None
+def _row_bounds(spec, hw, base, opts, sp, chunk, deadline: float = math.inf, tick=None, usable: float = math.inf
                 ) -> tuple[np.ndarray, np.ndarray, int]:
     """(memory, step time) lower bounds of every (degrees x batch split) row over all its options and device
     orders, computed at the row's first order [derived]: the memory bound at the option of least activations (AC
     "full" where searched, else the least of every AC searched), the terms reshard-after-forward changes left out
     (``memory_lower_bound(any_reshard=True)``); the time bound the least over the options without AC where there
     are any (recompute is never negative and adds to compute, its bubble and nothing else), else over every time
-    class. Returns them and how many rows were bounded by ``deadline`` (the first ones; the others are NaN)."""
+    class. The time bound is computed only for rows whose memory bound is at most ``usable`` (the others cannot
+    fit: +inf). Returns them and how many rows were bounded by ``deadline`` (the first ones; the others NaN)."""
     import time
 
-    cls, rep = _memory_classes(opts)
     acs = sorted({(int(o[0]), int(o[1])) for o in opts.tolist()})
     full = [a for a in acs if a[0] == AC_MODES["full"]]
     mem_reps = [int(np.flatnonzero((opts[:, 0] == a) & (opts[:, 1] == e))[0]) for a, e in (full[:1] or acs)]
-    tcls, trep = _time_classes(opts)
+    _, trep = _time_classes(opts)
     none = [int(t) for t in trep if opts[t, 0] == AC_MODES["none"]]
     time_reps = none or [int(t) for t in trep]
     starts = base["row_start"]
     mem, tb = np.full(len(starts), np.inf), np.full(len(starts), np.inf)
+    static = _static_bounds(spec, base, opts, sp, mem_reps[0])
+    timed = 0
     for lo in range(0, len(starts), chunk):
         if time.perf_counter() > deadline:
             mem[lo:], tb[lo:] = np.nan, np.nan
@@ -887,14 +917,32 @@ def _row_bounds(spec, hw, base, opts, sp, chunk, deadline: float = math.inf, tic
         if tick:
             tick(lo / len(starts))
         gid0 = starts[lo:lo + chunk] * len(opts)
+        part = mem[lo:lo + len(gid0)]  # (a view: filled in place)
+        over = np.flatnonzero(static[lo:lo + len(gid0)] > usable)  # (cannot fit whatever their batch split)
+        part[over] = static[lo + over]
+        rest = np.flatnonzero(static[lo:lo + len(gid0)] <= usable)
         for o in mem_reps:
-            b = _batch_at(base, opts, gid0 + o, sp, None)
-            mem[lo:lo + len(gid0)] = np.minimum(mem[lo:lo + len(gid0)], memory_lower_bound(spec, b, hw, True))
+            if len(rest):
+                b = _batch_at(base, opts, gid0[rest] + o, sp, None)
+                part[rest] = np.minimum(part[rest], memory_lower_bound(spec, b, hw, True))
+        fit = np.flatnonzero(part <= usable)
+        timed += len(fit)
         for o in time_reps:
-            b = _batch_at(base, opts, gid0 + o, sp, None)
-            tb[lo:lo + len(gid0)] = np.minimum(tb[lo:lo + len(gid0)], step_time_lower_bound(spec, b, hw))
-    tally(row_bounds=len(starts) * (len(mem_reps) + len(time_reps)))
+            if len(fit):
+                b = _batch_at(base, opts, gid0[fit] + o, sp, None)
+                tb[lo + fit] = np.minimum(tb[lo + fit], step_time_lower_bound(spec, b, hw))
+    tally(row_bounds=int((static <= usable).sum()) * len(mem_reps) + timed * len(time_reps))
     return mem, tb * (1.0 - 1e-9), len(starts)
+
+
+def _static_bounds(spec, base, opts, sp, o: int) -> np.ndarray:
+    """``optimizer_step_lower_bound`` of every row, computed once per (degrees, stages per rank) at its first row
+    and option ``o`` (it reads neither the batch split nor the options)."""
+    key = base["combo"] * (int(base["v"].max(initial=1)) + 1) + base["v"]
+    _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    b = _batch_at(base, opts, base["row_start"][first] * len(opts) + o, sp, None)
+    tally(static_bounds=len(first))
+    return optimizer_step_lower_bound(spec, b)[np.ravel(inv)]
 
 
 class _Memory:

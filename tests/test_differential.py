@@ -1,14 +1,11 @@
-"""The CI slice of the differential tester (``bench/differential.py``): a seeded, derandomized draw of plans the
-executor runs, each traced with the executor's code under a fake process group and compared with the cost model
-(peak within 0.5% and its phase, collective bytes per (op, axis) exact, memory components). Failures inside the
-documented known gaps (``differential.KNOWN_GAPS``, each with why) are reported, not failed on: any other failing
-case, or any crash, is a new class and fails the test with its signature."""
+"""The CI slice of the differential tester (``tests/differential.py``, whose command line is
+``bench/differential.py``): a seeded, derandomized draw of plans the executor runs, each traced with the executor's
+code under a fake process group and compared with the cost model (peak within 0.5% and its phase, collective bytes
+per (op, axis) exact, memory components). Failures inside the documented known gaps (``differential.KNOWN_GAPS``,
+each with why) are reported, not failed on: any other failing case, or any crash, is a new class and fails the test
+with its signature."""
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,13 +17,9 @@ SLICE_TRACED = 30
 
 
 def _differential():
-    path = Path(__file__).resolve().parent.parent / "bench" / "differential.py"
-    spec = importlib.util.spec_from_file_location("parsim_bench_differential", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    import differential  # (tests/differential.py: the tester; bench/differential.py is its command line)
+
+    return differential
 
 
 @pytest.mark.slow

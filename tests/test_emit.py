@@ -90,7 +90,7 @@ PLANS = _plans()
 
 def _framework_venv(base: Path, pkgs: list[str]) -> Path:
     """A venv that sees this interpreter's packages (torch among them, pinned) with ``pkgs`` installed on top
-    (bench/emit_differential.py makes it); skips where the package registry cannot give them."""
+    (tests/emit_differential.py makes it); skips where the package registry cannot give them."""
     try:
         return _emit_differential().framework_venv(base, pkgs)
     except RuntimeError as e:
@@ -98,14 +98,9 @@ def _framework_venv(base: Path, pkgs: list[str]) -> Path:
 
 
 def _emit_differential():
-    import importlib.util
+    import emit_differential  # (tests/emit_differential.py; bench/emit_differential.py is its command line)
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "emit_differential.py"
-    mod_spec = importlib.util.spec_from_file_location("parsim_bench_emit_differential", path)
-    assert mod_spec is not None and mod_spec.loader is not None
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
+    return emit_differential
 
 
 def _run_checks(py: Path, script: str, files: dict[str, tuple[Path, int]], env=None) -> dict[str, dict]:
@@ -362,7 +357,7 @@ def test_torchtitan_trains_tp_or_pp_without_fsdp_in_float32():
 
 
 def _drawn(n: int, seed: int):
-    """(model name, plan) pairs of bench/emit_differential.py's draw (plans no test names)."""
+    """(model name, plan) pairs of tests/emit_differential.py's draw (plans no test names)."""
     mod = _emit_differential()
     return mod, mod.draw_plans(n, seed)
 

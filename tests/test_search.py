@@ -442,3 +442,52 @@ def test_one_memory_replay_per_schedule_and_rank_not_per_microbatch_count():
     assert work["schedule_replays"] <= 2 * 5 and work["timeline_plans"] == 2 * len(plans)
     alone = [evaluate(spec, encode([p], None), hw, memory_only=True)["reserved_memory_bytes"][0] for p in plans]
     assert list(batch) == alone
+
+
+@pytest.mark.parametrize("model,gpus,kw,profile", [
+    ("qwen3-30b-a3b", 64, dict(global_batch_size=256, seq_len=4096), "h100-sxm-spec-cal"),
+    ("llama3-70b", 64, dict(global_batch_size=128, seq_len=8192), "h100-sxm-spec-cal"),
+    ("tiny-moe", 8, dict(global_batch_size=64, seq_len=256), "cpu-gloo-4"),
+])
+def test_interleaved_memory_bound_is_below_every_replayed_moment(model, gpus, kw, profile):
+    """The memory bound of interleaved plans (``phases._interleaved_bounds``: the warm-up, the steady forwards'
+    and the backwards' ends, ``_steady_moments``) is below the replayed reserved memory of every plan, for the
+    bound of the plan's own reshard choice and for the bound of every choice; and the row screen's bound from the
+    parameters alone (``optimizer_step_lower_bound``) is below that."""
+    from parsim.costmodel import evaluate
+    from parsim.costmodel.step import memory_lower_bound, optimizer_step_lower_bound
+    from parsim.search import _base_rows, _batch_at, _options
+
+    spec, hw = PRESETS[model], load_profile(profile)
+    sp = SearchSpace(pp_schedules=("Interleaved1F1B",), stages_per_rank=(2, 3, 4), **kw)
+    base = _base_rows(spec, gpus, sp, hw.gpus_per_node, {})
+    opts, base["orders"] = _options(sp, hw)
+    rows = np.random.default_rng(0).choice(len(base["row_start"]), size=min(400, len(base["row_start"])),
+                                           replace=False)
+    gid = ((base["row_start"][rows] * len(opts))[:, None] + np.arange(len(opts))).ravel()
+    b = _batch_at(base, opts, gid, sp, None)
+    assert (b.pp_stages_per_rank > 1).all() and (b.n_micro > b.pp).any()
+    exact = evaluate(spec, b, hw, memory_only=True)["reserved_memory_bytes"]
+    own, every = memory_lower_bound(spec, b, hw), memory_lower_bound(spec, b, hw, any_reshard=True)
+    static = optimizer_step_lower_bound(spec, b)
+    assert np.all(static <= every) and np.all(every <= own) and np.all(own <= exact)
+
+
+def test_the_batch_split_rules_read_only_the_batch_split_pp_and_dp():
+    """``codec.SPLIT_RULES`` come first in ``RULES`` and give the same answer whatever the degrees other than pp and
+    dp (search checks them once per (pp, dp) key of its batch-split tables)."""
+    from parsim.codec import RULES, SPLIT_RULES, encode, first_broken
+    from parsim.plan import Plan
+
+    assert RULES[:len(SPLIT_RULES)] == SPLIT_RULES
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        pp, lbs = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2, 4, 8, 12]))
+        mbs = int(rng.choice([m for m in (1, 2, 3, 4, 8) if m <= lbs]))
+        kw = dict(pp=pp, local_batch_size=lbs, micro_batch_size=mbs if pp > 1 else lbs, seq_len=1024,
+                  global_batch_size=lbs * 4 * int(rng.choice([1, 2])) + int(rng.choice([0, 0, 1])),
+                  pp_schedule=str(rng.choice(["GPipe", "1F1B", "Interleaved1F1B"])),
+                  pp_stages_per_rank=int(rng.choice([1, 2])))
+        got = {int(first_broken(encode([Plan(**kw, **deg)], None), None, SPLIT_RULES)[0])
+               for deg in (dict(dp_shard=4), dict(dp_replicate=4), dict(dp_replicate=2, dp_shard=2, tp=2, cp=2))}
+        assert len(got) == 1, kw

@@ -803,9 +803,11 @@ def rank_memory_bound(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: 
     fsdp_pp = fsdp & pp
     edges = (np.where(rv.has_emb, stage_out, 0.0), np.where(rv.has_out, _loss_saved_bytes(spec, b, sh, c) - stage_out,
                                                             0.0))
-    units = _StageUnits(rv, b, pb, np.where(fsdp_pp, rb, 0.0), np.where(fsdp_pp & kept & ~any_reshard, pb, 0.0))
+    units = (_StageUnits(rv, b, pb, np.where(fsdp_pp, rb, 0.0), np.where(fsdp_pp & kept & ~any_reshard, pb, 0.0)),
+             _StageUnits(rv, b, pb, np.where(fsdp_pp, rb, 0.0), np.where(fsdp_pp, pb, 0.0)))
     warm = np.where(v1, w * per_mb + loss + unsharded,
-                    _interleaved_bounds(spec, b, rank, c.costs, pp & ~v1, edges, loss, units))
+                    _interleaved_bounds(spec, b, rank, c.costs, pp & ~v1, edges, loss, units,
+                                        np.where(_torch_pp(b), stage_out, 0.0)))
     gpipe = b.pp_schedule == SCHED_GPIPE
     steady = np.where(fsdp_pp & v1 & (m >= 3) & (m > w) & ~gpipe,
                       w * per_mb + loss + local * rb + np.where(kept & ~any_reshard, gathered, 0.0), 0.0)
@@ -850,7 +852,7 @@ class _StageUnits:
 
 
 def _interleaved_bounds(spec: ModelSpec, b: PlanBatch, rank: int, costs: dict, rows: np.ndarray, per_mb_edge,
-                        loss, units: _StageUnits) -> np.ndarray:
+                        loss, units: tuple, flow) -> np.ndarray:
     """Moments of an interleaved schedule's step (``memory.simulate_actions``) from below, for the plans ``rows`` (0
     elsewhere), above what every moment holds [derived from ``pipeline.interleaved_actions``]. torch's
     ``ScheduleInterleaved1F1B`` runs ``n = min((v - 1) r + 2 (pp - 1 - rank), v m)`` forwards before its first
@@ -860,7 +862,8 @@ def _interleaved_bounds(spec: ModelSpec, b: PlanBatch, rank: int, costs: dict, r
     rounds. So the first steady forward ends with n + 1 in flight before any backward (with the ``loss`` peak where
     it is the last stage's), and the last steady forward with n + 1 in flight (at least n + 1 of the least
     stage's) beside the gradient accumulators of every stage that has run a backward and its own stage's gathered
-    parameters (``units``)."""
+    parameters (``units[0]``: where reshard-after-forward keeps them); the ends of backwards are bounded by
+    ``_backward_moments`` (``units[1]``: the parameters every backward leaves gathered)."""
     out = np.zeros(len(b))
     if not rows.any():
         return out
@@ -881,19 +884,69 @@ def _interleaved_bounds(spec: ModelSpec, b: PlanBatch, rank: int, costs: dict, r
             stage = j * pp + r
             a = sum((count * act[moe, ckpt][sel] for moe, ckpt, count in runs), np.zeros(len(sel)))
             stage_act.append(a + (first[sel] if stage == 0 else 0.0) + (last[sel] if stage == pp * v - 1 else 0.0))
-            stage_units.append(units.stage(runs, stage == 0, stage == pp * v - 1, sel))
+            stage_units.append(units[0].stage(runs, stage == 0, stage == pp * v - 1, sel)
+                               + units[1].stage(runs, stage == 0, stage == pp * v - 1, sel)[1:])
         fwd_stages = [(i // per_round) % v for i in range(n_fwd)]
         best = sum((fwd_stages.count(j) * a for j, a in enumerate(stage_act)), np.zeros(len(sel)))
         steady = v * m - n_fwd
         if steady > 0:
             j = (n_fwd // per_round) % v
             best = best + stage_act[j] + (loss[sel] if j * pp + r == pp * v - 1 else 0.0)
-            backed = {v - 1 - (i // per_round) % v for i in range(steady - 1)}  # stages with a backward by then
+            back_chunks = [v - 1 - (i // per_round) % v for i in range(steady - 1)]  # the backwards by then
             j_last = ((n_fwd + steady - 1) // per_round) % v
-            late = ((n_fwd + 1) * np.minimum.reduce(stage_act) + stage_units[j_last][1]
-                    + sum((stage_units[s][0] for s in backed), np.zeros(len(sel))))
+            # what each of those backwards sent stays alive to the step's end (``memory._sent_held``): the
+            # stage output and the input gradient of every stage but the pipeline's first and last
+            sends = sum(((j * pp + r != 0) + (j * pp + r != pp * v - 1)) * 1.0 for j in back_chunks)
+            late = ((n_fwd + 1) * np.minimum.reduce(stage_act) + stage_units[j_last][1] + sends * flow[sel]
+                    + sum((stage_units[s][0] for s in set(back_chunks)), np.zeros(len(sel))))
             best = np.maximum(best, late)
+        sent = [float(j * pp + r != 0) + float(j * pp + r != pp * v - 1) for j in range(v)]
+        ends = (j * pp + r == pp * v - 1 for j in range(v))
+        best = np.maximum(best, _steady_moments(v, m, n_fwd, per_round, stage_act, stage_units, sent, flow[sel],
+                                                [loss[sel] if e else 0.0 for e in ends]))
         out[sel] = best
+    return out
+
+
+def _steady_moments(v: int, m: int, n_fwd: int, per_round: int, stage_act: list, stage_units: list, sent: list,
+                    flow, loss: list) -> np.ndarray:
+    """The ends of some forwards and backwards of an interleaved schedule after its warm-up
+    (``memory.simulate_actions``) from below [derived from ``pipeline.interleaved_actions``]. Backward ``i``
+    (0-based) runs chunk ``v - 1 - (i // per_round) % v`` after ``min(n_fwd + i + 1, v m)`` forwards, forward
+    ``j`` chunk ``(j // per_round) % v``; every chunk that has run a backward holds its gradient accumulators
+    (``stage_units[c][0]``) until its reduce after its ``m``-th backward; what every backward sent stays alive to
+    the step's end (``memory._sent_held``: ``sent[c]`` stage-sized tensors of ``flow`` bytes). So
+
+    * after the ``K``-th backward ``min(n_fwd + K, v m) - K`` microbatches are in flight (each at least the least
+      stage's activations), beside the accumulators of the chunks that ran a backward (one past its ``m``-th
+      counts as reduced, except the chunk just run: its reduce comes after this moment) and the chunk just run's
+      every FSDP unit gathered (a backward runs without reshard: ``stage_units[c][2]``);
+    * after the steady forward that follows the ``K``-th backward (``K < v m - n_fwd``) ``n_fwd + 1`` are in
+      flight, beside the accumulators of the chunks not yet reduced, the forward's chunk's units where
+      reshard-after-forward keeps them (``stage_units[c][1]``) and, on the pipeline's last stage, the loss's peak
+      (``loss[c]``).
+
+    The moments taken: each round's first and last of the first two passes over the chunks, the last steady step
+    and the next, the last before the first reduce, and the last."""
+    total, cycle = v * m, v * per_round
+    steady = total - n_fwd
+    first_reduce = (m // per_round - 1) * cycle + per_round
+    ks = {j * per_round + d for j in range(2 * v + 1) for d in (0, 1)} | {steady, steady + 1, first_reduce, total}
+    least = np.minimum.reduce(stage_act)
+    out = np.zeros(len(least))
+    for k in sorted(x for x in ks if 0 <= x <= total):
+        q, rem = divmod(k, cycle)
+        counts = [q * per_round + min(max(rem - (v - 1 - c) * per_round, 0), per_round) for c in range(v)]
+        sends = sum(n * x for n, x in zip(counts, sent, strict=True)) * flow
+        if k < steady:  # the forward after the k-th backward
+            f = ((n_fwd + k) // per_round) % v
+            acc = sum((stage_units[c][0] for c in range(v) if 1 <= counts[c] < m), np.zeros(len(least)))
+            out = np.maximum(out, (n_fwd + 1) * least + acc + stage_units[f][1] + loss[f] + sends)
+        if k >= 1:
+            last = v - 1 - ((k - 1) // per_round) % v
+            acc = sum((stage_units[c][0] for c in range(v) if counts[c] >= 1 and (counts[c] < m or c == last)),
+                      np.zeros(len(least)))
+            out = np.maximum(out, (min(n_fwd + k, total) - k) * least + acc + stage_units[last][2] + sends)
     return out
 
 

@@ -76,7 +76,15 @@ from .layers import (
 )
 from .memory import MEMORY_KEYS, PHASES
 from .overlap import async_tp_exposed_fraction, framework_overheads, fsdp_exposed, interference, set_exposed
-from .phases import RankPeak, rank_memory, rank_memory_bound, rank_params, rank_peak, static_bytes
+from .phases import (
+    RankPeak,
+    optimizer_temporaries,
+    rank_memory,
+    rank_memory_bound,
+    rank_params,
+    rank_peak,
+    static_bytes,
+)
 from .pipeline import shared_cores
 from .reserved import RESERVED_KEYS
 
@@ -140,6 +148,20 @@ def memory_lower_bound(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, any_r
     for rank, rv in zip((FIRST, LAST), rank_views(spec, b, kinds), strict=True):
         c = rank_compute(spec, b, sh, hw, rv, costs)
         out = np.maximum(out, rank_memory_bound(spec, b, sh, rank, rv, c, any_reshard))
+    return out * (1.0 - 1e-9)
+
+
+def optimizer_step_lower_bound(spec: ModelSpec, b: PlanBatch) -> np.ndarray:
+    """A lower bound of every plan's reserved memory from its parameters alone [derived]: at the optimizer step each
+    rank holds its fp32 parameters and Adam states (12 B per parameter it steps), its sharded fp32 gradients (4 B per
+    parameter it holds) and the foreach step's temporaries (``phases.optimizer_temporaries``): the optimizer moment
+    of ``phases.rank_memory_bound`` without the pipeline's receive buffers. It reads the degrees, the stages per
+    rank and the pinned options, not the batch split nor AC, compile, float8 or reshard (search computes it once
+    per (degrees, stages per rank))."""
+    out = np.zeros(len(b))
+    for rv in rank_views(spec, b, block_kinds(spec)):
+        p_shard, p_opt = rank_params(b, rv)
+        out = np.maximum(out, p_opt * 12.0 + p_shard * 4.0 + optimizer_temporaries(b, rv))
     return out * (1.0 - 1e-9)
 
 
@@ -295,7 +317,7 @@ def _exposed_records(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProf
         if not rec.calls.any():  # (no call in this batch: nothing to time)
             out.append(np.zeros(len(b)))
             continue
-        least = np.minimum.reduce([led.time_with(rec, r) for r in counts.tolist()])
+        least = led.time_with(rec, counts[:, None]).min(axis=0)  # (every count at once: counts x plans)
         out.append(np.where((rec.axis == "tp") & b.async_tp, 0.0, least))
     return out
 
