@@ -456,8 +456,8 @@ def test_the_attention_backward_takes_the_profiles_measured_ratio():
 
 
 def test_ledger_refuses_words_it_does_not_know():
-    """A misspelt op, phase, overlap or axis in a ledger record is an error, not a collective that every group-by
-    naming the right word silently misses."""
+    """A misspelt op, phase, overlap, axis or FSDP unit in a ledger record is an error, not a collective that every
+    group-by naming the right word silently misses."""
     import numpy as np
 
     from parsim.costmodel.comm import Ledger
@@ -472,3 +472,10 @@ def test_ledger_refuses_words_it_does_not_know():
         op, axis, phase, overlap = bad
         with pytest.raises(ValueError, match="not one of the known words"):
             led.add("bad", op, axis, 1e6, 1, np.array([2]), 8, phase, overlap)
+    # an FSDP record names its unit from the vocabulary (what reads it keys on the unit, not on the label)
+    led.add("FSDP all-gather: dense block", "all_gather", "dp_shard", 1e6, 1, np.array([2]), 8, "forward+backward",
+            "fsdp_gather", unit="dense block")
+    assert led.records[-1].unit == "dense block"
+    with pytest.raises(ValueError, match="unit 'dense blocks' is not one of the known words"):
+        led.add("FSDP all-gather: x", "all_gather", "dp_shard", 1e6, 1, np.array([2]), 8, "forward+backward",
+                "fsdp_gather", unit="dense blocks")

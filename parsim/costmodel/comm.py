@@ -69,6 +69,7 @@ class Record:
     time_s: np.ndarray  # raw seconds per step: collective_time_s(bytes_per_call) * calls
     exposed_s: np.ndarray | None = None  # set by the step model: the part of time_s the step waits for
     bytes_scale: float = 1.0  # the call is timed as ``op`` of this many times its bytes (``Ledger.add``)
+    unit: str = ""  # the FSDP unit an FSDP / HSDP record is of (one of ``FSDP_UNITS``), "" for any other record
 
     @property
     def key(self) -> str:
@@ -90,10 +91,11 @@ def axis_class_scale(hw, axis: str, op: str) -> float:
     return float(c.get(f"comm_scale_{AXIS_CLASS.get(axis, axis)}", 1.0)) * float(c.get(f"comm_scale_op_{op}", 1.0))
 
 
-def _check_words(what: str, op: str, axis, phase: str, overlap: str) -> None:
+def _check_words(what: str, op: str, axis, phase: str, overlap: str, unit: str = "") -> None:
     names = [a for a, _ in axis] if isinstance(axis, list) else [axis]
     checks = [("op", op, op in COLLECTIVE_OPS), ("phase", phase, phase in RECORD_PHASES),
-              ("overlap", overlap, overlap in RECORD_OVERLAPS)] + [("axis", a, a in AXIS_CLASS) for a in names]
+              ("overlap", overlap, overlap in RECORD_OVERLAPS), ("unit", unit, unit in ("", *FSDP_UNITS))] + [
+                  ("axis", a, a in AXIS_CLASS) for a in names]
     bad = [(k, v) for k, v, ok in checks if not ok]
     if bad:
         raise ValueError(f"ledger record {what!r}: " + ", ".join(f"{k} {v!r} is not one of the known words"
@@ -108,12 +110,14 @@ class Ledger:
         self.records: list[Record] = []
 
     def add(self, what, op, axis, bytes_per_call, calls, group, rpn, phase, overlap, mask=True,
-            time_bytes_scale=1.0) -> None:
+            time_bytes_scale=1.0, unit: str = "") -> None:
         """Record a kind of call. ``axis`` may be a list of (axis, mask) to split one kind of call between axis
         names by plan (FSDP over dp_shard, or dp_shard+cp when cp > 1): its time is computed once.
         ``time_bytes_scale``: the call is timed as ``op`` of that many times its bytes (a permute issued as an
-        all-to-all sends all of its buffer, where the all-to-all curve's call of the same size sends (g-1)/g)."""
-        _check_words(what, op, axis, phase, overlap)
+        all-to-all sends all of its buffer, where the all-to-all curve's call of the same size sends (g-1)/g).
+        ``unit``: the FSDP unit of an FSDP or HSDP record (``FSDP_UNITS``), which what reads it keys on (not the
+        display label ``what``)."""
+        _check_words(what, op, axis, phase, overlap, unit)
         n = self.n
         group = np.broadcast_to(np.asarray(group), (n,))
         rpn = np.broadcast_to(rpn, (n,))
@@ -122,7 +126,7 @@ class Ledger:
         if not on.any():  # nothing to cost in this batch (the common case for many kinds): no collective model call
             z = np.zeros(n)
             for name, _ in split:
-                self.records.append(Record(what, op, name, z, z, group, rpn, phase, overlap, z))
+                self.records.append(Record(what, op, name, z, z, group, rpn, phase, overlap, z, unit=unit))
             return
         per_call = np.where(on, np.broadcast_to(bytes_per_call, (n,)), 0.0)
         calls = np.where(on, np.broadcast_to(calls, (n,)), 0.0)
@@ -130,10 +134,10 @@ class Ledger:
              * axis_class_scale(self.hw, split[0][0], op))
         for name, m in split:
             self.records.append(Record(what, op, name, np.where(m, per_call, 0.0), np.where(m, calls, 0.0), group,
-                                       rpn, phase, overlap, np.where(m, t, 0.0), None, time_bytes_scale)
+                                       rpn, phase, overlap, np.where(m, t, 0.0), None, time_bytes_scale, unit)
                                 if len(split) > 1 else
                                 Record(what, op, name, per_call, calls, group, rpn, phase, overlap, t, None,
-                                       time_bytes_scale))
+                                       time_bytes_scale, unit))
 
     def time_with(self, r: Record, rpn) -> np.ndarray:
         """What record ``r`` (of one axis) takes where its group has ``rpn`` ranks per node: its time as ``add``
@@ -350,6 +354,7 @@ def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac)
 FSDP_OUTPUT_UNIT = "[final norm, output] unit"
 FSDP_MOE_UNIT = "MoE block"  # the routed experts inside where ep = 1
 FSDP_EXPERT_UNIT = "MoE block's routed experts"  # their own unit where ep > 1 (over efsdp)
+FSDP_UNITS = ("dense block", FSDP_MOE_UNIT, FSDP_EXPERT_UNIT, "embedding unit", FSDP_OUTPUT_UNIT)
 
 
 def fsdp_gathers_per_pass(b, output_unit: bool = False) -> np.ndarray:
@@ -401,23 +406,24 @@ def _fsdp_records(led: Ledger, spec, b, rv: RankView) -> None:
         else:
             axis, size, rpn, mult = "efsdp", b.efsdp, b.rpn["efsdp"], ef
         led.add(f"FSDP all-gather: {name}", "all_gather", axis, shard * pb, ga * gathers * units,
-                size, rpn, "forward+backward", "fsdp_gather", on)
+                size, rpn, "forward+backward", "fsdp_gather", on, unit=name)
         led.add(f"FSDP reduce-scatter of gradients: {name}", "reduce_scatter", axis, shard * mult * rb, ga * units,
-                size, rpn, "backward", "fsdp_reduce", on)
+                size, rpn, "backward", "fsdp_reduce", on, unit=name)
         expert = grp == "efsdp"
         dense_dp = on & (~b.ep_megatron if expert else True)
         dist = b.zero1
         led.add(f"HSDP all-reduce of sharded gradients: {name}", "all_reduce", "dp_replicate", shard * rb,
-                ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce", dense_dp & ~dist)
+                ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce", dense_dp & ~dist,
+                unit=name)
         # distributed optimizer: the all-reduce becomes a reduce-scatter of the gradients and, after the step, an
         # all-gather of the updated param_dtype shards (overlapped with the next forward, Megatron's
         # overlap_param_gather): the same bus bytes in bf16/fp32 halves
         led.add(f"distributed-optimizer reduce-scatter of gradients: {name}", "reduce_scatter", "dp_replicate",
                 shard * rb, ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce",
-                dense_dp & dist)
+                dense_dp & dist, unit=name)
         led.add(f"distributed-optimizer all-gather of updated parameters: {name}", "all_gather", "dp_replicate",
                 shard / np.maximum(b.dp_replicate, 1) * pb, units, b.dp_replicate, b.rpn["dp_replicate"],
-                "forward", "fsdp_gather", dense_dp & dist)
+                "forward", "fsdp_gather", dense_dp & dist, unit=name)
         if expert:
             _megatron_expert_records(led, b, name, shard, units, ga, pb, rb, on)
 
@@ -432,11 +438,11 @@ def _megatron_expert_records(led: Ledger, b, name: str, shard, units, ga, pb, rb
     meg = on & b.ep_megatron
     dist = meg & b.distributed_optimizer.astype(bool) & (b.edp > 1)
     led.add(f"expert-data-parallel all-reduce of gradients: {name}", "all_reduce", "edp", shard * rb, ga * units,
-            b.edp, b.rpn["edp"], "backward", "fsdp_reduce", meg & ~dist)
+            b.edp, b.rpn["edp"], "backward", "fsdp_reduce", meg & ~dist, unit=name)
     led.add(f"distributed-optimizer reduce-scatter of expert gradients: {name}", "reduce_scatter", "edp", shard * rb,
-            ga * units, b.edp, b.rpn["edp"], "backward", "fsdp_reduce", dist)
+            ga * units, b.edp, b.rpn["edp"], "backward", "fsdp_reduce", dist, unit=name)
     led.add(f"distributed-optimizer all-gather of updated expert parameters: {name}", "all_gather", "edp",
-            shard / b.edp * pb, units, b.edp, b.rpn["edp"], "forward", "fsdp_gather", dist)
+            shard / b.edp * pb, units, b.edp, b.rpn["edp"], "forward", "fsdp_gather", dist, unit=name)
 
 
 def _grad_norm_records(led: Ledger, spec, b, rv: RankView) -> None:

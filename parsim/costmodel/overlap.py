@@ -152,11 +152,10 @@ def _fsdp_calls_s(b: PlanBatch, c: dict, ledger) -> np.ndarray:
         if not (whole_unit or replicate_only):
             continue
         on = np.ones(len(b), bool) if whole_unit else (b.fsdp == 1)
-        gathers = C.fsdp_gathers_per_pass(b, output_unit=r.what.endswith(C.FSDP_OUTPUT_UNIT))
+        gathers = C.fsdp_gathers_per_pass(b, output_unit=r.unit == C.FSDP_OUTPUT_UNIT)
         per_call = float(c["fsdp_call_fixed_s"]) + float(c["fsdp_call_s_per_byte"]) * r.bytes_per_call
         if "fsdp_moe_call_fixed_s" in c:
-            unit = r.what.rsplit(": ", 1)[-1]
-            experts = ((unit == C.FSDP_MOE_UNIT) & (b.ep == 1)) | (unit == C.FSDP_EXPERT_UNIT)
+            experts = ((r.unit == C.FSDP_MOE_UNIT) & (b.ep == 1)) | (r.unit == C.FSDP_EXPERT_UNIT)
             per_moe = float(c["fsdp_moe_call_fixed_s"]) + float(c["fsdp_moe_call_s_per_byte"]) * r.bytes_per_call
             per_call = np.where(experts, per_moe, per_call)
         t = t + np.where(on & (r.calls > 0), r.calls * (1.0 + gathers) * per_call, 0.0)
