@@ -917,10 +917,9 @@ def _row_bounds(spec, hw, base, opts, sp, chunk, deadline: float = math.inf, tic
         if tick:
             tick(lo / len(starts))
         gid0 = starts[lo:lo + chunk] * len(opts)
-        part = mem[lo:lo + len(gid0)]  # (a view: filled in place)
-        over = np.flatnonzero(static[lo:lo + len(gid0)] > usable)  # (cannot fit whatever their batch split)
-        part[over] = static[lo + over]
-        rest = np.flatnonzero(static[lo:lo + len(gid0)] <= usable)
+        part, low = mem[lo:lo + len(gid0)], static[lo:lo + len(gid0)]  # (views: ``part`` filled in place)
+        part[low > usable] = low[low > usable]  # (cannot fit whatever their batch split)
+        rest = np.flatnonzero(low <= usable)
         for o in mem_reps:
             if len(rest):
                 b = _batch_at(base, opts, gid0[rest] + o, sp, None)

@@ -803,8 +803,7 @@ def rank_memory_bound(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: 
     fsdp_pp = fsdp & pp
     edges = (np.where(rv.has_emb, stage_out, 0.0), np.where(rv.has_out, _loss_saved_bytes(spec, b, sh, c) - stage_out,
                                                             0.0))
-    units = (_StageUnits(rv, b, pb, np.where(fsdp_pp, rb, 0.0), np.where(fsdp_pp & kept & ~any_reshard, pb, 0.0)),
-             _StageUnits(rv, b, pb, np.where(fsdp_pp, rb, 0.0), np.where(fsdp_pp, pb, 0.0)))
+    units = _StageUnits(rv, b, np.where(fsdp_pp, rb, 0.0), np.where(fsdp_pp, pb, 0.0), kept & ~any_reshard)
     warm = np.where(v1, w * per_mb + loss + unsharded,
                     _interleaved_bounds(spec, b, rank, c.costs, pp & ~v1, edges, loss, units,
                                         np.where(_torch_pp(b), stage_out, 0.0)))
@@ -832,27 +831,30 @@ def rank_memory_bound(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: 
 class _StageUnits:
     """Per block kind and for the embedding and the [norm, output] unit of a rank: the gradient accumulators'
     bytes (local parameters x ``acc_b``, the reduce dtype's bytes where a pipeline's stages accumulate under FSDP,
-    else 0) and the gathered parameters' bytes (x ``gather_b``, the param dtype's bytes where FSDP keeps a unit
-    unsharded after its forward, else 0), for ``_interleaved_bounds``."""
+    else 0) and the gathered parameters' bytes (x ``gather_b``, the param dtype's bytes where a pipeline's stages
+    are FSDP units, else 0), and the plans whose units stay gathered after a forward (``kept``: no
+    reshard-after-forward), for ``_interleaved_bounds``."""
 
-    def __init__(self, rv: C.RankView, b: PlanBatch, pb, acc_b, gather_b):
+    def __init__(self, rv: C.RankView, b: PlanBatch, acc_b, gather_b, kept):
         self.acc = {k: (rv.plocal[k][0] + rv.plocal[k][1]) * acc_b for k in rv.kinds}
         self.gathered = {k: (b.fsdp * rv.pshard[k][0] + b.efsdp * rv.pshard[k][1]) * gather_b for k in rv.kinds}
         self.emb = (rv.emb_local * acc_b, b.fsdp * rv.emb_shard * gather_b)
         self.out = (rv.out_local * acc_b, b.fsdp * (rv.norm_shard + rv.outw_shard) * gather_b)
+        self.kept = kept
 
     def stage(self, runs: list, first: bool, last: bool, sel: np.ndarray) -> tuple:
-        """(accumulators, gathered parameters) of one stage of the plans ``sel``: its blocks and ends."""
+        """(accumulators, parameters gathered after a forward, parameters gathered) of one stage of the plans
+        ``sel``: its blocks and ends."""
         acc = sum((count * np.asarray(self.acc[moe])[sel] for moe, _, count in runs), np.zeros(len(sel)))
         gat = sum((count * np.asarray(self.gathered[moe])[sel] for moe, _, count in runs), np.zeros(len(sel)))
         for on, (a, g) in ((first, self.emb), (last, self.out)):
             if on:
                 acc, gat = acc + np.asarray(a)[sel], gat + np.asarray(g)[sel]
-        return acc, gat
+        return acc, np.where(np.asarray(self.kept)[sel], gat, 0.0), gat
 
 
 def _interleaved_bounds(spec: ModelSpec, b: PlanBatch, rank: int, costs: dict, rows: np.ndarray, per_mb_edge,
-                        loss, units: tuple, flow) -> np.ndarray:
+                        loss, units: _StageUnits, flow) -> np.ndarray:
     """Moments of an interleaved schedule's step (``memory.simulate_actions``) from below, for the plans ``rows`` (0
     elsewhere), above what every moment holds [derived from ``pipeline.interleaved_actions``]. torch's
     ``ScheduleInterleaved1F1B`` runs ``n = min((v - 1) r + 2 (pp - 1 - rank), v m)`` forwards before its first
@@ -862,8 +864,8 @@ def _interleaved_bounds(spec: ModelSpec, b: PlanBatch, rank: int, costs: dict, r
     rounds. So the first steady forward ends with n + 1 in flight before any backward (with the ``loss`` peak where
     it is the last stage's), and the last steady forward with n + 1 in flight (at least n + 1 of the least
     stage's) beside the gradient accumulators of every stage that has run a backward and its own stage's gathered
-    parameters (``units[0]``: where reshard-after-forward keeps them); the ends of backwards are bounded by
-    ``_backward_moments`` (``units[1]``: the parameters every backward leaves gathered)."""
+    parameters where reshard-after-forward keeps them (``units``); later forwards and the ends of backwards are
+    bounded by ``_steady_moments``."""
     out = np.zeros(len(b))
     if not rows.any():
         return out
@@ -884,8 +886,10 @@ def _interleaved_bounds(spec: ModelSpec, b: PlanBatch, rank: int, costs: dict, r
             stage = j * pp + r
             a = sum((count * act[moe, ckpt][sel] for moe, ckpt, count in runs), np.zeros(len(sel)))
             stage_act.append(a + (first[sel] if stage == 0 else 0.0) + (last[sel] if stage == pp * v - 1 else 0.0))
-            stage_units.append(units[0].stage(runs, stage == 0, stage == pp * v - 1, sel)
-                               + units[1].stage(runs, stage == 0, stage == pp * v - 1, sel)[1:])
+            stage_units.append(units.stage(runs, stage == 0, stage == pp * v - 1, sel))
+        # what a backward of each chunk sends and the schedule holds to the step's end (``memory._sent_held``): the
+        # stage output and the input gradient of every stage but the pipeline's first and last
+        sent = [float(j * pp + r != 0) + float(j * pp + r != pp * v - 1) for j in range(v)]
         fwd_stages = [(i // per_round) % v for i in range(n_fwd)]
         best = sum((fwd_stages.count(j) * a for j, a in enumerate(stage_act)), np.zeros(len(sel)))
         steady = v * m - n_fwd
@@ -894,13 +898,10 @@ def _interleaved_bounds(spec: ModelSpec, b: PlanBatch, rank: int, costs: dict, r
             best = best + stage_act[j] + (loss[sel] if j * pp + r == pp * v - 1 else 0.0)
             back_chunks = [v - 1 - (i // per_round) % v for i in range(steady - 1)]  # the backwards by then
             j_last = ((n_fwd + steady - 1) // per_round) % v
-            # what each of those backwards sent stays alive to the step's end (``memory._sent_held``): the
-            # stage output and the input gradient of every stage but the pipeline's first and last
-            sends = sum(((j * pp + r != 0) + (j * pp + r != pp * v - 1)) * 1.0 for j in back_chunks)
+            sends = sum(sent[j] for j in back_chunks)
             late = ((n_fwd + 1) * np.minimum.reduce(stage_act) + stage_units[j_last][1] + sends * flow[sel]
                     + sum((stage_units[s][0] for s in set(back_chunks)), np.zeros(len(sel))))
             best = np.maximum(best, late)
-        sent = [float(j * pp + r != 0) + float(j * pp + r != pp * v - 1) for j in range(v)]
         ends = (j * pp + r == pp * v - 1 for j in range(v))
         best = np.maximum(best, _steady_moments(v, m, n_fwd, per_round, stage_act, stage_units, sent, flow[sel],
                                                 [loss[sel] if e else 0.0 for e in ends]))
