@@ -1062,6 +1062,9 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     except BrokenPipeError:  # `parsim ... | head`
         code = 0
+    from parsim.jsonio import discard_unfinished
+
+    discard_unfinished()  # a temporary file whose command ended before its ``try`` could discard it
     if code == 130:  # Ctrl-C: raised here, or turned into 130 by the click that newer typer versions vendor
         typer.echo("interrupted: everything the command started has been ended", err=True)
     return _exit(code if isinstance(code, int) else 0, argv)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -115,9 +117,11 @@ def check_output_path(path: str | Path, make_parents: bool = False) -> Path:
     if not os.access(p.parent, os.W_OK):
         raise ParsimError(f"cannot write {path}: folder {p.parent} is not writable")
     try:  # (the folder may still refuse a new file: a pseudo file system, a full disk, a read-only mount)
-        fd, probe = tempfile.mkstemp(prefix=f".{p.name[:40]}.", dir=p.parent)
+        with _signals_held():
+            fd, probe = tempfile.mkstemp(prefix=f".{p.name[:40]}.", dir=p.parent)
+            _UNFINISHED.add(probe)
         os.close(fd)
-        os.unlink(probe)
+        _remove(probe)
     except OSError as e:
         raise ParsimError(f"cannot write {path}: {e.strerror or e}") from None
     return p
@@ -173,7 +177,9 @@ class AtomicFile:
 
     def __init__(self, path: str | Path, make_parents: bool = False):
         self.target = check_output_path(path, make_parents)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", dir=self.target.parent)
+        with _signals_held():  # registered before a Ctrl-C or SIGTERM handler can run (discard_unfinished)
+            fd, self.tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", dir=self.target.parent)
+            _UNFINISHED.add(self.tmp)
         self.f = os.fdopen(fd, "w")
 
     def commit(self) -> Path:
@@ -186,12 +192,12 @@ class AtomicFile:
         except OSError as e:
             self.discard()
             raise ParsimError(f"cannot write {self.target}: {e.strerror or e}") from None
+        _UNFINISHED.discard(self.tmp)
         return self.target
 
     def discard(self) -> None:
         self.f.close()
-        if os.path.exists(self.tmp):
-            os.unlink(self.tmp)
+        _remove(self.tmp)
 
     def __enter__(self) -> "AtomicFile":
         return self
@@ -201,6 +207,41 @@ class AtomicFile:
             self.discard()
         elif not self.f.closed:
             self.commit()
+
+
+# temporary files of AtomicFiles neither committed nor discarded: what an interrupt leaves behind
+_UNFINISHED: set[str] = set()
+
+
+class _signals_held:
+    """Ctrl-C and SIGTERM held (delivered on leaving the block) while a temporary file is created and registered,
+    so no handler runs between the two; a no-op off the main thread or where signals cannot be masked."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self.held = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
+        if self.held:
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+
+    def __exit__(self, *exc):
+        if self.held:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
+
+
+def _remove(tmp: str) -> None:
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    _UNFINISHED.discard(tmp)
+
+
+def discard_unfinished() -> None:
+    """Remove every temporary file an interrupted command left: the interrupt can land between a file's creation
+    and the ``try`` that would discard it (the CLI calls this when a command ends on Ctrl-C or SIGTERM)."""
+    for tmp in list(_UNFINISHED):
+        _remove(tmp)
 
 
 def atomic_write_text(path: str | Path, text: str, make_parents: bool = False) -> Path:

@@ -223,6 +223,22 @@ def test_a_signal_during_search_csv_leaves_no_file(tmp_path, sig):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_interrupt_before_the_discarding_try_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """The interrupt lands after the temporary file exists but before the ``try`` that would discard it (the window
+    a signal sent as soon as the file appears can hit): the CLI's exit removes it, exit 130, the target absent."""
+    import parsim.search_job as job
+    from parsim.jsonio import AtomicFile
+
+    def interrupted(spec, hw, gpus, space, top, table_path, progress):
+        AtomicFile(table_path)  # created, never committed nor discarded
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "search_to_table", interrupted)
+    out = tmp_path / "all.csv"
+    code = main(["search", "--model", "llama3-8b", "--gpus", "8", "--csv", str(out)])
+    assert code == 130 and list(tmp_path.iterdir()) == []
+
+
 def test_a_refused_rename_leaves_no_temporary_file(tmp_path, monkeypatch):
     """The target cannot be replaced (immutable, or a read-only place): one ParsimError line, the temporary file
     beside it removed."""
