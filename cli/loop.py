@@ -77,7 +77,8 @@ def print_calibration(out: dict) -> None:
     from parsim.console import console as folding_console
 
     con = folding_console()
-    t = Table(title=f"calibration: {out['n_rows']} rows, {out['folds']} grouped folds")
+    kind = "sources, each left out" if out.get("folds_by") == "source" else "folds grouped by family"
+    t = Table(title=f"calibration: {out['n_rows']} rows, {out['folds']} {kind}")
     t.add_column("parameter")
     t.add_column("factor", justify="right")
     t.add_column("scales")
@@ -120,12 +121,13 @@ def print_summary_table(con, views: dict) -> None:
     for name, s in views.items():
         by = s.get("by_source")
         if by and name.replace("_", " ").startswith("out of fold"):
-            ts = Table(title="out of fold, by source: tokens/s mean |error| and max, the rule's beside",
-                       box=box.SIMPLE_HEAD)
-            for c in ("source", "n", "tok/s", "max", "rule", "rule max"):
+            ts = Table(title="out of fold, by source: tokens/s mean |error| and max, 90% interval coverage and "
+                             "median half-width, the rule's error beside", box=box.SIMPLE_HEAD)
+            for c in ("source", "n", "tok/s", "max", "cover", "±", "rule", "rule max"):
                 ts.add_column(c, justify="left" if c == "source" else "right", no_wrap=True)
             for src, v in by.items():
                 r = v.get("constant_mfu_rule") or {}
                 ts.add_row(src, str(v.get("n")), pct(v.get("tps_mape")), pct(v.get("tps_max_ape")),
+                           pct(v.get("interval_coverage")), pct(v.get("interval_median_rel_halfwidth")),
                            pct(r.get("tps_mape")), pct(r.get("tps_max_ape")))
             con.print(ts)

@@ -889,8 +889,11 @@ def calibrate(
                                          "compile_memory_factor comm_interference layer_overhead comm_scale_tp "
                                          "comm_scale_dp comm_scale_pp comm_scale_ep comm_scale_all_reduce "
                                          "[measured rows: the CPU set; published rows: the GPU set]"),
-    folds: int = typer.Option(5, "--folds", help="cross-validation folds (grouped by plan family / source table)",
-                              parser=WHOLE),
+    folds: int = typer.Option(5, "--folds", help="cross-validation folds when grouped by family (plans that differ "
+                              "only in options; a published row's source table)", parser=WHOLE),
+    folds_by: Optional[str] = typer.Option(None, "--folds-by", help="family | source: source leaves each source out "
+                                           "(each predicted, and its intervals sized, by a fit that never saw it) "
+                                           "[source where the rows come from 3+ sources, else family]"),
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="where NAME-cal.json goes [the profile folder, as "
                                             "for profile --out-dir]"),
     as_json: bool = typer.Option(False, "--json"),
@@ -902,6 +905,8 @@ def calibrate(
 
     if not 2 <= folds <= 100:
         raise ParsimError(f"--folds must be in 2..100, got {folds}")
+    if folds_by is not None and folds_by not in ("family", "source"):
+        raise ParsimError(f"--folds-by must be family or source, got {folds_by!r}")
     if trace:
         if dirs:
             raise ParsimError("give validation folders or --trace folders, not both (each is its own fit)")
@@ -917,7 +922,7 @@ def calibrate(
         return
     if not dirs:
         raise ParsimError("give the folders `parsim validate` wrote, or --trace folders")
-    out = calibrate_dirs(dirs, params, folds, out_dir)
+    out = calibrate_dirs(dirs, params, folds, out_dir, folds_by)
     if as_json:
         emit_json(out)
     else:

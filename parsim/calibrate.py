@@ -12,8 +12,9 @@ every log-factor towards 0 (weight ``PRIOR``) so that a parameter the rows do no
 value instead of drifting.
 
 Cross-validation: rows are grouped (``family``: plans that differ only in options; for published rows the source
-table) and the groups dealt into k folds; each fold is predicted by a fit on the others (out-of-fold). The accuracy
-a user is shown is the out-of-fold one.
+table) and the groups dealt into k folds, or, where the rows come from 3+ sources (published rows), each source is
+a fold of its own (leave one source out: a user's cluster is a source parsim has not seen); each fold is predicted
+by a fit on the others (out-of-fold). The accuracy a user is shown, and the intervals, are the out-of-fold ones.
 
 Intervals (split-conformal on the log ratio, Vovk et al. 2005; Lei et al. 2018, "Distribution-free predictive
 inference for regression"): with out-of-fold residuals ``r_i = |log(pred_i / measured_i)|`` of n rows, the
@@ -23,7 +24,7 @@ coverage reported by cross-validation uses, for each fold, the q of the other fo
 fold's own residuals never size its own interval). The quantile is taken per plan family (Mondrian conformal,
 ``group_halfwidths``; groups ``plan.interval_group``: EP, CP, deep PP, PP, compile, float8, dense), so that
 coverage holds in hard families and easy ones get narrow intervals; a family with fewer than 9 rows takes the pooled
-quantile.
+quantile, a larger one its own shrunk toward the pooled one (``group_halfwidths``).
 """
 
 from __future__ import annotations
@@ -235,13 +236,37 @@ def _fit_worker(train: np.ndarray, names: tuple[str, ...]) -> dict[str, float]:
     return fit(_FIT_DATA, train, names)
 
 
-def folds_of(rows: list[dict], k: int = 5) -> np.ndarray:
-    """Fold index per row: whole groups (``family``) dealt round-robin in sorted order, so near-identical plans
-    (or one source table) never sit on both sides of a split."""
-    groups = sorted({str(r["family"]) for r in rows})
+# how rows are grouped into folds: "family" (plans that differ only in options; a published row's source table),
+# dealt into k folds; "source" (leave one source out: a published row's ``source``, each its own fold, so that each
+# source is predicted, and its intervals sized, by a calibration that never saw it — a user's cluster is a new
+# source)
+FOLD_KINDS = ("family", "source")
+# [assumed] the fewest sources for leave-one-source-out: with two, each half would be fitted on the other alone
+MIN_SOURCES = 3
+
+
+def folds_of(rows: list[dict], k: int = 5, by: str = "family") -> np.ndarray:
+    """Fold index per row. ``by="family"``: whole groups (``family``) dealt round-robin in sorted order, so
+    near-identical plans (or one source table) never sit on both sides of a split. ``by="source"``: one fold per
+    source (sorted), k unused."""
+    if by not in FOLD_KINDS:
+        raise ParsimError(f"unknown fold kind {by!r} (known: {', '.join(FOLD_KINDS)})")
+    key = "source" if by == "source" else "family"
+    groups = sorted({str(r.get(key)) for r in rows})
+    if by == "source":
+        if len(groups) < MIN_SOURCES:
+            raise ParsimError(f"leaving one source out needs rows of at least {MIN_SOURCES} sources, got "
+                              f"{len(groups)} ({', '.join(groups)})")
+        k = len(groups)
     k = max(2, min(k, len(groups)))
     fold_of_group = {g: i % k for i, g in enumerate(groups)}
-    return np.array([fold_of_group[str(r["family"])] for r in rows])
+    return np.array([fold_of_group[str(r.get(key))] for r in rows])
+
+
+def default_fold_kind(rows: list[dict]) -> str:
+    """Leave one source out where the rows come from MIN_SOURCES or more sources (published rows), else families
+    (one machine's measured rows: one source)."""
+    return "source" if len({str(r.get("source")) for r in rows if r.get("source")}) >= MIN_SOURCES else "family"
 
 
 def conformal_halfwidth(abs_log_residuals: np.ndarray, alpha: float = ALPHA) -> float:
@@ -252,9 +277,11 @@ def conformal_halfwidth(abs_log_residuals: np.ndarray, alpha: float = ALPHA) -> 
 
 
 def calibrate(rows: list[dict], profiles: dict[str, HardwareProfile], names: tuple[str, ...] = DEFAULT_PARAMETERS,
-              k: int = 5) -> dict:
-    """Fit on all rows, cross-validate, size intervals. Rows need measured_step_s, plan, model, profile, family.
-    Returns factors, in-sample and out-of-fold predictions, per-fold interval half-widths and the final one."""
+              k: int = 5, by: str = "family") -> dict:
+    """Fit on all rows, cross-validate (folds ``by`` family or source: ``folds_of``), size intervals. Rows need
+    measured_step_s, plan, model, profile, family (and source to leave sources out). Returns factors, in-sample
+    and out-of-fold predictions, per-fold interval half-widths and the final one, sized from the out-of-fold
+    residuals: leaving sources out, the width a source parsim has not seen gets."""
     bad = [n for n in names if n not in PARAMETERS]
     if bad:
         raise ParsimError(f"unknown parameters {bad} (known: {', '.join(PARAMETERS)})")
@@ -264,7 +291,7 @@ def calibrate(rows: list[dict], profiles: dict[str, HardwareProfile], names: tup
         raise ParsimError(f"calibration needs at least 6 measured rows, got {len(rows)}")
     data = _Rows(rows, profiles)
     everything = np.arange(len(rows))
-    folds = folds_of(rows, k)
+    folds = folds_of(rows, k, by)
     oof = np.full(len(rows), np.nan)
     fold_ids = sorted(set(folds.tolist()))
     trains = [everything[folds != f] for f in fold_ids] + [everything]
@@ -280,7 +307,7 @@ def calibrate(rows: list[dict], profiles: dict[str, HardwareProfile], names: tup
     groups = np.array([interval_group(Plan.from_dict(r["plan"])) for r in rows])
     # each fold's rows get the half-width of the other folds' residuals (their group's, else pooled)
     q_fold = {f: group_halfwidths(r_oof[folds != f], groups[folds != f]) for f in set(folds.tolist())}
-    return {"rows": rows, "factors": factors, "fold_factors": fold_factors, "folds": folds,
+    return {"rows": rows, "factors": factors, "fold_factors": fold_factors, "folds": folds, "fold_kind": by,
             "fold_ranges": fold_ranges(fold_factors), "unidentified": unidentified(fold_factors),
             "uncalibrated": data.predict({}), "in_sample": data.predict(factors), "out_of_fold": oof,
             "interval_fold_halfwidth": np.array([q_fold[f][0].get(g, q_fold[f][1]) for f, g in zip(folds, groups,
@@ -308,18 +335,29 @@ def unidentified(fold_factors: list[dict[str, float]]) -> dict[str, list[float]]
             if hi > UNIDENTIFIED_SPREAD * max(lo, 1e-12)}
 
 
+# [assumed] rows' worth of weight the pooled half-width has against a group's own (``group_halfwidths``): the
+# fewest rows a 90% quantile is finite with (ceil(1/alpha) - 1), so the smallest group that has one is halfway
+# between its own quantile and the pooled one
+SHRINK_ROWS = 9
+
+
 def group_halfwidths(abs_log_residuals: np.ndarray, groups: np.ndarray,
                      alpha: float = ALPHA) -> tuple[dict[str, float], float]:
     """Mondrian split-conformal (Vovk et al. 2005, ch. 4; "label-conditional"/"Mondrian" conformal): the
     half-width of each interval group (``plan.interval_group``) from its own residuals, so that coverage holds
     within every group, not only on average over easy and hard plans together. A group with too few rows for a
-    finite quantile (fewer than ceil(1/alpha) - 1) takes the pooled one. Returns ({group: q}, pooled q)."""
+    finite quantile (fewer than ceil(1/alpha) - 1) takes the pooled one; a group with n rows that has one is
+    shrunk toward the pooled one, ``(n q_group + SHRINK_ROWS q_pooled) / (n + SHRINK_ROWS)``: the 90% quantile
+    of a dozen residuals is the largest or second largest of them, as noisy as the group is small, and a group
+    that came out narrow on few rows covers a new source's plans of that family less often than the pooled
+    width does. Returns ({group: q}, pooled q)."""
     pooled = conformal_halfwidth(abs_log_residuals, alpha)
     out = {}
     for g in sorted(set(groups.tolist())):
-        q = conformal_halfwidth(abs_log_residuals[groups == g], alpha)
-        if math.isfinite(q):
-            out[str(g)] = q
+        own = abs_log_residuals[groups == g]
+        q = conformal_halfwidth(own, alpha)
+        if math.isfinite(q) and math.isfinite(pooled):
+            out[str(g)] = (len(own) * q + SHRINK_ROWS * pooled) / (len(own) + SHRINK_ROWS)
     return out, pooled
 
 

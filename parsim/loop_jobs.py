@@ -376,8 +376,10 @@ def load_rows(dirs: list[str]) -> list[dict]:
     return rows
 
 
-def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str | None) -> dict:
-    """Fit, cross-validate, write the calibrated profile(s) and each folder's calibration.json."""
+def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str | None,
+                   folds_by: str | None = None) -> dict:
+    """Fit, cross-validate (``folds_by`` family or source; None: ``calibrate.default_fold_kind``), write the
+    calibrated profile(s) and each folder's calibration.json."""
     import math
     import os
 
@@ -394,7 +396,8 @@ def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str
     target = Path(out_dir) if out_dir else profile_write_dir()
     for n in profiles:
         check_output_path(target / f"{n}-cal.json", make_parents=True)
-    res = C.calibrate(rows, profiles, names, folds)
+    by = folds_by or C.default_fold_kind([r for r in rows if r.get("status") == "ok"])
+    res = C.calibrate(rows, profiles, names, folds, by)
     scored = res["rows"]
     q = res["interval_log_halfwidth"]
     views = {}
@@ -417,7 +420,7 @@ def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str
         mine = [i for i, r in enumerate(scored) if r["dir"] == d]
         atomic_write_json(Path(d) / "calibration.json", {
             "factors": res["factors"], "fold_ranges": res["fold_ranges"], "unidentified": res["unidentified"],
-            "interval_log_halfwidth": q,
+            "interval_log_halfwidth": q, "folds_by": by,
             "profiles": written, "stats": stats,
             "rows": {scored[i]["plan_id"] + "/" + scored[i]["model"]: {
                 "out_of_fold_step_s": float(res["out_of_fold"][i]), "in_sample_step_s": float(res["in_sample"][i]),
@@ -425,7 +428,7 @@ def calibrate_dirs(dirs: list[str], params: str | None, folds: int, out_dir: str
                 for i in mine}})
     return {"factors": res["factors"], "parameters": {n: C.PARAMETERS[n][0] for n in names},
             "fold_ranges": res["fold_ranges"], "unidentified": res["unidentified"],
-            "interval_log_halfwidth": q, "n_rows": len(scored), "folds": int(max(res["folds"]) + 1),
+            "interval_log_halfwidth": q, "n_rows": len(scored), "folds": int(max(res["folds"]) + 1), "folds_by": by,
             "profiles_written": written, **stats}
 
 

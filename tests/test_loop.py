@@ -11,6 +11,7 @@ import pytest
 from parsim import calibrate as C
 from parsim import validate as V
 from parsim.costmodel import predict
+from parsim.errors import ParsimError
 from parsim.hardware import load_profile
 from parsim.plan import Plan, interval_group
 from parsim.results import Measurement
@@ -72,6 +73,52 @@ def test_folds_keep_a_group_together():
     for fam in {r["family"] for r in rows}:
         assert len({int(f) for r, f in zip(rows, folds, strict=True) if r["family"] == fam}) == 1
     assert len(set(folds.tolist())) == 5
+
+
+def test_leaving_sources_out_makes_one_fold_per_source():
+    rows = [_row(float(i), 1.0, family=f"fam{i % 7}", source=f"src{i % 3}") for i in range(30)]
+    folds = C.folds_of(rows, 5, by="source")
+    assert len(set(folds.tolist())) == 3
+    for src in ("src0", "src1", "src2"):
+        assert len({int(f) for r, f in zip(rows, folds, strict=True) if r["source"] == src}) == 1
+    assert C.default_fold_kind(rows) == "source" and C.default_fold_kind(rows[:2]) == "family"
+    with pytest.raises(ParsimError, match="at least 3 sources"):
+        C.folds_of(rows[:2], 5, by="source")
+
+
+def test_a_source_left_out_is_predicted_by_a_fit_that_never_saw_it():
+    """Three sources; the GEMMs of one ran at 0.6 of the others' ceiling. Leaving sources out, that source's rows
+    are predicted by the fit of the other two (their factor, ~0.9) and its interval is sized by their residuals:
+    its error and its miss show what a new source meets."""
+    hw = load_profile("cpu-gloo-2")
+    rows = []
+    for (model, n), src, gemm in ((("tiny", 2), "a", 0.6), (("tiny-moe", 2), "b", 0.9), (("tiny", 4), "c", 0.9)):
+        truth = C.apply(hw, {"gemm_eff_max": gemm})
+        for p in V.measured_plans(PRESETS[model], n):
+            r = V._predicted(PRESETS[model], p, hw, tier="measured", source=src, table=f"t{len(rows) % 4}",
+                             confidence="high")
+            r["measured_step_s"] = predict(PRESETS[model], p, truth).step_time_s
+            rows.append(r)
+    loso = C.calibrate(rows, {hw.name: hw}, ("gemm_eff_max",), by="source")
+    a = np.array([r["source"] == "a" for r in loso["rows"]])
+    left_out = loso["fold_factors"][int(loso["folds"][a][0])]
+    assert left_out["gemm_eff_max"] == pytest.approx(0.9, rel=0.03)
+    # the fit on every row saw a's rows: pulled below the others' 0.9
+    assert loso["factors"]["gemm_eff_max"] < left_out["gemm_eff_max"] - 0.03
+    meas = np.array([r["measured_step_s"] for r in loso["rows"]])
+    err = np.abs(np.log(loso["out_of_fold"] / meas))
+    assert err[a].mean() > 0.1 > err[~a].mean()
+    # a's interval comes from b's and c's residuals, which its own errors dwarf
+    assert np.mean(err[a] <= loso["interval_fold_halfwidth"][a]) < 0.5
+
+
+def test_a_small_groups_halfwidth_is_shrunk_toward_the_pooled_one():
+    r = np.concatenate([np.linspace(0.01, 0.02, 12), np.linspace(0.1, 0.4, 40)])
+    g = np.array(["float8"] * 12 + ["dense"] * 40)
+    by_group, pooled = C.group_halfwidths(r, g)
+    own = C.conformal_halfwidth(r[:12])
+    assert own < by_group["float8"] < pooled
+    assert by_group["float8"] == pytest.approx((12 * own + C.SHRINK_ROWS * pooled) / (12 + C.SHRINK_ROWS))
 
 
 def test_the_measured_space_holds_only_plans_the_executor_runs():
@@ -449,3 +496,11 @@ def test_blocks_timed_in_every_round_give_their_mean(tmp_path, monkeypatch):
         f = "fwd_s" if "fwd_s" in entry else "out_fwd_s"
         lo, hi = entry["round_range_s"][f]
         assert entry[f] == pytest.approx(5.5 / 3 * lo) and hi == pytest.approx(3 * lo)  # the mean of x1, x3, x1.5
+
+
+def test_calibrate_refuses_an_unknown_fold_kind_in_one_line(tmp_path, capsys):
+    from parsim.cli.main import main
+
+    assert main(["calibrate", str(tmp_path), "--folds-by", "table"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --folds-by must be family or source, got 'table'"]
