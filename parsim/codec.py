@@ -523,6 +523,9 @@ EXECUTOR_RULES: tuple[Rule, ...] = (
                       "the block's tensors and fails (\"expected all tensors_saved_with_vc_check to be Tensors\"); "
                       "selective-op AC, AC wrapping compile (wrapper order ..., compile, ac, ...) and no AC run; a "
                       "cost-model option here"),
+    Rule("core-attn under CP", False, lambda b, s: (b.ac == AC_MODES["core-attn"]) & (b.cp > 1),
+         lambda p, s: "core-attn AC under CP would recompute torch's ring attention, whose recompute's memory no "
+                      "trace has checked: a cost-model option here"),
     Rule("MLA", True, lambda b, s: np.full(np.shape(b.pp), s.mla is not None),
          lambda p, s: f"{s.name}: the executor has no multi-head latent attention"),
     Rule("learned positions", True, lambda b, s: np.full(np.shape(b.pp), s.max_position_embeddings > 0),

@@ -114,6 +114,10 @@ def torchtitan_plan_gaps(plan: Plan, spec: ModelSpec, version: str) -> list[str]
         out.append("float8 tensorwise: removed in torchtitan 0.3.0 (PR #3127); the rowwise recipe is emitted, "
                    "which runs rowwise GEMMs at 90-100% of tensorwise speed on most shapes")
     mode, every = parse_ac(plan.ac)
+    if mode == "core-attn":
+        out.append("core-attn AC (the attention core alone recomputed, Megatron's selective recompute): torchtitan's "
+                   "selective AC is per op; " + ("SelectiveAC" if version == "0.3.0" else "selective per-op AC")
+                   + " is emitted (more recompute, less memory than planned)")
     if mode == "layer" and version == "0.3.0":
         out.append(f"AC of one layer in {every} (layer:{every}): torchtitan 0.3.0 has FullAC, SelectiveAC (per op) and "
                    "MemoryBudgetAC only; FullAC is emitted (more recompute, less memory than planned)")
@@ -184,7 +188,7 @@ def _header(plan: Plan, spec: ModelSpec, n_gpus: int, prediction: str, gaps: lis
 def _ac_030(plan: Plan) -> str:
     mode, _ = parse_ac(plan.ac)
     return {"none": "None", "full": "FullAC.Config()", "layer": "FullAC.Config()",
-            "selective-op": "SelectiveAC.Config()"}[mode]
+            "selective-op": "SelectiveAC.Config()", "core-attn": "SelectiveAC.Config()"}[mode]
 
 
 def _parallelism_030(plan: Plan, spec: ModelSpec) -> list[str]:
@@ -311,8 +315,9 @@ def to_torchtitan_toml(plan: Plan, spec: ModelSpec, prediction: str = "") -> str
     """The plan as a torchtitan v0.2.x job config (the last TOML schema, ``torchtitan/config/job_config.py``)."""
     gaps = torchtitan_gaps(plan, spec, "0.2")
     mode, every = parse_ac(plan.ac)
-    ac_mode = {"none": "none", "full": "full", "selective-op": "selective", "layer": "selective"}[mode]
-    ac_opt = "op" if mode == "selective-op" else str(every)
+    ac_mode = {"none": "none", "full": "full", "selective-op": "selective", "layer": "selective",
+               "core-attn": "selective"}[mode]
+    ac_opt = "op" if mode in ("selective-op", "core-attn") else str(every)
 
     def b(v):
         return "true" if v else "false"
@@ -374,7 +379,8 @@ def megatron_gaps(plan: Plan, spec: ModelSpec) -> list[str]:
         gaps.append("torch.compile: Megatron uses fused kernels (TE, apex) instead; no flag emitted")
     if mode == "selective-op":
         gaps.append("per-op selective AC: emitted as Megatron's --recompute-granularity selective (core attention "
-                    "only), which saves more than torchtitan's per-op policy")
+                    "only), which saves less and recomputes less than torchtitan's per-op policy (--ac core-attn "
+                    "plans what Megatron runs)")
     if mode == "layer":
         gaps.append(f"AC of one layer in {every}: emitted as --recompute-method block with the same number of "
                     "recomputed layers per stage; Megatron recomputes the first ones of each stage, not every "
@@ -521,6 +527,8 @@ def _megatron_parallel_args(plan: Plan, spec: ModelSpec) -> list[str]:
                  f"--recompute-num-layers {max(1, per_stage // every)}"]
     elif mode == "selective-op":
         args.append("--recompute-granularity selective")
+    elif mode == "core-attn":
+        args += ["--recompute-granularity selective", "--recompute-modules core_attn"]
     if plan.dp_shard > 1:
         args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads_params",
                  "--no-gradient-accumulation-fusion", "--ckpt-format fsdp_dtensor"]

@@ -40,7 +40,7 @@ def restrict_space(sp, framework: str | None):
     pins = dict(sp.pins)
     if framework == "megatron":
         cut |= {"compile": _keep(sp.compile, (False,), "--compile", framework),
-                "ac": _keep(sp.ac, tuple(a for a in sp.ac if parse_ac(a)[0] in ("none", "full")), "--ac", framework),
+                "ac": _keep(_megatron_ac(sp.ac), ("none", "full", "core-attn"), "--ac", framework),
                 "pp_schedules": _keep(sp.pp_schedules, tuple(s for s in sp.pp_schedules if s != "GPipe"),
                                       "--pp-schedule", framework),
                 "reshard": _keep(sp.reshard, ("default",), "--reshard", framework),
@@ -49,10 +49,21 @@ def restrict_space(sp, framework: str | None):
     else:
         cut["ep_from"] = _keep(sp.ep_from, ("dp_shard",), "--ep-from", framework)
         if framework == "torchtitan":
-            cut |= {"ac": _keep(sp.ac, tuple(a for a in sp.ac if parse_ac(a)[0] != "layer"), "--ac", framework),
+            cut |= {"ac": _keep(sp.ac, tuple(a for a in sp.ac if parse_ac(a)[0] not in ("layer", "core-attn")),
+                                "--ac", framework),
                     "etp": _keep(sp.etp or (1,), (1,), "--etp", framework)}
             pins["float8_recipe"] = _pin(pins, "float8_recipe", "rowwise", framework)
     return dataclasses.replace(sp, pins=tuple(sorted(pins.items())), **cut)
+
+
+def _megatron_ac(given: tuple) -> tuple:
+    """The AC modes of a space for Megatron: its selective recompute is core-attn, which the default space's
+    selective-op stands for there (an --ac the user gave is kept as given)."""
+    from .search import AC_CHOICES
+
+    if tuple(given) != tuple(AC_CHOICES):
+        return tuple(given)
+    return tuple("core-attn" if a == "selective-op" else a for a in given)
 
 
 def check_framework(framework: str | None) -> None:

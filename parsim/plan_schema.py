@@ -23,7 +23,9 @@ AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 WRAPPERS = ("pp", "tp", "ac", "compile", "fsdp")
 DEFAULT_ORDER = WRAPPERS
 PP_SCHEDULE_NAMES = ("GPipe", "1F1B", "Interleaved1F1B")
-AC_MODE_NAMES = ("none", "full", "selective-op", "layer")
+# core-attn: Megatron-Core's selective recompute (--recompute-granularity selective, --recompute-modules core_attn):
+# only the attention core (softmax(QK^T) V on the rotated q, k, v) is recomputed
+AC_MODE_NAMES = ("none", "full", "selective-op", "layer", "core-attn")
 RAF_MODES = ("default", "always", "never")
 EP_FROM = ("dp_shard", "dp_replicate", "folded")
 # torchao float8 training recipes (torchtitan's Float8LinearConverter recipe_name; tensorwise is the original one)
@@ -130,8 +132,9 @@ class PlanField:
 
 
 def parse_ac(ac: str) -> tuple[str, int]:
-    """'none' | 'full' | 'selective-op' | 'layer:N' (every N-th layer fully checkpointed) -> (mode, N)."""
-    if ac in ("none", "full", "selective-op"):
+    """'none' | 'full' | 'selective-op' | 'layer:N' (every N-th layer fully checkpointed) | 'core-attn' (the
+    attention core only, Megatron's selective recompute) -> (mode, N)."""
+    if ac in ("none", "full", "selective-op", "core-attn"):
         return ac, 1
     if ac.startswith("layer:"):
         try:
@@ -140,7 +143,7 @@ def parse_ac(ac: str) -> tuple[str, int]:
             n = 0
         if n >= 1:
             return "layer", n
-    raise ParsimError(f"bad AC mode {ac!r}: expected none, full, selective-op or layer:N with N >= 1")
+    raise ParsimError(f"bad AC mode {ac!r}: expected none, full, selective-op, core-attn or layer:N with N >= 1")
 
 
 def _degree(name: str, help_: str = "", shown: str = "[1]", **kw) -> PlanField:
@@ -179,7 +182,8 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
     PlanField("sequence_parallel", "optional_bool", None, shown_default="[on when tp > 1]"),
     PlanField("fsdp_reshard_after_forward", "choice", "default", choices=RAF_MODES, search="enumerated",
               help="default (on without PP, off with PP: torchtitan) | always | never", shown_default="[default]"),
-    PlanField("ac", "ac", "none", help="none | full | selective-op | layer:N", shown_default="[none]",
+    PlanField("ac", "ac", "none", help="none | full | selective-op | layer:N | core-attn (the attention core only: "
+              "Megatron's --recompute-granularity selective)", shown_default="[none]",
               search="enumerated"),
     PlanField("compile", "bool", False, shown_default="[no]", search="enumerated"),
     PlanField("float8", "bool", False, shown_default="[no]", search="enumerated"),

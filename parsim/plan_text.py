@@ -11,7 +11,7 @@ def order_str(plan) -> str:
 
 
 SHORT_AXES = {"pp": "pp", "dp_replicate": "dpr", "dp_shard": "fsdp", "cp": "cp", "tp": "tp"}
-SHORT_AC = {"none": "-", "full": "full", "selective-op": "sel"}
+SHORT_AC = {"none": "-", "full": "full", "selective-op": "sel", "core-attn": "attn"}
 SHORT_DOMINANT = {"compute_backward": "bwd", "compute_forward": "fwd", "recompute": "recomp", "pp_bubble": "bubble",
                   "optimizer": "optim", "comm_interference": "interf"}
 WRAPPER_LETTERS = {"pp": "P", "tp": "T", "ac": "A", "compile": "C", "fsdp": "F"}

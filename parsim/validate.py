@@ -299,6 +299,7 @@ def published_plan(r: dict) -> tuple[ModelSpec, Plan]:
     ac = _num(r.get("ac"))
     if ac is None:
         raise ParsimError(f"AC not representable: {str(r.get('notes', ''))[:160]}")
+    ac = framework_ac(r, str(ac))
     lbs, mbs, gbs = (_whole(r, k) for k in ("local_batch_size", "micro_batch_size", "global_batch_size"))
     sched = _num(r.get("pp_schedule"), "1F1B")
     v = _whole(r, "pp_stages_per_rank", 1)
@@ -400,6 +401,17 @@ FRAMEWORKS = (
      "FlashAttention kernel) at the commits that wrote them (b2a43a1, 2023-10, and 5e85bd6, 2024-01) "
      "[framework source]"),
 )
+
+
+def framework_ac(r: dict, ac: str) -> str:
+    """A row's AC as its framework runs it: Megatron-family sources' "selective" (written selective or
+    selective-op) is Megatron's ``--recompute-granularity selective``, whose default ``--recompute-modules
+    core_attn`` recomputes the attention core alone (``core-attn``), not torchtitan's per-op policy [framework
+    source: Megatron-LM arguments.py, "selective: submodules set in --recompute-modules are recomputed, default
+    is core_attn"]."""
+    if ac in ("selective", "selective-op") and framework_options(r).get("te_layers"):
+        return "core-attn"
+    return "selective-op" if ac == "selective" else ac
 
 
 def framework_options(r: dict) -> dict:

@@ -238,7 +238,7 @@ def plans(draw, spec: ModelSpec, max_world: int = 512, allow_cp: bool = True, no
     ga = draw(st.sampled_from((1, 1, 1, 2, 3)))
     unit = 2 * cp * tp
     seq = unit * draw(st.sampled_from((8, 16, 24, 32, 48, 64, 96, 128)))
-    ac = draw(st.sampled_from(("none", "full", "selective-op", "layer:1", "layer:2", "layer:3")))
+    ac = draw(st.sampled_from(("none", "full", "selective-op", "layer:1", "layer:2", "layer:3", "core-attn")))
     compile_ = _chance(draw, 2)
     orders = [o for o in all_legal_orders()]
     wrapper_order = draw(st.sampled_from(orders)) if draw(st.booleans()) else ("pp", "tp", "ac", "compile", "fsdp")

@@ -65,6 +65,9 @@ PARITY = [
     # context parallel (issue 21): torch's ring attention on CPU (parsim.executor.cp), with FSDP over dp_shard x cp
     # and selective-op AC; with TP, as a pipeline's, and with EP borrowed from cp
     ("tiny", dict(cp=2, dp_shard=2, local_batch_size=4, ac="selective-op")),
+    # core-attn AC (Megatron's selective recompute: the attention call alone checkpointed), under TP and compiled
+    ("tiny", dict(dp_shard=2, tp=2, local_batch_size=4, ac="core-attn")),
+    LONG("tiny", dict(dp_shard=2, local_batch_size=4, ac="core-attn", compile=True)),
     LONG("tiny", dict(cp=2, tp=2, local_batch_size=8)),
     LONG("tiny", dict(pp=2, cp=2, local_batch_size=8, micro_batch_size=2)),
     LONG("tiny-moe", dict(cp=2, ep=2, local_batch_size=8)),
@@ -146,7 +149,8 @@ def test_loss_parity_with_single_process(model, kw, references):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw,ranks", [(dict(dp_shard=2, local_batch_size=4), (0, 1)),
-                                      (dict(pp=2, local_batch_size=8, micro_batch_size=1), (0, 1))])
+                                      (dict(pp=2, local_batch_size=8, micro_batch_size=1), (0, 1)),
+                                      (dict(dp_shard=2, local_batch_size=4, ac="core-attn"), (0, 1))])
 def test_real_run_memory_matches_the_trace(kw, ranks):
     """The executor's real run (torch's own schedule for PP) holds what ``parsim trace`` replays, rank by rank (the
     tensor-level tracker on both sides): the logits go before the backward without PP, as torchtitan's train step

@@ -43,6 +43,7 @@ import numpy as np
 
 from ..hardware import COLLECTIVE_OPS
 from .layers import ac_counts as _ac_counts
+from .layers import core_attn_counts as _core_attn_counts
 from .layers import param_tensor_counts
 
 FSDP_OVERLAPS = ("fsdp_gather", "fsdp_reduce")
@@ -332,9 +333,10 @@ def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac)
     kv = sh.T * (spec.kv_dim + spec.v_dim) / sh.t * sh.act_b
     cp_on, g, r = b.cp > 1, b.cp, b.rpn["cp"]
     # selective-op AC saves the ring attention's output (its policy sees the SDPA op above DTensor's CP handler),
-    # so only full AC's recompute gathers K and V again
-    led.add("CP all-gather of K and V (forward, full-AC recompute, backward)", "all_gather", "cp", kv,
-            M * (2.0 * L + n_full), g, r, "forward+backward", "exposed", cp_on)
+    # so only full AC's recompute gathers K and V again, and core-attn's, whose checkpoint is the attention call
+    n_core = sum((_core_attn_counts(b, rv.n_of[k]) for k in rv.kinds), np.zeros(len(b)))
+    led.add("CP all-gather of K and V (forward, full-AC / core-attn recompute, backward)", "all_gather", "cp", kv,
+            M * (2.0 * L + n_full + n_core), g, r, "forward+backward", "exposed", cp_on)
     # the backward passes the fp32 partial sums of dK and dV round the ring: one permute (an all-to-all with all
     # of the buffer going to the next rank) per ring step, cp per layer
     kv_f32 = sh.T * (spec.kv_dim + spec.v_dim) / sh.t * 4.0

@@ -25,6 +25,8 @@ from .layers import (
     activation_bytes,
     activation_bytes_split,
     attention_flops,
+    attn_recomputed_bytes,
+    core_attn_counts,
     gemms,
     grouped_mm_kept,
     local_experts,
@@ -56,8 +58,9 @@ LOSS_BYTES_PER_LOGIT = 16.0
 @dataclasses.dataclass(frozen=True)
 class LayerCosts:
     """One layer per microbatch (arrays over the plan batch): seconds forward, backward (without recompute),
-    recomputed under full AC and under selective AC; activation bytes kept per AC mode ("none", "sac", "full") and
-    split by sub-block (``act_split``: mode -> (attention, FFN)); the GEMMs' forward seconds."""
+    recomputed under full AC, under selective AC and under core-attn (``rec_attn``); activation bytes kept per AC
+    mode ("none", "sac", "full", "attn") and split by sub-block (``act_split``: mode -> (attention, FFN)); the
+    GEMMs' forward seconds."""
 
     fwd: Any
     bwd: Any
@@ -66,6 +69,7 @@ class LayerCosts:
     act: dict
     gemm_fwd: Any
     act_split: dict
+    rec_attn: Any = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,8 +264,11 @@ def layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, 
                  times: bool = True) -> LayerCosts:
     """Per layer and microbatch: forward/backward/recompute seconds and activation bytes. Backward: GEMMs 2x
     forward (dgrad + wgrad), attention 2.5x (FlashAttention-2), memory-bound 2x, the measured backward overhead;
-    selective AC recomputes the even mm's, the memory-bound kernels and half the forward overhead. Without
-    ``times`` (memory only) the seconds are zeros."""
+    selective AC recomputes the even mm's, the memory-bound kernels and half the forward overhead; core-attn the
+    attention kernel's forward alone (Megatron's selective recompute: its checkpoint holds the core attention,
+    ``softmax(QK^T) V``, a fused kernel under FlashAttention / TE, and nothing of the projections, norms or MLP
+    around it [derived: Megatron-Core ``TransformerBlock`` / ``Attention._checkpointed_attention_forward``,
+    Korthikanti et al. 2022, arXiv:2205.05198 sec. 5]). Without ``times`` (memory only) the seconds are zeros."""
     if not times:
         z = np.zeros_like(sh.T)
         return LayerCosts(z, z, z, z, activation_bytes(spec, sh, moe), z, activation_bytes_split(spec, sh, moe))
@@ -277,6 +284,7 @@ def layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, 
     bwd = (GEMM_BWD_PER_FWD * by_kind["gemm"] + by_kind["wgrad_hp"] + hw.attention_bwd_per_fwd * by_kind["attention"]
            + MEMORY_BWD_PER_FWD * by_kind["memory"] + ovb) * compute_scale
     sac = (sac_t + by_kind["memory"] + 0.5 * by_kind["overhead"]) * compute_scale
+    attn = by_kind["attention"] * compute_scale
     host = host_issue_times(hw)
     if host is not None:  # an asynchronous device: the host's issue time hides under the kernels (max, not sum)
         fwd = np.maximum(fwd, host[0] * compute_scale)
@@ -286,10 +294,12 @@ def layer_costs(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, 
     if measured is not None:  # a block measured at the row's local shape replaces the composed curves
         m_fwd, m_bwd, have = measured
         sac = np.where(have, sac * m_fwd * compute_scale / np.maximum(fwd, 1e-30), sac)  # same selective share
+        attn = np.where(have, attn * m_fwd * compute_scale / np.maximum(fwd, 1e-30), attn)
         fwd = np.where(have, m_fwd * compute_scale, fwd)
         bwd = np.where(have, m_bwd * compute_scale, bwd)
     return LayerCosts(fwd=fwd, bwd=bwd, rec_full=fwd, rec_sac=sac, act=activation_bytes(spec, sh, moe),
-                      gemm_fwd=by_kind["gemm"] * compute_scale, act_split=activation_bytes_split(spec, sh, moe))
+                      gemm_fwd=by_kind["gemm"] * compute_scale, act_split=activation_bytes_split(spec, sh, moe),
+                      rec_attn=attn)
 
 
 def measured_block_times(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, moe: bool
@@ -361,9 +371,13 @@ def rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
     for k in rv.kinds:
         c = costs[k]
         n_full, n_sac, n_none = ac_counts(b, rv.n_of[k], rv.n_ckpt[k])
-        rec = rec + n_full * c.rec_full + n_sac * c.rec_sac
-        act = act + n_full * c.act["full"] + n_sac * c.act["sac"] + n_none * c.act["none"]
-        tr = np.where(n_full > 0, c.act["none"] - c.act["full"], np.where(n_sac > 0, c.act["none"] - c.act["sac"], 0.0))
+        n_attn = core_attn_counts(b, rv.n_of[k])
+        rec = rec + n_full * c.rec_full + n_sac * c.rec_sac + n_attn * c.rec_attn
+        act = act + n_full * c.act["full"] + n_sac * c.act["sac"] + n_attn * c.act["attn"] + n_none * c.act["none"]
+        # (core-attn: the attention's output and logsumexp made again at its backward)
+        tr = np.where(n_full > 0, c.act["none"] - c.act["full"], np.where(n_sac > 0, c.act["none"] - c.act["sac"],
+                                                                         np.where(n_attn > 0, attn_recomputed_bytes(
+                                                                             spec, sh), 0.0)))
         transient = np.maximum(transient, tr)
     # AC wrapping a compiled block recomputes more (measured by `parsim orders`, see parsim/ordering.py)
     rec = rec * np.where(b.ac_wraps_compile & b.compile, ac_wraps_compile_recompute_factor(), 1.0)

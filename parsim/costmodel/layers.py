@@ -13,8 +13,10 @@ input (full T x d), unlike Megatron's SP which saves the shard: this is what the
 AC modes (torchtitan): ``full`` keeps the block input and recomputes the block; ``selective-op`` keeps the outputs
 of every other ``aten.mm`` (odd ones in forward order; a biased linear runs ``aten.addmm``, which the policy
 neither saves nor counts), SDPA outputs and reduce-scatter outputs and recomputes the
-rest; ``layer:N`` fully checkpoints every N-th layer. MLA is approximated as attention with H heads of width
-qk_nope+qk_rope for q and k and v_head_dim for v, plus the two latent projections and their norms.
+rest; ``layer:N`` fully checkpoints every N-th layer; ``core-attn`` (Megatron's selective recompute) checkpoints
+the attention call alone, which drops its logsumexp and reruns it at the attention's backward. MLA is approximated
+as attention with H heads of width qk_nope+qk_rope for q and k and v_head_dim for v, plus the two latent
+projections and their norms.
 """
 
 from __future__ import annotations
@@ -316,7 +318,15 @@ def _mlp_saved(spec, T, ff_local, prefix, out_bytes, b2, kind="mm", te=False, f8
 
 
 def kept_by_ac_mode(items: list[tuple], e_local=None) -> list[dict]:
-    """For each saved tensor of ``saved_tensors``: is it kept under ``none``, ``full``, ``sac`` (selective-op)?
+    """For each saved tensor of ``saved_tensors``: is it kept under ``none``, ``full``, ``sac`` (selective-op),
+    ``attn`` (core-attn)?
+
+    ``attn`` checkpoints the attention call alone (``F.scaled_dot_product_attention`` on the rotated q, k, v; TE's
+    core attention under Megatron): what it saves inside is dropped and recomputed at its backward, which is the
+    logsumexp only — its inputs are held by the checkpoint for the recompute, and its output is the saved input of
+    wo (one tensor, kept as without AC) [derived: torch.utils.checkpoint's non-reentrant frame keeps the
+    function's inputs; the recompute runs when the attention's backward unpacks its first saved tensor,
+    ``layers._BackwardSteps.attention``].
 
     The saved output of wo / w2 is counted only when it is not immediately consumed by a residual add (it is
     the input of nothing that saves it) — so under no AC it is dropped; selective AC stores it when its mm is
@@ -338,7 +348,8 @@ def kept_by_ac_mode(items: list[tuple], e_local=None) -> list[dict]:
             sac = odd == 1
         elif kind == "gmm" and e_local is not None:
             sac, odd = grouped_mm_kept(e_local, odd)
-        out.append({"none": not residual_out and kind not in ("rs", "a2a"), "full": kind == "input", "sac": sac})
+        none = not residual_out and kind not in ("rs", "a2a")
+        out.append({"none": none, "full": kind == "input", "sac": sac, "attn": none and name != "sdpa.logsumexp"})
     return out
 
 
@@ -426,7 +437,8 @@ def recompute_experts_extra_bytes(spec: ModelSpec, sh: Shapes, b, sac: bool) -> 
 
 
 def activation_bytes(spec: ModelSpec, sh: Shapes, moe: bool) -> dict[str, np.ndarray]:
-    """Bytes kept per layer and microbatch: ``none`` (no AC), ``full`` (block input only), ``sac`` (selective-op)."""
+    """Bytes kept per layer and microbatch: ``none`` (no AC), ``full`` (block input only), ``sac`` (selective-op),
+    ``attn`` (core-attn)."""
     split = activation_bytes_split(spec, sh, moe)
     return {mode: split[mode][0] + split[mode][1] for mode in split}
 
@@ -438,7 +450,7 @@ def activation_bytes_split(spec: ModelSpec, sh: Shapes, moe: bool) -> dict[str, 
     keep = kept_by_ac_mode(items, local_experts(spec, sh) if moe else None)
     ffn_start = next(i for i, (name, _, _) in enumerate(items) if name == "ffn_norm.input")
     out = {}
-    for mode in ("none", "full", "sac"):
+    for mode in ("none", "full", "sac", "attn"):
         parts = [np.zeros_like(sh.T), np.zeros_like(sh.T)]
         for i, ((_, nbytes, _), k) in enumerate(zip(items, keep, strict=True)):
             parts[int(i >= ffn_start)] = parts[int(i >= ffn_start)] + nbytes * np.asarray(k[mode], dtype=float)
@@ -589,11 +601,23 @@ def param_tensor_counts(spec: ModelSpec, moe: bool) -> tuple[int, int]:
 
 def ac_counts(b, n_layers: np.ndarray, n_layer_ckpt: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(layers fully checkpointed, layers under selective AC, layers without AC) among ``n_layers``;
-    ``n_layer_ckpt``: how many of them ``layer:N`` checkpoints (``rank_ckpt``)."""
+    ``n_layer_ckpt``: how many of them ``layer:N`` checkpoints (``rank_ckpt``). Layers whose attention core alone
+    is checkpointed (``core-attn``) are in none of the three: ``core_attn_counts``."""
     n = n_layers.astype(float)
     full = np.where(b.ac == AC_MODES["full"], n, np.where(b.ac == AC_MODES["layer"], n_layer_ckpt.astype(float), 0.0))
     sac = np.where(b.ac == AC_MODES["selective-op"], n, 0.0)
-    return full, sac, n - full - sac
+    return full, sac, n - full - sac - core_attn_counts(b, n_layers)
+
+
+def attn_recomputed_bytes(spec: ModelSpec, sh: Shapes) -> np.ndarray:
+    """What core-attn's recompute makes at the attention's backward: its output (param dtype) and fp32
+    logsumexp."""
+    return sh.T * (spec.attn_out_dim * sh.act_b + spec.n_heads * 4.0) / sh.t
+
+
+def core_attn_counts(b, n_layers: np.ndarray) -> np.ndarray:
+    """Layers among ``n_layers`` whose attention core alone is checkpointed (``core-attn``)."""
+    return np.where(b.ac == AC_MODES["core-attn"], n_layers.astype(float), 0.0)
 
 
 def inflight(b: PlanBatch, rank: int) -> np.ndarray:
@@ -764,7 +788,11 @@ class _BackwardSteps:
         # context parallel: torch's ring attention backward holds more than its outputs at its peak (ring.py)
         ring = np.where(self.sh.cp_copy, ring_backward_extra_bytes(T * q_, T * kv_, T * kv_, T * spec.n_heads / t * 4.0,
                                                                     b2, self.b.cp), 0.0)
-        step(T * (q_ + 2 * kv_) * b2 + ring, T * ao * b2 + ring,
+        # core-attn: the attention's backward unpacks its saved tensors, which reruns the checkpointed attention:
+        # its output and logsumexp made again. The output replaces, byte for byte, the one wo held (wo's backward
+        # released it just before), which this step frees as "sdpa.out"; the logsumexp is new, freed with it
+        lse = np.where(self.b.ac == AC_MODES["core-attn"], T * spec.n_heads / t * 4.0, 0.0)
+        step(T * (q_ + 2 * kv_) * b2 + ring + lse, T * ao * b2 + ring + lse,
              ["sdpa.out", "sdpa.logsumexp", "wv.out", *qk_saved])
         step(T * (q_ + kv_) * b2, T * (q_ + kv_) * b2, ["rope.cos_sin"])
         if spec.qk_norm:

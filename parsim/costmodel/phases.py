@@ -263,11 +263,14 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
     a = {m: (np.asarray(v[0])[idx], np.asarray(v[1])[idx]) for m, v in costs[moe].act_split.items()}
     full = (b.ac[idx] == AC_MODES["full"]) | ((b.ac[idx] == AC_MODES["layer"]) & ckpt)
     sac = b.ac[idx] == AC_MODES["selective-op"]
-    act_attn, act_ffn = (np.where(full, a["full"][k], np.where(sac, a["sac"][k], a["none"][k])) for k in (0, 1))
+    core = b.ac[idx] == AC_MODES["core-attn"]  # (recomputed at the attention's backward step, not at the start)
+    act_attn, act_ffn = (np.where(full, a["full"][k], np.where(sac, a["sac"][k], np.where(core, a["attn"][k],
+                                                                                         a["none"][k])))
+                         for k in (0, 1))
     all_steps, items = steps_of[moe]
     keep = kept_by_ac_mode(items, steps_of.e_local if moe else None)
-    transient = (a["none"][0] + a["none"][1] - act_attn - act_ffn
-                 + np.where(sac, sac_uncollected(items, keep, idx, len(b)), 0.0))
+    transient = np.where(core, 0.0, a["none"][0] + a["none"][1] - act_attn - act_ffn
+                         + np.where(sac, sac_uncollected(items, keep, idx, len(b)), 0.0))
     last_blk, last_ex = (x[idx] for x in steps_of.once(last_param_elems, spec, b, moe))
     blk_unit = _memory_unit(ne_s + np.where(ep1, ex_s, 0.0), ne_l + np.where(ep1, ex_l, 0.0), S, last_blk, pb, gb,
                             rb)
@@ -284,11 +287,14 @@ def _memory_block(spec: ModelSpec, b: PlanBatch, rv: C.RankView, costs: dict, id
     steps = [{"alloc": sel(st["alloc"]), "free": sel(st["free"]), "saved": st["saved"], "cast": st["cast"],
               "pgrad": (sel(st["pgrad"][0]), sel(st["pgrad"][1])),
               **({"residual_sum": sel(st["residual_sum"])} if "residual_sum" in st else {})} for st in all_steps]
-    saved = {name: np.asarray(nb)[idx] * 1.0 for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
+    # (what each step frees of the tensors the block keeps: under core-attn what the attention saved inside is
+    # not there to free)
+    saved = {name: np.asarray(nb)[idx] * np.where(core & ~np.asarray(kk["attn"], bool), 0.0, 1.0)
+             for (name, nb, _), kk in zip(items, keep, strict=True) if kk["none"]}
     later = _shared_later(items, keep, idx, len(b), full, sac) if moe else 0.0
     combine = _recompute_combine(later, idx, len(b), transient, steps_of.pair_bytes, b.ep[idx] > 1) if moe else 0.0
     return Block(blk_unit, experts, act_attn + act_ffn, transient, act_ffn, steps, saved, gb,
-                 transient_attn=a["none"][0] - act_attn,
+                 transient_attn=np.where(core, 0.0, a["none"][0] - act_attn),
                  fwd_working=(np.where(full, np.asarray(steps_of.moe_fwd)[idx], 0.0) if moe
                               else np.where(full | sac, 0.0,
                                             act_attn + act_ffn + np.asarray(steps_of.tp_out)[idx])),
@@ -954,6 +960,6 @@ def _steady_moments(v: int, m: int, n_fwd: int, per_round: int, stage_act: list,
 def _block_activations(b: PlanBatch, cost, ckpt: bool) -> np.ndarray:
     """Bytes one block keeps per microbatch under the plans' AC modes (``ckpt``: a block ``layer:N`` checkpoints)."""
     mode = np.where((b.ac == AC_MODES["full"]) | ((b.ac == AC_MODES["layer"]) & ckpt), 0,
-                    np.where(b.ac == AC_MODES["selective-op"], 1, 2))
+                    np.where(b.ac == AC_MODES["selective-op"], 1, np.where(b.ac == AC_MODES["core-attn"], 3, 2)))
     return np.choose(mode, [np.broadcast_to(np.asarray(cost.act[m], dtype=float), (len(b),))
-                            for m in ("full", "sac", "none")])
+                            for m in ("full", "sac", "none", "attn")])

@@ -69,6 +69,7 @@ from .layers import (
     LAST,
     Shapes,
     ac_counts,
+    core_attn_counts,
     fsdp_shard,
     layer_tensors,
     rank_ckpt,
@@ -252,8 +253,8 @@ def _stage_work(spec: ModelSpec, b: PlanBatch, cs: list[RankCompute], rvs: list)
         ckpt_share = (rvs[0].n_ckpt[k] + rvs[1].n_ckpt[k]) / np.maximum(held, 1.0)
         n_full, n_sac, _ = ac_counts(b, rest, rest * ckpt_share)
         c = cs[0].costs[k]
-        rec = (n_full * c.rec_full + n_sac * c.rec_sac) * np.where(b.ac_wraps_compile & b.compile,
-                                                                   ac_wraps_compile_recompute_factor(), 1.0)
+        rec = (n_full * c.rec_full + n_sac * c.rec_sac + core_attn_counts(b, rest) * c.rec_attn) * np.where(
+            b.ac_wraps_compile & b.compile, ac_wraps_compile_recompute_factor(), 1.0)
         middle_f, middle_b = middle_f + rest * c.fwd, middle_b + rest * c.bwd + rec
     return (cs[0].fwd, cs[0].bwd + cs[0].rec), (cs[1].fwd, cs[1].bwd + cs[1].rec), (middle_f, middle_b)
 

@@ -184,6 +184,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(spec.n_heads * spec.head_dim, d, bias=spec.has_bias("wo"))
         self.q_norm = HeadNorm(spec.head_dim) if spec.qk_norm else None
         self.k_norm = HeadNorm(spec.head_dim) if spec.qk_norm else None
+        # core-attn AC (``parallelize.apply_ac``): the attention call alone checkpointed, Megatron's selective
+        # recompute of the core attention
+        self.checkpoint_core = False
+
+    @staticmethod
+    def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                              enable_gqa=q.shape[2] != k.shape[2])
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -194,8 +202,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, rope)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           enable_gqa=q.shape[2] != k.shape[2])
+        if self.checkpoint_core:
+            from torch.utils.checkpoint import checkpoint
+
+            o = checkpoint(self._core, q, k, v, use_reentrant=False, preserve_rng_state=False)
+        else:
+            o = self._core(q, k, v)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -258,6 +258,11 @@ def apply_ac(parts, plan: Plan, meshes):
     mode, every = parse_ac(plan.ac)
     if mode == "none":
         return
+    if mode == "core-attn":
+        for m in parts:
+            for block in m.layers.values():
+                block.attention.checkpoint_core = True
+        return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
