@@ -117,9 +117,7 @@ def check_output_path(path: str | Path, make_parents: bool = False) -> Path:
     if not os.access(p.parent, os.W_OK):
         raise ParsimError(f"cannot write {path}: folder {p.parent} is not writable")
     try:  # (the folder may still refuse a new file: a pseudo file system, a full disk, a read-only mount)
-        with _signals_held():
-            fd, probe = tempfile.mkstemp(prefix=f".{p.name[:40]}.", dir=p.parent)
-            _UNFINISHED.add(probe)
+        fd, probe = _registered_temp(p.parent, p.name[:40])
         os.close(fd)
         _remove(probe)
     except OSError as e:
@@ -177,9 +175,7 @@ class AtomicFile:
 
     def __init__(self, path: str | Path, make_parents: bool = False):
         self.target = check_output_path(path, make_parents)
-        with _signals_held():  # registered before a Ctrl-C or SIGTERM handler can run (discard_unfinished)
-            fd, self.tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", dir=self.target.parent)
-            _UNFINISHED.add(self.tmp)
+        fd, self.tmp = _registered_temp(self.target.parent, self.target.name)
         self.f = os.fdopen(fd, "w")
 
     def commit(self) -> Path:
@@ -227,6 +223,15 @@ class _signals_held:
     def __exit__(self, *exc):
         if self.held:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
+
+
+def _registered_temp(folder: Path, name: str) -> tuple[int, str]:
+    """A new temporary file ``.NAME.XXXX`` in ``folder`` (fd, path), registered in _UNFINISHED before a Ctrl-C or
+    SIGTERM handler can run (``discard_unfinished`` removes it if the command ends before its owner does)."""
+    with _signals_held():
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+        _UNFINISHED.add(tmp)
+    return fd, tmp
 
 
 def _remove(tmp: str) -> None:

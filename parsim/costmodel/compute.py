@@ -375,9 +375,9 @@ def rank_compute(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile,
         rec = rec + n_full * c.rec_full + n_sac * c.rec_sac + n_attn * c.rec_attn
         act = act + n_full * c.act["full"] + n_sac * c.act["sac"] + n_attn * c.act["attn"] + n_none * c.act["none"]
         # (core-attn: the attention's output and logsumexp made again at its backward)
-        tr = np.where(n_full > 0, c.act["none"] - c.act["full"], np.where(n_sac > 0, c.act["none"] - c.act["sac"],
-                                                                         np.where(n_attn > 0, attn_recomputed_bytes(
-                                                                             spec, sh), 0.0)))
+        tr = np.select([n_full > 0, n_sac > 0, n_attn > 0],
+                       [c.act["none"] - c.act["full"], c.act["none"] - c.act["sac"], attn_recomputed_bytes(spec, sh)],
+                       0.0)
         transient = np.maximum(transient, tr)
     # AC wrapping a compiled block recomputes more (measured by `parsim orders`, see parsim/ordering.py)
     rec = rec * np.where(b.ac_wraps_compile & b.compile, ac_wraps_compile_recompute_factor(), 1.0)
