@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import ParsimError
 from .plan import AC_MODES, AXES, PP_SCHEDULES, ranks_per_node, world_size_message
-from .plan_schema import DTYPES, EP_FROM, PLAN_FIELDS, PlanField, parse_ac
+from .plan_schema import DTYPES, EP_FROM, GRAD_SYNCS, PLAN_FIELDS, PlanField, parse_ac
 from .units import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -153,6 +153,19 @@ class PlanBatch:
     @cached_property
     def grad_accum(self):
         return self.global_batch_size // (self.local_batch_size * self.dp)
+
+    @cached_property
+    def reduce_passes(self):
+        """Passes of a step after which data-parallel gradients are reduced: every one, or the last alone
+        (``grad_sync`` once)."""
+        return np.where(self.grad_sync == GRAD_SYNCS.index("once"), 1, self.grad_accum)
+
+    @cached_property
+    def sync_once(self):
+        """Gradients accumulated unsharded over the passes of a step and reduced in the last (grad_sync once with
+        gradient accumulation and data-parallel ranks to reduce over)."""
+        return ((self.grad_sync == GRAD_SYNCS.index("once")) & (self.grad_accum > 1)
+                & (self.dp_replicate * self.dp_shard * self.cp > 1))
 
     @cached_property
     def fsdp(self):
@@ -366,6 +379,13 @@ RULES: tuple[Rule, ...] = (
          lambda b, s: (b.pp == 1) & (b.micro_batch_size != b.local_batch_size),
          lambda p, s: f"micro batch {p.micro_batch_size} != local batch {p.local_batch_size} without PP; use global "
                       "batch for gradient accumulation"),
+    # torch's pipeline schedules reduce the stage's gradients at the end of every step() (perform_reduce_grad): a
+    # pass cannot leave them unreduced for the next [torch 2.13 pipelining/schedules.py]
+    Rule("gradients reduced once across pipeline passes", False,
+         lambda b, s: (b.grad_sync == GRAD_SYNCS.index("once")) & (b.pp > 1) & (b.grad_accum > 1),
+         lambda p, s: f"grad_sync once with PP and {p.grad_accum_steps} gradient-accumulation passes: torch's "
+                      "pipeline schedules reduce after every pass; put the microbatches in one pass (local batch "
+                      f"{p.global_batch_size // p.dp} = global batch / dp)"),
     Rule("Interleaved1F1B with one stage per rank", False,
          lambda b, s: (b.pp_schedule == PP_SCHEDULES["Interleaved1F1B"]) & (b.pp > 1) & (b.pp_stages_per_rank < 2),
          lambda p, s: "Interleaved1F1B needs pp_stages_per_rank >= 2"),

@@ -403,6 +403,9 @@ def megatron_gaps(plan: Plan, spec: ModelSpec) -> list[str]:
     if plan.float8 and plan.float8_recipe != "tensorwise":
         gaps.append(f"float8 {plan.float8_recipe}: Megatron/TE has tensorwise (delayed / current scaling), "
                     "blockwise and mxfp8, not torchao's rowwise: blockwise emitted")
+    if plan.grad_sync == "every-pass" and plan.grad_accum_steps > 1 and plan.dp > 1:
+        gaps.append(f"gradients reduced after each of {plan.grad_accum_steps} passes: Megatron reduces once per step "
+                    "(no_sync for every microbatch but the last); predict with --grad-sync once for what it runs")
     return gaps + options_on(plan, "megatron_gap")
 
 

@@ -12,7 +12,9 @@ cuts do not catch is dropped, never ranked). What each cut stands for, with the 
 * megatron: its group order and the default wrapper order; no torch.compile (fused TE / apex kernels instead);
   AC none or full (its selective recompute is core attention only, not per-op SAC; block recompute takes the
   first layers of a stage, not every N-th); 1F1B or interleaved 1F1B (no GPipe); reshard after forward as
-  Megatron-FSDP does; EP laid out as Megatron's expert mesh (folded); float8 tensorwise (TE's current scaling).
+  Megatron-FSDP does; EP laid out as Megatron's expert mesh (folded); float8 tensorwise (TE's current scaling);
+  gradients reduced once per step (``grad_sync`` once: no_sync for every microbatch but the last).
+* torchtitan: gradients reduced after every gradient-accumulation pass (``grad_sync`` every-pass).
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def restrict_space(sp, framework: str | None):
                 "reshard": _keep(sp.reshard, ("default",), "--reshard", framework),
                 "ep_from": _keep(sp.ep_from, ("folded",), "--ep-from", framework)}
         pins["float8_recipe"] = _pin(pins, "float8_recipe", "tensorwise", framework)
+        pins["grad_sync"] = _pin(pins, "grad_sync", "once", framework)
     else:
+        pins["grad_sync"] = _pin(pins, "grad_sync", "every-pass", framework)
         cut["ep_from"] = _keep(sp.ep_from, ("dp_shard",), "--ep-from", framework)
         if framework == "torchtitan":
             cut |= {"ac": _keep(sp.ac, tuple(a for a in sp.ac if parse_ac(a)[0] not in ("layer", "core-attn")),

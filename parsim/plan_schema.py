@@ -35,6 +35,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 # what torchtitan and parsim's executor run) | triton (the Triton FlashAttention kernel: llm-foundry's MPT
 # ``attn_impl: triton``)
 ATTENTION_KERNELS = ("flash", "triton")
+# when data-parallel gradients are reduced under gradient accumulation (global batch > local batch x dp):
+# every-pass (torchtitan: FSDP2 reduce-scatters, HSDP all-reduces after every pass's backward) | once (in the
+# last pass only: Megatron-Core's DDP, FSDP2's set_requires_gradient_sync(False) for the passes before)
+GRAD_SYNCS = ("every-pass", "once")
 # absurd sizes, refused before anything is enumerated (and int64 / float arithmetic stays far from overflow)
 MAX_GPUS = 2**20  # 1,048,576: beyond every cluster built so far
 MAX_SEQ_LEN = 2**24  # 16,777,216 tokens
@@ -220,6 +224,15 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
               torchtitan_gap="Triton attention: torchtitan runs torch's SDPA (FlashAttention-2 / cuDNN kernels)",
               megatron_gap="Triton attention: Megatron-Core runs Transformer Engine's attention (cuDNN / "
                            "FlashAttention)"),
+    PlanField("grad_sync", "choice", "every-pass", choices=GRAD_SYNCS, late=True, label="gradients reduced once",
+              letters="GS1", shown_default="[every-pass]",
+              help="under gradient accumulation: every-pass (gradients reduced after every pass, torchtitan) | once "
+                   "(accumulated unsharded and reduced in the last pass only: Megatron-Core's DDP; FSDP2's "
+                   "set_requires_gradient_sync(False) before; cost model only)",
+              executor_refusal="grad_sync once is a cost-model option: the executor reduces after every pass, as "
+                               "torchtitan does",
+              torchtitan_gap="gradients reduced once per step: torchtitan's train step reduces after every "
+                             "gradient-accumulation microbatch (no option to skip the sync)"),
     PlanField("fused_loss", "bool", False, late=True, label="fused loss", letters="FL", shown_default="[no]",
               help="fused cross-entropy (flash-attn xentropy, Megatron cross_entropy_loss_fusion): no fp32 copy of "
                    "the logits, one logits-sized gradient",

@@ -391,9 +391,11 @@ def torchtitan_compiled_loss(r: dict) -> dict:
 # what the framework that ran a row does by default and a plan must say (configuration, not a fitted factor):
 # (words of which one must appear in the row's source or table, framework, plan options, where it is set)
 FRAMEWORKS = (
-    (("megatron", "nemo"), "Megatron-Core", {"te_layers": True},
+    (("megatron", "nemo"), "Megatron-Core", {"te_layers": True, "grad_sync": "once"},
      "Megatron-Core's default layer spec is Transformer Engine's (transformer_impl='transformer_engine'), "
-     "which NeMo and Megatron-Bridge use"),
+     "which NeMo and Megatron-Bridge use; its schedules run every microbatch but the last under the DDP "
+     "wrapper's no_sync (forward_backward_no_pipelining / the pipelined schedules' no_sync_func), so gradients "
+     "are reduced once per step"),
     (("llm-foundry", "llmfoundry", "mosaicml"), "llm-foundry", {"fused_loss": True, "attention_kernel": "triton"},
      "MPT's loss_fn defaults to 'fused_crossentropy' (flash-attn's xentropy CrossEntropyLoss) [assumed from "
      "llm-foundry's MPT code; the tables do not print it]; the benchmark tables were run by "

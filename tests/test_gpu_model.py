@@ -154,8 +154,9 @@ def test_te_layers_keep_what_megatron_core_keeps():
 
 
 def test_published_rows_carry_their_framework():
-    assert V.framework_options({"source": "megatron-bridge", "table": "x"}) == {"te_layers": True}
-    assert V.framework_options({"source": "nemo-24.07", "table": "x"}) == {"te_layers": True}
+    megatron = {"te_layers": True, "grad_sync": "once"}
+    assert V.framework_options({"source": "megatron-bridge", "table": "x"}) == megatron
+    assert V.framework_options({"source": "nemo-24.07", "table": "x"}) == megatron
     assert V.framework_options({"source": "llm-foundry", "table": "x"}) == {"fused_loss": True,
                                                                         "attention_kernel": "triton"}
     assert V.framework_options({"source": "torchtitan", "table": "x"}) == {}

@@ -274,6 +274,8 @@ def test_ddp_style_expert_parallel_is_searched():
     # measured collective fits (no monotone topology): the bound must hold all the same
     ("tiny-moe", 8, dict(global_batch_size=16, seq_len=256), "cpu-gloo-4"),
     ("tiny", 4, dict(global_batch_size=8, seq_len=256), "cpu-gloo-4-cal"),
+    # gradients reduced once per step: unsharded accumulators at the step's start, fewer reduces
+    ("tiny-moe", 8, dict(global_batch_size=32, seq_len=512, pins=(("grad_sync", "once"),)), "h100-sxm-spec-cal"),
 ])
 def test_pruned_search_returns_the_exhaustive_best_plan_and_pareto_front(model, gpus, kw, profile):
     import dataclasses

@@ -4,11 +4,12 @@ Bytes follow parsim's convention: the input tensors one rank hands to the collec
 
 * FSDP2 (per unit = transformer block, embedding, final norm + output; torchtitan wrapping): forward all-gather of
   the bf16 shard (``params/fsdp * param_bytes``), a backward re-gather when the unit was resharded after forward,
-  one reduce-scatter of the unsharded gradient in ``reduce_dtype`` per pass, and for HSDP an all-reduce of the
-  sharded gradient over ``dp_replicate``. torchtitan keeps the output unit unsharded after forward unless
-  reshard_after_forward is ``always``. With PP, FSDP gathers once for the forwards and once for the backwards of
-  a pass (measured with torch.distributed.pipelining) and reduces at the last microbatch, unless it reshards
-  after every forward (then per microbatch).
+  one reduce-scatter of the unsharded gradient in ``reduce_dtype`` per pass (per step with ``grad_sync`` once,
+  as Megatron-Core's DDP reduces), and for HSDP an all-reduce of the sharded gradient over ``dp_replicate``.
+  torchtitan keeps the output unit unsharded after forward unless reshard_after_forward is ``always``. With PP,
+  FSDP gathers once for the forwards and once for the backwards of a pass (measured with
+  torch.distributed.pipelining) and reduces at the last microbatch, unless it reshards after every forward (then
+  per microbatch).
 * TP with sequence parallel, per layer and microbatch: forward 2 all-gathers (T*d/tp) before the column-parallel
   linears and 2 reduce-scatters (T*d) after the row-parallel ones; backward the mirror image; without SP, 2
   all-reduces (T*d) each way (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022). Recompute repeats the
@@ -306,16 +307,16 @@ def _tp_partial_grad_records(led: Ledger, spec, b, rv: RankView) -> None:
     """Weights replicated over tp whose gradients are partial sums: under SP the norms (LayerNorm: weight and bias)
     see only their sequence shard, Qwen3's q/k norms only the rank's heads, the router only the rank's share of the
     tokens (EP with TP) or of the expert outputs (executor: MoE._tp_forward), with or without SP. With FSDP the
-    gradient is all-reduced over tp when FSDP reduces it, once per pass (param dtype; reduce dtype under PP, where
-    it accumulates first). Without FSDP (no data parallelism) nothing reduces it, and DTensor all-reduces the
-    partial gradient whenever an op needs it whole: the gradient-norm ``foreach_norm``, then AdamW's ``lerp`` of
-    exp_avg and ``addcmul`` of exp_avg_sq (the gradient twice): 4 times a step, fp32 (the parameters stay fp32
-    under autocast) [derived; trace]."""
+    gradient is all-reduced over tp when FSDP reduces it, once per pass, or once per step with ``grad_sync`` once
+    (param dtype; reduce dtype under PP or grad_sync once, where it accumulates first). Without FSDP (no data
+    parallelism) nothing reduces it, and DTensor all-reduces the partial gradient whenever an op needs it whole:
+    the gradient-norm ``foreach_norm``, then AdamW's ``lerp`` of exp_avg and ``addcmul`` of exp_avg_sq (the
+    gradient twice): 4 times a step, fp32 (the parameters stay fp32 under autocast) [derived; trace]."""
     d, L = float(spec.d_model), rv.n_layers
     g, r, tp_on = b.tp, b.rpn["tp"], b.tp > 1
     fsdp_on = b.fsdp_applied
-    dtype_b = np.where(fsdp_on, np.where(b.pp > 1, b.reduce_bytes, b.param_bytes), 4.0).astype(float)
-    per = np.where(fsdp_on, b.grad_accum.astype(float), 4.0)
+    dtype_b = np.where(fsdp_on, np.where((b.pp > 1) | b.sync_once, b.reduce_bytes, b.param_bytes), 4.0).astype(float)
+    per = np.where(fsdp_on, b.reduce_passes.astype(float), 4.0)
     norm_tensors = 2.0 if spec.norm == "layernorm" else 1.0
     led.add("TP all-reduce of sequence-parallel norm-weight gradients", "all_reduce", "tp", d * dtype_b,
             per * norm_tensors * (2.0 * L + np.where(rv.has_out, 1.0, 0.0)), g, r, "backward", "exposed",
@@ -394,9 +395,12 @@ def _fsdp_units(spec, b, rv: RankView) -> list[tuple]:
 
 def _fsdp_records(led: Ledger, spec, b, rv: RankView) -> None:
     """FSDP2 / HSDP per unit: all-gather of the param_dtype shard, reduce-scatter of the (padded) unsharded gradient
-    in reduce_dtype once per pass, HSDP all-reduce of the sharded gradient over dp_replicate (experts: over edp
-    with DDP-style EP). With PP and reshard-after-forward FSDP gathers per microbatch."""
-    ga = b.grad_accum.astype(float)
+    in reduce_dtype once per pass (once per step with ``grad_sync`` once: the passes before the last accumulate
+    unsharded, FSDP2's ``set_requires_gradient_sync(False)``, Megatron-Core DDP's ``no_sync`` for every microbatch
+    but the last), HSDP all-reduce of the sharded gradient over dp_replicate (experts: over edp with DDP-style EP).
+    The all-gathers stay once per pass: without sync FSDP2 still reshards after backward. With PP and
+    reshard-after-forward FSDP gathers per microbatch."""
+    ga, rp = b.grad_accum.astype(float), b.reduce_passes.astype(float)
     pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
     f, ef = b.fsdp.astype(float), b.efsdp.astype(float)
     cp_axis = b.cp > 1
@@ -409,28 +413,28 @@ def _fsdp_records(led: Ledger, spec, b, rv: RankView) -> None:
             axis, size, rpn, mult = "efsdp", b.efsdp, b.rpn["efsdp"], ef
         led.add(f"FSDP all-gather: {name}", "all_gather", axis, shard * pb, ga * gathers * units,
                 size, rpn, "forward+backward", "fsdp_gather", on, unit=name)
-        led.add(f"FSDP reduce-scatter of gradients: {name}", "reduce_scatter", axis, shard * mult * rb, ga * units,
+        led.add(f"FSDP reduce-scatter of gradients: {name}", "reduce_scatter", axis, shard * mult * rb, rp * units,
                 size, rpn, "backward", "fsdp_reduce", on, unit=name)
         expert = grp == "efsdp"
         dense_dp = on & (~b.ep_megatron if expert else True)
         dist = b.zero1
         led.add(f"HSDP all-reduce of sharded gradients: {name}", "all_reduce", "dp_replicate", shard * rb,
-                ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce", dense_dp & ~dist,
+                rp * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce", dense_dp & ~dist,
                 unit=name)
         # distributed optimizer: the all-reduce becomes a reduce-scatter of the gradients and, after the step, an
         # all-gather of the updated param_dtype shards (overlapped with the next forward, Megatron's
         # overlap_param_gather): the same bus bytes in bf16/fp32 halves
         led.add(f"distributed-optimizer reduce-scatter of gradients: {name}", "reduce_scatter", "dp_replicate",
-                shard * rb, ga * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce",
+                shard * rb, rp * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce",
                 dense_dp & dist, unit=name)
         led.add(f"distributed-optimizer all-gather of updated parameters: {name}", "all_gather", "dp_replicate",
                 shard / np.maximum(b.dp_replicate, 1) * pb, units, b.dp_replicate, b.rpn["dp_replicate"],
                 "forward", "fsdp_gather", dense_dp & dist, unit=name)
         if expert:
-            _megatron_expert_records(led, b, name, shard, units, ga, pb, rb, on)
+            _megatron_expert_records(led, b, name, shard, units, rp, pb, rb, on)
 
 
-def _megatron_expert_records(led: Ledger, b, name: str, shard, units, ga, pb, rb, on) -> None:
+def _megatron_expert_records(led: Ledger, b, name: str, shard, units, rp, pb, rb, on) -> None:
     """Megatron-style EP (DDP-style or folded): the routed experts' gradients are reduced over their
     expert-data-parallel group (``edp``, the ranks holding the same experts), not over the dense data-parallel
     ranks; under the distributed optimizer the expert optimizer state is sharded over that group, so the reduce is a
@@ -439,10 +443,10 @@ def _megatron_expert_records(led: Ledger, b, name: str, shard, units, ga, pb, rb
     [framework source]. ``shard``: the unit's (unsharded: efsdp 1) expert elements on the rank."""
     meg = on & b.ep_megatron
     dist = meg & b.distributed_optimizer.astype(bool) & (b.edp > 1)
-    led.add(f"expert-data-parallel all-reduce of gradients: {name}", "all_reduce", "edp", shard * rb, ga * units,
+    led.add(f"expert-data-parallel all-reduce of gradients: {name}", "all_reduce", "edp", shard * rb, rp * units,
             b.edp, b.rpn["edp"], "backward", "fsdp_reduce", meg & ~dist, unit=name)
     led.add(f"distributed-optimizer reduce-scatter of expert gradients: {name}", "reduce_scatter", "edp", shard * rb,
-            ga * units, b.edp, b.rpn["edp"], "backward", "fsdp_reduce", dist, unit=name)
+            rp * units, b.edp, b.rpn["edp"], "backward", "fsdp_reduce", dist, unit=name)
     led.add(f"distributed-optimizer all-gather of updated expert parameters: {name}", "all_gather", "edp",
             shard / b.edp * pb, units, b.edp, b.rpn["edp"], "forward", "fsdp_gather", dist, unit=name)
 

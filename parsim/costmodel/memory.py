@@ -344,6 +344,9 @@ class RankMemory:
     sent_last: np.ndarray = field(default_factory=lambda: np.zeros(1))
     autocast_cache: np.ndarray = field(default_factory=lambda: np.zeros(1))
     held_until_end: list = field(default_factory=list)  # HSDP all-reduce buffers alive until the end of backward
+    # grad_sync once with gradient accumulation: the earlier passes left unsharded accumulators (reduce dtype) where
+    # ``acc`` plans hold sharded fp32 gradients; each unit's reduce in the last pass takes its accumulator over
+    once: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))
     # autocast without FSDP: the cast weights' gradients of a backward other than the step's first are deferred
     # (``_deferred_casts``): param bytes per element, the output projection's fp32 gradient bytes, the fp32
     # gradient bytes of the stage's last cast weight (the first one converted where there is no output projection)
@@ -479,8 +482,21 @@ def _step_start(q: RankMemory) -> Timeline:
     tl.add("inputs", q.inputs)
     tl.add("cp_buffers", q.cp_buffers)
     tl.add("gradients", q.all_grads4, q.acc)
+    tl.add("gradients", _accumulators(q), q.once)
     tl.add("autocast_weight_cache", q.autocast_cache)
     return tl
+
+
+def _accumulators(q: RankMemory) -> np.ndarray:
+    """Bytes of every FSDP unit's unsharded reduce-dtype accumulator on the rank (``grad_sync`` once: what the
+    passes before the last leave, FSDP2's ``to_accumulated_grad_if_needed`` after each no-sync backward)."""
+    total = np.where(q.has_emb, np.asarray(q.emb.acc, dtype=float), 0.0)
+    total = total + np.where(q.has_out, np.asarray(q.out.acc, dtype=float), 0.0)
+    for blk, count in q.blocks:
+        total = total + np.asarray(blk.unit.acc, dtype=float) * count
+        if blk.experts is not None:
+            total = total + np.asarray(blk.experts.acc, dtype=float) * count
+    return total
 
 
 def _optimizer_step(tl: Timeline, q: RankMemory) -> None:
@@ -790,6 +806,9 @@ def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev
     # the reduce takes the accumulators over (FSDP2 drops its own reference: a buffer now)
     tl.add("gradients", -np.asarray(u.acc, dtype=float), r & accr)
     tl.add("fsdp_grad_buffers", u.acc, r & accr)
+    # grad_sync once: the reduce input is made from the unit's accumulator, which goes with it (cost-model only: no
+    # trace has checked this moment)
+    tl.add("gradients", -np.asarray(u.acc, dtype=float), r & ~accr & q.once)
     tl.add("fsdp_grad_buffers", u.rs_in, r)
     # (a last parameter sharded on dim 1: its dim-0 copy in the list, the original in the loop variable)
     dup = np.where(u.last_off_dim0, np.where(accr, u.last_acc, u.last_grad), 0.0)

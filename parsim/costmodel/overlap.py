@@ -106,6 +106,7 @@ def fsdp_exposed(b: PlanBatch, hw: HardwareProfile, cm, fwd, bwd, n_layers) -> n
     """Exposed FSDP/HSDP seconds per step on one rank. FSDP2 prefetches one unit ahead: a unit's all-gather hides
     behind the previous unit's forward (and, when resharded, the next unit's backward); reduce-scatters (and HSDP
     all-reduces) hide behind the next unit's backward; the first gather and the last reduce of a round are exposed.
+    A pass that does not reduce (``grad_sync`` once: all but the last) exposes only its gathers.
     Per-unit times are the ledger's totals spread over the rank's layers + 1 (embedding / output) units; gloo on
     CPU blocks the rank, so there everything is exposed."""
     ag_total, red_total = cm.fsdp_gather_total_s, cm.fsdp_reduce_total_s  # comm.RankComm
@@ -117,12 +118,14 @@ def fsdp_exposed(b: PlanBatch, hw: HardwareProfile, cm, fwd, bwd, n_layers) -> n
     fwd_rounds = np.where((b.pp > 1) & b.raf, m_pass, 1.0)
     bwd_gather = np.where(b.raf, 1.0, 0.0)
     lay = np.maximum(n_layers, 1.0)
+    rp = b.reduce_passes.astype(float)  # passes that reduce (all, or the last alone with grad_sync once)
     ag_l = ag_total / np.maximum(ga * (fwd_rounds + bwd_gather), 1) / (lay + 1.0)
-    red_l = red_total / np.maximum(ga, 1) / (lay + 1.0)
+    red_l = red_total / np.maximum(rp, 1) / (lay + 1.0)
     f_l, b_l = fwd / lay, bwd / lay
     exp_fwd = fwd_rounds * (ag_l + n_layers * np.maximum(0.0, ag_l - f_l))
     exp_bwd = n_layers * np.maximum(0.0, bwd_gather * ag_l + red_l - b_l) + red_l
-    return ga * (exp_fwd + exp_bwd)
+    exp_bwd_unreduced = n_layers * np.maximum(0.0, bwd_gather * ag_l - b_l)
+    return np.where(rp == ga, ga * (exp_fwd + exp_bwd), ga * exp_fwd + rp * exp_bwd + (ga - rp) * exp_bwd_unreduced)
 
 
 def set_exposed(ledger, fsdp_exposed, fsdp_total, tp_ratio) -> None:
@@ -158,5 +161,8 @@ def _fsdp_calls_s(b: PlanBatch, c: dict, ledger) -> np.ndarray:
             experts = ((r.unit == C.FSDP_MOE_UNIT) & (b.ep == 1)) | (r.unit == C.FSDP_EXPERT_UNIT)
             per_moe = float(c["fsdp_moe_call_fixed_s"]) + float(c["fsdp_moe_call_s_per_byte"]) * r.bytes_per_call
             per_call = np.where(experts, per_moe, per_call)
-        t = t + np.where(on & (r.calls > 0), r.calls * (1.0 + gathers) * per_call, 0.0)
+        # the unit's unshards: ``gathers`` per pass, in every pass, also those that do not reduce
+        rp = b.reduce_passes
+        unshards = np.where(rp == b.grad_accum, gathers, gathers * b.grad_accum / np.maximum(rp, 1))
+        t = t + np.where(on & (r.calls > 0), r.calls * (1.0 + unshards) * per_call, 0.0)
     return t

@@ -433,7 +433,8 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         buffers=buffers, cp_buffers=_cp_buffers(b, idx, rope, has_emb, has_out), inputs=_step_inputs(b, idx),
         all_grads4=all_grads4,
         fsdp=fsdp_on, raf=b.raf[idx],
-        raf_out=b.raf_always[idx], acc=(b.grad_accum > 1)[idx], has_emb=has_emb, has_out=has_out,
+        raf_out=b.raf_always[idx], acc=((b.grad_accum > 1) & ~b.sync_once)[idx], once=b.sync_once[idx],
+        has_emb=has_emb, has_out=has_out,
         emb=unit(np.asarray(rv.emb_shard)[idx], emb_local, S, emb_local), emb_dense_grad=emb_dense,
         emb_sharded=(b.tp > 1)[idx] & ~b.te_layers[idx],
         out=unit(np.asarray(rv.norm_shard + rv.outw_shard)[idx], np.asarray(rv.out_local)[idx], S,
@@ -671,7 +672,9 @@ def _gradients_alive(b: PlanBatch, rv: C.RankView, local, p_shard, n_inflight, r
     # with gradient accumulation (ga > 1) the grads of the earlier passes are there in every schedule (traces of
     # pp2 GPipe with ga 4 in fp32: the stage's full gradients beside the activations) [measured]
     steady = (b.pp > 1) & (((b.pp_schedule != SCHED_GPIPE) & (m_pass > n_inflight)) | (ga > 1))
-    grads_prev = np.where((b.pp == 1) & (ga > 1), p_shard * 4.0, np.where(steady, accumulated, 0.0))
+    # (grad_sync once: the earlier passes' unsharded accumulators instead of sharded fp32 gradients)
+    grads_prev = np.where((b.pp == 1) & (ga > 1), np.where(b.sync_once, accumulated, p_shard * 4.0),
+                          np.where(steady, accumulated, 0.0))
     return emb_full, accumulated, grads_prev
 
 
@@ -792,7 +795,7 @@ def rank_memory_bound(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: 
     v = b.pp_stages_per_rank.astype(float)
     static = p_opt * 12.0 + pipeline_recv_buffers(np.where(pp, m, 1.0), recv, v - rv.has_emb, v - rv.has_out)
     at_opt = static + p_shard * 4.0 + optimizer_temporaries(b, rv)
-    held = static + np.where(b.grad_accum > 1, p_shard * 4.0, 0.0)
+    held = static + np.where((b.grad_accum > 1) & ~b.sync_once, p_shard * 4.0, 0.0)
     w = np.where(pp, inflight(b, rank), 1.0)
     # beyond its blocks' activations a microbatch in flight keeps at least, on the last stage, the loss's saved
     # tensors over its received input, on the first stage of a pipeline its output; the loss's peak is above both
