@@ -228,9 +228,7 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
               letters="GS1", shown_default="[every-pass]",
               help="under gradient accumulation: every-pass (gradients reduced after every pass, torchtitan) | once "
                    "(accumulated unsharded and reduced in the last pass only: Megatron-Core's DDP; FSDP2's "
-                   "set_requires_gradient_sync(False) before; cost model only)",
-              executor_refusal="grad_sync once is a cost-model option: the executor reduces after every pass, as "
-                               "torchtitan does",
+                   "set_requires_gradient_sync(False) before)",
               torchtitan_gap="gradients reduced once per step: torchtitan's train step reduces after every "
                              "gradient-accumulation microbatch (no option to skip the sync)"),
     PlanField("fused_loss", "bool", False, late=True, label="fused loss", letters="FL", shown_default="[no]",

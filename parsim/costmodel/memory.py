@@ -490,7 +490,7 @@ def _step_start(q: RankMemory) -> Timeline:
 def _accumulators(q: RankMemory) -> np.ndarray:
     """Bytes of every FSDP unit's unsharded reduce-dtype accumulator on the rank (``grad_sync`` once: what the
     passes before the last leave, FSDP2's ``to_accumulated_grad_if_needed`` after each no-sync backward)."""
-    total = np.where(q.has_emb, np.asarray(q.emb.acc, dtype=float), 0.0)
+    total = np.where(q.has_emb, np.asarray(_emb_acc(q), dtype=float), 0.0)
     total = total + np.where(q.has_out, np.asarray(q.out.acc, dtype=float), 0.0)
     for blk, count in q.blocks:
         total = total + np.asarray(blk.unit.acc, dtype=float) * count

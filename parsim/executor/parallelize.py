@@ -380,6 +380,19 @@ def apply_fsdp(parts, plan: Plan, meshes: Meshes):
                 mod.set_gradient_divide_factor(1.0)
 
 
+def set_grad_sync(parts, plan: Plan, k: int) -> None:
+    """Before gradient-accumulation pass ``k`` (no PP): with ``grad_sync`` once FSDP2 reduces only in the last pass
+    (``set_requires_gradient_sync(False)`` before it: each unit then keeps its unsharded gradients, accumulated in
+    the reduce dtype, and reduces them at the last pass's post-backward); every-pass leaves FSDP2's default."""
+    if plan.grad_sync != "once" or plan.pp > 1:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in parts:
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(k == plan.grad_accum_steps - 1, recurse=True)
+
+
 def split_pipeline(model: nn.Module, plan: Plan, meshes: Meshes) -> tuple[list[nn.Module], list[int]]:
     """This rank's stage modules (loop placement: stage s on pp rank s % pp) and their stage indices. Layers are
     split evenly, the first stages taking the extra ones (as the cost model assumes)."""

@@ -256,8 +256,11 @@ def _fake_step(spec, plan: Plan, parts, stage_ids, sends, phase: dict, meshes, r
 
     seq = plan.seq_len
     n_global = plan.global_batch_size * seq
-    for _ in range(plan.grad_accum_steps):
+    from .parallelize import set_grad_sync
+
+    for k in range(plan.grad_accum_steps):
         if plan.pp == 1:
+            set_grad_sync(parts, plan, k)
             x = torch.randint(0, spec.vocab_size, (plan.local_batch_size, seq))
             # (labels apart from the inputs, as torchtitan's dataloader and the worker hold them)
             y = torch.randint(0, spec.vocab_size, (plan.local_batch_size, seq))

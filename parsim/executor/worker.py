@@ -168,7 +168,7 @@ def _run(args, device, rank, world) -> dict:
     from .cp import cp_context
     from .measure import CommCounter, recv_buffers, track_step
     from .model import GroupedExperts, Transformer
-    from .parallelize import Meshes, apply_plan
+    from .parallelize import Meshes, apply_plan, set_grad_sync
 
     with open(args.plan) as f:
         plan = Plan.from_dict(json.load(f))
@@ -220,6 +220,7 @@ def _run(args, device, rank, world) -> dict:
             # own tensors: context parallel shards its buffers in place
             x, y = mine[k * lbs:(k + 1) * lbs, :-1].clone(), mine[k * lbs:(k + 1) * lbs, 1:].clone()
             if schedule is None:
+                set_grad_sync(parts, plan, k)
                 with cp_context(plan, meshes, parts, x, y):
                     logits = parts[0](x)
                     loss = loss_sum(logits, y, plan.fused_loss) / n_global
