@@ -806,8 +806,7 @@ def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev
     # the reduce takes the accumulators over (FSDP2 drops its own reference: a buffer now)
     tl.add("gradients", -np.asarray(u.acc, dtype=float), r & accr)
     tl.add("fsdp_grad_buffers", u.acc, r & accr)
-    # grad_sync once: the reduce input is made from the unit's accumulator, which goes with it (cost-model only: no
-    # trace has checked this moment)
+    # grad_sync once: the reduce input is made from the unit's accumulator, which goes with it
     tl.add("gradients", -np.asarray(u.acc, dtype=float), r & ~accr & q.once)
     tl.add("fsdp_grad_buffers", u.rs_in, r)
     # (a last parameter sharded on dim 1: its dim-0 copy in the list, the original in the loop variable)
@@ -818,6 +817,15 @@ def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev
     # after the copy-in the gradients go, but for the last one (``foreach_reduce``'s loop variable)
     tl.add("fsdp_grad_buffers", -(np.asarray(u.grads, dtype=float) - u.last_grad), r & ~accr & (not grads_alive))
     tl.add("fsdp_grad_buffers", -(np.asarray(u.acc, dtype=float) - u.last_acc), r & accr)
+    _reduce_output(tl, q, u, r, accr, grads_alive, phase)
+    rs_prev.append((np.where(r, u.rs_in, prev[0]), r | (prev[1] & ~r)))
+
+
+def _reduce_output(tl: Timeline, q: RankMemory, u: Unit, r, accr, grads_alive: bool, phase: str) -> None:
+    """The reduce's output (``_post_backward``, reducing plans ``r``): made beside the input, its fp32 copy where the
+    reduce dtype is not fp32, the unit's unsharded gradients (or accumulators, ``accr``) gone, the output freed
+    into the unit's fp32 gradient or, under HSDP with earlier sharded gradients or a narrower reduce dtype, held
+    until the end of backward."""
     fp32 = q.reduce_bytes == 4.0
     # a shard group of one rank (HSDP replicating, or experts whose EP takes every dp_shard x cp rank) has no
     # reduce-scatter: the unsharded gradients are all gone before the output is made (no reference of the
@@ -845,7 +853,6 @@ def _post_backward(tl: Timeline, q: RankMemory, u: Unit, on, phase: str, rs_prev
     tl.add("fsdp_grad_buffers", -np.asarray(u.rs_out, dtype=float), r & ~held)  # freed, or now the gradient
     tl.add("fsdp_grad_buffers", -np.asarray(u.shard4, dtype=float), r & ~fp32)
     tl.add("gradients", u.shard4, r & ~q.acc)
-    rs_prev.append((np.where(r, u.rs_in, prev[0]), r | (prev[1] & ~r)))
 
 
 def _accumulate(tl: Timeline, q: RankMemory, u: Unit, fs, phase: str, mode) -> None:
