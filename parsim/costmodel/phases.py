@@ -405,29 +405,12 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     act_b = np.asarray(sh.act_b)[idx]
     final_norm_saved = _final_norm_saved_bytes(spec, sh)[idx]
     loss_saved = _loss_saved_bytes(spec, b, sh, c)[idx]
-    # torch's pipeline stage keeps each microbatch's output in its fwd_cache until that microbatch's backward
-    # returns: on the last stage the logits (the projection's output dtype), beside what the loss saved of them
-    # while the microbatch is in flight and through its whole backward after the loss's (a fused loss saves the
-    # logits themselves: nothing more in flight, but they outlive its backward) [derived: torch 2.13
-    # pipelining/stage.py forward_one_chunk / backward_one_chunk; bench/real_vs_trace.py: tiny pp2 1F1B, the last
-    # stage's real run 1 MiB (one (128, 2048) fp32 logits) over the trace before the trace kept them too].
-    # Megatron-Core's own schedule (TE-layer plans) computes the loss inside the last stage's forward step and keeps
-    # the loss, not the logits.
-    stage_logits = np.where(has_out & (b.pp[idx] > 1) & ~b.te_layers[idx], np.asarray(c.logits)[idx] * act_b, 0.0)
-    inflight_logits = np.where(b.fused_loss[idx], 0.0, stage_logits)
-    m = b.n_micro[idx].astype(float)
-    w = np.where(b.pp[idx] > 1, np.asarray(steps_of.once(inflight, b, rank))[idx], 1.0)
-    m = np.where(b.pp[idx] > 1, m, 1.0)
+    pipe = _pipeline_sizes(b, c, rank, idx, steps_of, stage_out, act_b, has_emb, has_out)
+    inflight_logits = np.where(b.fused_loss[idx], 0.0, pipe["stage_logits"])
     # without FSDP a vocab-sharded (TP) embedding's gradient is a view of the dense whole-vocabulary gradient its
     # backward made: that storage stays (with FSDP, FSDP2 copies the rank's rows out)
     all_grads4 = np.asarray(p_shard)[idx] * 4.0 + np.where(~fsdp_on & has_emb & (b.tp[idx] > 1) & ~b.te_layers[idx],
                                                            (V * d - emb_local) * 4.0, 0.0)
-    # torch's pipeline stages' receive buffers: the rank's v stages less the first (inputs) and less the last
-    # (output gradients); v = 1 the first or the last stage
-    torch_pp = _torch_pp(b)[idx]
-    recv = np.where(torch_pp, stage_out, 0.0)
-    v = b.pp_stages_per_rank[idx].astype(float)
-    sent_later, sent_last = sends_held(b.pp_schedule[idx] == SCHED_GPIPE, m, np.where(has_emb, 0.0, recv))
     return RankMemory(
         n=len(idx), parameters=np.asarray(p_opt)[idx] * 4.0, optimizer_states=np.asarray(p_opt)[idx] * 8.0,
         buffers=buffers, cp_buffers=_cp_buffers(b, idx, rope, has_emb, has_out), inputs=_step_inputs(b, idx),
@@ -447,15 +430,40 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         out_grad_reduce=np.where(has_out, _out_grad_reduction(b, sh, spec.d_model)[idx], 0.0),
         final_norm_saved=np.where(has_out, final_norm_saved, 0.0),
         logits_grad=np.where(has_out, np.asarray(c.logits, dtype=float)[idx] * np.asarray(sh.act_b)[idx], 0.0),
-        pp=(b.pp > 1)[idx], m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)),
+        pp=(b.pp > 1)[idx],
         mb_extra=np.where(has_out, loss_saved + inflight_logits, np.where((b.pp > 1)[idx], stage_out, 0.0)),
-        stage_logits=stage_logits,
-        recv_buffers=pipeline_recv_buffers(m, recv, v - has_emb, v - has_out), torch_pp=torch_pp,
-        recv_in=np.where(has_emb, 0.0, recv), recv_grad=np.where(has_out, 0.0, recv),
-        sent_later=sent_later, sent_last=sent_last,
+        **pipe,
         autocast_cache=_autocast_cache(b, idx, fsdp_on, steps_of.once(_linear_weight_elems, spec, b, rv), rv),
         param_bytes=pb, out_weight4=np.asarray(rv.out_local - rv.norm_local)[idx] * 4.0 * np.ones(len(idx)),
         last_cast4=steps_of.once(_last_cast_elems, spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
+
+
+def _pipeline_sizes(b: PlanBatch, c: RankCompute, rank: int, idx: np.ndarray, steps_of: Whole, stage_out,
+                    act_b, has_emb, has_out) -> dict:
+    """The pipeline's share of ``RankMemory`` for the plans ``idx`` (bytes, counts): microbatches per pass and in
+    flight, the last stage's logits torch's stage keeps, its receive buffers and what its schedule's sends hold."""
+    # torch's pipeline stage keeps each microbatch's output in its fwd_cache until that microbatch's backward
+    # returns: on the last stage the logits (the projection's output dtype), beside what the loss saved of them
+    # while the microbatch is in flight and through its whole backward after the loss's (a fused loss saves the
+    # logits themselves: nothing more in flight, but they outlive its backward) [derived: torch 2.13
+    # pipelining/stage.py forward_one_chunk / backward_one_chunk; bench/real_vs_trace.py: tiny pp2 1F1B, the last
+    # stage's real run 1 MiB (one (128, 2048) fp32 logits) over the trace before the trace kept them too].
+    # Megatron-Core's own schedule (TE-layer plans) computes the loss inside the last stage's forward step and keeps
+    # the loss, not the logits.
+    stage_logits = np.where(has_out & (b.pp[idx] > 1) & ~b.te_layers[idx], np.asarray(c.logits)[idx] * act_b, 0.0)
+    m = b.n_micro[idx].astype(float)
+    w = np.where(b.pp[idx] > 1, np.asarray(steps_of.once(inflight, b, rank))[idx], 1.0)
+    m = np.where(b.pp[idx] > 1, m, 1.0)
+    # torch's pipeline stages' receive buffers: the rank's v stages less the first (inputs) and less the last
+    # (output gradients); v = 1 the first or the last stage
+    torch_pp = _torch_pp(b)[idx]
+    recv = np.where(torch_pp, stage_out, 0.0)
+    v = b.pp_stages_per_rank[idx].astype(float)
+    sent_later, sent_last = sends_held(b.pp_schedule[idx] == SCHED_GPIPE, m, np.where(has_emb, 0.0, recv))
+    return dict(m=m, w=w, w_later=np.where(m > w, w, np.maximum(w - 1.0, 1.0)), stage_logits=stage_logits,
+                recv_buffers=pipeline_recv_buffers(m, recv, v - has_emb, v - has_out), torch_pp=torch_pp,
+                recv_in=np.where(has_emb, 0.0, recv), recv_grad=np.where(has_out, 0.0, recv),
+                sent_later=sent_later, sent_last=sent_last)
 
 
 def _stage_output_bytes(spec: ModelSpec, sh: Shapes) -> np.ndarray:
