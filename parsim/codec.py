@@ -164,8 +164,7 @@ class PlanBatch:
     def sync_once(self):
         """Gradients accumulated unsharded over the passes of a step and reduced in the last (grad_sync once with
         gradient accumulation and data-parallel ranks to reduce over)."""
-        return ((self.grad_sync == GRAD_SYNCS.index("once")) & (self.grad_accum > 1)
-                & (self.dp_replicate * self.dp_shard * self.cp > 1))
+        return (self.reduce_passes < self.grad_accum) & self.fsdp_applied
 
     @cached_property
     def fsdp(self):
@@ -382,7 +381,7 @@ RULES: tuple[Rule, ...] = (
     # torch's pipeline schedules reduce the stage's gradients at the end of every step() (perform_reduce_grad): a
     # pass cannot leave them unreduced for the next [torch 2.13 pipelining/schedules.py]
     Rule("gradients reduced once across pipeline passes", False,
-         lambda b, s: (b.grad_sync == GRAD_SYNCS.index("once")) & (b.pp > 1) & (b.grad_accum > 1),
+         lambda b, s: (b.reduce_passes < b.grad_accum) & (b.pp > 1),
          lambda p, s: f"grad_sync once with PP and {p.grad_accum_steps} gradient-accumulation passes: torch's "
                       "pipeline schedules reduce after every pass; put the microbatches in one pass (local batch "
                       f"{p.global_batch_size // p.dp} = global batch / dp)"),

@@ -125,6 +125,7 @@ def fsdp_exposed(b: PlanBatch, hw: HardwareProfile, cm, fwd, bwd, n_layers) -> n
     exp_fwd = fwd_rounds * (ag_l + n_layers * np.maximum(0.0, ag_l - f_l))
     exp_bwd = n_layers * np.maximum(0.0, bwd_gather * ag_l + red_l - b_l) + red_l
     exp_bwd_unreduced = n_layers * np.maximum(0.0, bwd_gather * ag_l - b_l)
+    # (where every pass reduces, the sum in the order it had before grad_sync: predictions stay bit-identical)
     return np.where(rp == ga, ga * (exp_fwd + exp_bwd), ga * exp_fwd + rp * exp_bwd + (ga - rp) * exp_bwd_unreduced)
 
 
