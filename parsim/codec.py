@@ -545,8 +545,10 @@ EXECUTOR_RULES: tuple[Rule, ...] = (
     Rule("core-attn under CP", False, lambda b, s: (b.ac == AC_MODES["core-attn"]) & (b.cp > 1),
          lambda p, s: "core-attn AC under CP would recompute torch's ring attention, whose recompute's memory no "
                       "trace has checked: a cost-model option here"),
-    Rule("MLA", True, lambda b, s: np.full(np.shape(b.pp), s.mla is not None),
-         lambda p, s: f"{s.name}: the executor has no multi-head latent attention"),
+    Rule("MLA under TP or CP", True, lambda b, s: ((b.tp > 1) | (b.cp > 1)) & (s.mla is not None),
+         lambda p, s: f"{s.name}: the executor runs multi-head latent attention without TP and CP only (TP would "
+                      "keep the latent down-projections replicated, whose partial gradients no trace has checked; "
+                      "its fused attention op is not torch's ring attention): a cost-model option here"),
     Rule("learned positions", True, lambda b, s: np.full(np.shape(b.pp), s.max_position_embeddings > 0),
          lambda p, s: f"{s.name}: the executor has no learned position embeddings"),
     Rule("tied embeddings", True, lambda b, s: np.full(np.shape(b.pp), s.tie_embeddings),

@@ -51,11 +51,7 @@ def print_prediction(pred: Prediction, spec, plan, hw) -> None:
     tim.add_column("ms", justify="right", footer=f"{pred.step_time_s / MS:.1f}")
     for k, v in sorted(pred.time_breakdown_s.items(), key=lambda kv: -kv[1]):
         tim.add_row(k, f"{v / MS:.1f}")
-    com = Table(title="communication per step (rank 0, input bytes)")
-    com.add_column("collective/axis")
-    com.add_column("GiB", justify="right")
-    for k, v in pred.comm_bytes.items():
-        com.add_row(k, f"{v / GiB:.3f}")
+    com = _comm_table(pred)
     con.print(*[t for t in (mem, rsv, tim, com) if t is not None])
     fit = "[green]fits[/green]" if pred.fits else "[red]does NOT fit[/red]"
     held = pred.reserved_memory_bytes if pred.reserved_memory_bytes is not None else pred.peak_memory_bytes
@@ -66,6 +62,26 @@ def print_prediction(pred: Prediction, spec, plan, hw) -> None:
                  if pred.interval_s else "")
               + f", {pred.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
               f"MFU {mfu_text(pred.mfu, hw)}, dominant cost {pred.dominant_cost}")
+
+
+def _comm_table(pred: Prediction):
+    """Input bytes per collective and axis per step: rank 0's, and with PP the last stage's beside them."""
+    from rich.table import Table  # (rich on the printing path only: the core stays fast to import)
+
+    last = pred.comm_bytes_last_stage
+    com = Table(title="communication per step (input bytes, GiB)" if last else
+                "communication per step (rank 0, input bytes)")
+    com.add_column("collective/axis")
+    if not last:
+        com.add_column("GiB", justify="right")
+        for k, v in pred.comm_bytes.items():
+            com.add_row(k, f"{v / GiB:.3f}")
+        return com
+    com.add_column("pp stage 0", justify="right")
+    com.add_column(f"pp stage {int(pred.plan.get('pp', 1)) - 1}", justify="right")
+    for k in list(dict.fromkeys([*pred.comm_bytes, *last])):
+        com.add_row(k, f"{pred.comm_bytes.get(k, 0.0) / GiB:.3f}", f"{last.get(k, 0.0) / GiB:.3f}")
+    return com
 
 
 def comparison_rows(pred: Prediction, meas: Measurement) -> list[tuple[str, float, float]]:

@@ -39,6 +39,9 @@ class Prediction:
     # stream; ``fits`` compares it with the usable memory. CPU (gloo) profiles: the allocated peak
     reserved_memory_bytes: float | None = None
     reserved_breakdown_bytes: dict = field(default_factory=dict)
+    # with PP: "<op>/<axis>" -> bytes the last pipeline stage's rank hands per step (``comm_bytes`` are the first
+    # stage's: the ranks differ by the embedding, the output projection and the layers each holds); empty without
+    comm_bytes_last_stage: dict = field(default_factory=dict)
 
     def __post_init__(self):
         numbers = {"peak_memory_bytes": self.peak_memory_bytes, "step_time_s": self.step_time_s,
@@ -46,6 +49,7 @@ class Prediction:
                    **{f"memory_breakdown_bytes.{k}": v for k, v in self.memory_breakdown_bytes.items()},
                    **{f"time_breakdown_s.{k}": v for k, v in self.time_breakdown_s.items()},
                    **{f"comm_bytes.{k}": v for k, v in self.comm_bytes.items()},
+                   **{f"comm_bytes_last_stage.{k}": v for k, v in self.comm_bytes_last_stage.items()},
                    **{f"comm_time_s.{k}": v for k, v in self.comm_time_s.items()},
                    **{f"exposed_comm_time_s.{k}": v for k, v in self.exposed_comm_time_s.items()}}
         bad = {k: v for k, v in numbers.items() if not math.isfinite(v)}

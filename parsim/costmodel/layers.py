@@ -197,26 +197,41 @@ def _qkv_saved(spec: ModelSpec, sh: Shapes) -> list[tuple[str, np.ndarray, str]]
     out: list[tuple[str, np.ndarray, str]] = []
     mats = spec.attention_matrices()
     if spec.mla:
-        m = spec.mla
-        if m.q_lora_rank:
-            out += [("wq_a.out", T * m.q_lora_rank * b2, linear_kind(spec, "wq_a")),
-                ("q_norm.out", T * m.q_lora_rank * b2, "other")]
-        out += [("wkv_a.out", T * (m.kv_lora_rank + m.qk_rope_head_dim) * b2, linear_kind(spec, "wkv_a")),
-                ("kv_norm.out", T * m.kv_lora_rank * b2, "other")]
+        return _latent_saved(spec, sh)
     for name in ("wq", "wk", "wv"):
         if name in mats:
             out.append((f"{name}.out", T * mats[name][1] / t * b2, linear_kind(spec, name)))
-    if spec.mla:
-        wq = "wq_b" if spec.mla.q_lora_rank else "wq"
-        out += [(f"{wq}.out", T * spec.q_dim / t * b2, linear_kind(spec, wq)),
-                ("wkv_b.out", T * spec.n_heads * (spec.mla.qk_nope_head_dim + spec.mla.v_head_dim) / t * b2,
-                 linear_kind(spec, "wkv_b"))]
     if spec.qk_norm:
         # Qwen3: q and k are RMS-normalized per head before RoPE: the norms keep their input (the mm outputs above)
         # and a fp32 1/rms per head and token; the rotated q and k (new tensors) are what attention keeps
         hq, hk, hd = spec.n_heads / t, spec.n_kv_heads / t, spec.head_dim
         out += [("q_norm.rstd", T * hq * b4, "other"), ("k_norm.rstd", T * hk * b4, "other"),
                 ("q.rotated", T * hq * hd * b2, "other"), ("k.rotated", T * hk * hd * b2, "other")]
+    return out
+
+
+def _latent_saved(spec: ModelSpec, sh: Shapes) -> list[tuple[str, np.ndarray, str]]:
+    """What MLA's projections keep, in forward (mm) order, as torchtitan's DeepSeek-V3 attention runs them
+    (``executor.model.LatentAttention``): the q latent (``wq_a``'s output, the q norm's input) with its norm's fp32
+    1/rms and output (``wq_b``'s input), the query (the size of ``wq_b``'s output: the attention keeps its
+    concatenation of no-rope and rotated parts), the kv latent with the rotary key (``wkv_a``'s output: the kv
+    norm keeps a view of it), its norm's 1/rms and output (``wkv_b``'s input), ``wkv_b``'s output (the values the
+    attention keeps are a view of it) and the concatenated keys, a new (T, heads, qk width) tensor [derived;
+    trace: 2 layers of d 1024, 8 heads of qk 96 / v 64, q LoRA 384, kv LoRA 128: the keys and the two 1/rms per
+    layer, -1.4% before]."""
+    m = spec.mla
+    assert m is not None
+    T, t, b2, b4 = sh.T, sh.t, sh.act_b, 4.0
+    out: list[tuple[str, np.ndarray, str]] = []
+    wq = "wq_b" if m.q_lora_rank else "wq"
+    if m.q_lora_rank:
+        out += [("wq_a.out", T * m.q_lora_rank * b2, linear_kind(spec, "wq_a")), ("q_norm.rstd", T * b4, "other"),
+                ("q_norm.out", T * m.q_lora_rank * b2, "other")]
+    out += [(f"{wq}.out", T * spec.q_dim / t * b2, linear_kind(spec, wq)),
+            ("wkv_a.out", T * (m.kv_lora_rank + m.qk_rope_head_dim) * b2, linear_kind(spec, "wkv_a")),
+            ("kv_norm.rstd", T * b4, "other"), ("kv_norm.out", T * m.kv_lora_rank * b2, "other"),
+            ("wkv_b.out", T * spec.n_heads * (m.qk_nope_head_dim + m.v_head_dim) / t * b2, linear_kind(spec, "wkv_b")),
+            ("k.concatenated", T * spec.kv_dim / t * b2, "other")]
     return out
 
 
@@ -238,7 +253,7 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     # output casts it to bf16 itself (autocast caches weights, not activations) and its matmul keeps that copy:
     # one per input projection (q, k, v) and per MLP input linear (w1, and w3 for SwiGLU), each released by its
     # own linear's backward [derived from torch.autocast; trace of a 1-layer TP 2 model: six (T, d) bf16 casts
-    # at the end of the forward: q, k, v, w1, w3 and the output projection]. (MLA's projections: not split.)
+    # at the end of the forward: q, k, v, w1, w3 and the output projection]
     cast_each = (rb > b2) & ~te
     mats = spec.attention_matrices()
     out = [
@@ -248,6 +263,9 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     ]
     out += [(f"attention_norm.output(cast {w})", np.where(cast_each & (not spec.mla) & (w in mats), norm_out, 0.0),
              "other") for w in ("wk", "wv")]
+    # (MLA: wq_a / wq and wkv_a read the norm's output, each through its own cast)
+    out.append(("attention_norm.output(cast wkv_a)", np.where(cast_each & (spec.mla is not None), norm_out, 0.0),
+                "other"))
     out += _qkv_saved(spec, sh)
     rope_dim = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
     out += [
@@ -485,6 +503,8 @@ def layer_tensors(spec: ModelSpec, b, moe: bool) -> list[tuple[str, np.ndarray, 
     for name, (k, n) in spec.attention_matrices().items():
         if name in ("wq_a", "wkv_a"):  # MLA down-projections: replicated over tp
             out.append((name, n * one, k * one, False))
+            if spec.has_bias(name):
+                out.append((f"{name}.bias", n * one, one, False))
         else:
             linear(name, k, n, name != "wo")
     norm = 2 if spec.norm == "layernorm" else 1
@@ -779,7 +799,10 @@ class _BackwardSteps:
         step(0.0, T * d / sd * self.rb)
 
     def attention(self):
-        """wo, SDPA (q, k, v gradients), RoPE, q/k norms, wv / wk / wq (summed)."""
+        """wo, SDPA (q, k, v gradients), RoPE, q/k norms, wv / wk / wq (summed); MLA: ``latent_attention``."""
+        if self.spec.mla:
+            self.latent_attention()
+            return
         step, pg, spec, T, d, b2, t = self.step, self.pg, self.spec, self.T, self.d, self.b2, self.t
         ao, q_, kv_ = spec.attn_out_dim / t, spec.q_dim / t, spec.kv_dim / t
         step(self.g_full)
@@ -803,6 +826,45 @@ class _BackwardSteps:
         self.accumulate(T * d * b2)
         step(T * d * b2, T * q_ * b2, ["attention_norm.output(gathered)"], pg("wq"))
         self.accumulate(T * d * b2)
+
+
+    def latent_attention(self):
+        """MLA's backward in autograd's order (the newest node first: the kv path before the q path): wo; the
+        attention (dq, dk, dv made; the output's gradient, the saved q, k, v view and output freed: ``wkv_b``'s
+        output goes with v); the keys' concatenation and the rotary key's sum over heads; the rotary query's
+        backward (a contiguous copy of its strided gradient, then the rotated one); the split of k and v (one
+        gradient of ``wkv_b``'s output from the two views: dk and dv freed), ``wkv_b``, the kv norm, the split of the
+        latent and the rotary key, ``wkv_a`` (the first input gradient); the split of the query, ``wq_b``, the q norm,
+        ``wq_a`` (or ``wq``: the second, summed) [derived from ``executor.model.LatentAttention``'s graph]."""
+        step, pg, spec, T, b2, t = self.step, self.pg, self.spec, self.T, self.b2, self.t
+        m = spec.mla
+        assert m is not None
+        ao, q_ = spec.attn_out_dim / t, spec.q_dim / t
+        rq, rk = T * spec.n_heads / t * m.qk_rope_head_dim * b2, T * m.qk_rope_head_dim * b2
+        kvb = T * spec.n_heads / t * (m.qk_nope_head_dim + m.v_head_dim) * b2
+        lq, lkv, dx = T * m.q_lora_rank * b2, T * m.kv_lora_rank * b2, T * self.d * b2
+        wq = "wq_b" if m.q_lora_rank else "wq"
+        step(self.g_full)
+        step(T * ao * b2, self.g_full, ["wo.input(CP copy)"], pg("wo"))
+        lse = np.where(self.b.ac == AC_MODES["core-attn"], T * spec.n_heads / t * 4.0, 0.0)
+        step(T * (2 * q_ + ao) * b2 + lse, T * ao * b2 + lse,
+             ["sdpa.out", "sdpa.logsumexp", f"{wq}.out", "k.concatenated", "wkv_b.out"])
+        step(rk)  # the rotary key's gradient summed over the heads
+        step(rk, rk)  # its rotation back
+        step(2 * rq, rq, ["rope.cos_sin"])  # the rotary query's: a contiguous copy, then the rotation back
+        step(kvb, T * (q_ + ao) * b2)  # dk and dv into one gradient of wkv_b's output
+        step(lkv, kvb, ["kv_norm.out"], pg("wkv_b"))
+        step(lkv, lkv, ["wkv_a.out", "kv_norm.rstd"], pg("kv_norm"), cast=False)
+        step(T * (m.kv_lora_rank + m.qk_rope_head_dim) * b2, lkv + rk)  # latent and rotary key gradients joined
+        step(dx, T * (m.kv_lora_rank + m.qk_rope_head_dim) * b2, ["attention_norm.output(cast wkv_a)"], pg("wkv_a"))
+        step(T * q_ * b2, T * q_ * b2 + rq)  # the query's no-rope and rotated gradients joined
+        if m.q_lora_rank:
+            step(lq, T * q_ * b2, ["q_norm.out"], pg("wq_b"))
+            step(lq, lq, ["wq_a.out", "q_norm.rstd"], pg("q_norm"), cast=False)
+            step(dx, lq, ["attention_norm.output(gathered)"], pg("wq_a"))
+        else:
+            step(dx, T * q_ * b2, ["attention_norm.output(gathered)"], pg("wq"))
+        self.accumulate(dx)
 
 
 def ffn_input_held_bytes(spec: ModelSpec, sh: Shapes) -> np.ndarray:

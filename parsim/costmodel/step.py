@@ -557,6 +557,8 @@ def prediction_from(spec: ModelSpec, plan: Plan, hw: HardwareProfile, r: dict) -
     # collectives named as the executor's counter names them (``codec.canonical_axes``): bytes are rank 0's, times
     # the time-critical rank's
     comm = _named({k: float(v[0]) for k, v in r["comm_bytes"].items()}, canonical_axes(plan, 0))
+    comm_last = {} if plan.pp == 1 else _named({k: float(v[0]) for k, v in r["ranks"][LAST].ledger.bytes_by_key(
+    ).items()}, canonical_axes(plan, stage_rank(plan, LAST)))
     t_names = canonical_axes(plan, stage_rank(plan, int(r["time_rank"][0])))
     comm_t = _named({k: float(v[0]) for k, v in r["comm_time_s"].items()}, t_names)
     exposed = _named({k: float(v[0]) for k, v in r["exposed_comm_time_s"].items()}, t_names)
@@ -578,6 +580,7 @@ def prediction_from(spec: ModelSpec, plan: Plan, hw: HardwareProfile, r: dict) -
         comm_time_s=comm_t, exposed_comm_time_s=exposed,
         reserved_memory_bytes=float(r["reserved_memory_bytes"][0]),
         reserved_breakdown_bytes={k: float(v[0]) for k, v in r["reserved_breakdown_bytes"].items()},
+        comm_bytes_last_stage=comm_last,
         interval_s=(step * math.exp(-q), step * math.exp(q)),
         interval_tokens_per_s_per_gpu=(tps * math.exp(-q), tps * math.exp(q)),
     )

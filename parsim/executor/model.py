@@ -3,7 +3,8 @@
 Module names follow torchtitan (tok_embeddings, layers.<i>.attention.{wq,wk,wv,wo}, attention_norm, ffn_norm,
 feed_forward.{w1,w2,w3}, moe.{router,experts,shared_experts}, norm, output), so that the TP plan, the FSDP
 wrapping and the PP split address the same modules. ``layers`` is a ModuleDict so that a pipeline stage keeps
-only its layers and the rest are deleted. MLA is approximated by standard attention with ``head_dim``.
+only its layers and the rest are deleted. Multi-head latent attention (DeepSeek-V2/V3) is ``LatentAttention``,
+with torchtitan's module names (attention.{wq | wq_a, q_norm, wq_b}, wkv_a, kv_norm, wkv_b, wo).
 """
 
 from __future__ import annotations
@@ -211,6 +212,122 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
+# Attention whose values are narrower than its queries and keys (MLA: qk 192, v 128 wide) runs as one op pair
+# (``parsim::attention``, ``parsim::attention_backward``): torch's CPU SDPA has no fused kernel for unequal widths
+# and falls back to the math composite, which keeps the (s, s) probabilities per head; a GPU runs it fused
+# (memory-efficient attention or cuDNN: the output and the fp32 logsumexp saved, the probabilities recomputed in
+# the backward). On a CPU the pair computes with the composite inside; under FakeTensorMode each is one op whose
+# only allocations are its outputs, as the fused kernel's. Layout (batch, seq, heads, width) in and out.
+def _scores(q, k):
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+    n = q.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    return s.masked_fill(~causal, float("-inf"))
+
+
+@torch.library.custom_op("parsim::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(causal softmax(q k^T / sqrt(d_qk)) v in q's dtype, (b, s, h, d_v); fp32 logsumexp (b, h, s))."""
+    s = _scores(q, k)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]), v.float())
+    return out.to(q.dtype).contiguous(), lse
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v):
+    b, n, h, _ = q.shape
+    return q.new_empty(b, n, h, v.shape[-1]), q.new_empty(b, h, n, dtype=torch.float32)
+
+
+@torch.library.custom_op("parsim::attention_backward", mutates_args=())
+def _attention_bwd_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the probabilities recomputed from q, k and the logsumexp."""
+    p = torch.exp(_scores(q, k) - lse[..., None])
+    gf = g.float()
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, gf)
+    dp = torch.einsum("bqhd,bkhd->bhqk", gf, v.float())
+    ds = p * (dp - (gf * out.float()).sum(-1).transpose(1, 2)[..., None]) * q.shape[-1] ** -0.5
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k.float())
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.float())
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_attention_bwd_op.register_fake
+def _attention_bwd_fake(g, q, k, v, out, lse):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _Attention(torch.autograd.Function):
+    """Causal attention saving q, k, v, its output and the logsumexp, as a fused kernel does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = _attention_op(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _attention_bwd_op(g.contiguous(), *ctx.saved_tensors)
+
+
+def latent_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """MLA's attention call: (b, s, h, d_qk) q and k, (b, s, h, d_v) v -> (b, s, h, d_v)."""
+    return _Attention.apply(q, k, v)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention as torchtitan's DeepSeek-V3 runs it: the query through a low-rank projection
+    and its RMSNorm (``wq_a``, ``q_norm``, ``wq_b``; one ``wq`` without a q LoRA), the keys and values through a
+    shared latent (``wkv_a`` to kv_lora_rank plus one rotary key of qk_rope_head_dim shared by every head,
+    ``kv_norm``, ``wkv_b`` to every head's no-rope key and value), RoPE on the rope parts only, each head's key
+    the concatenation of its no-rope key and the shared rotary key, SDPA with qk and v head widths apart, ``wo``.
+    What autograd keeps per layer: the latents' norm inputs (views of ``wq_a`` / ``wkv_a`` outputs) and rstd, the
+    norm outputs (the up-projections' inputs), the concatenated q and k and the ``wkv_b`` output (v is a view of
+    it) that the attention saves, its output and logsumexp (``latent_core``)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        m = spec.mla
+        assert m is not None
+        self.n_heads, self.m = spec.n_heads, m
+        self.qk_head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+        mats = spec.attention_matrices()  # (in, out) per linear; a bias where the spec has one (DeepSeek: none)
+
+        def linear(name: str) -> nn.Linear:
+            return nn.Linear(*mats[name], bias=spec.has_bias(name))
+
+        if m.q_lora_rank:
+            self.wq_a, self.q_norm, self.wq_b = linear("wq_a"), RMSNorm(m.q_lora_rank), linear("wq_b")
+        else:
+            self.wq = linear("wq")
+        self.wkv_a, self.kv_norm, self.wkv_b = linear("wkv_a"), RMSNorm(m.kv_lora_rank), linear("wkv_b")
+        self.wo = linear("wo")
+        self.checkpoint_core = False  # core-attn AC, as ``Attention``
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        m = self.m
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if m.q_lora_rank else self.wq(x)
+        q_nope, q_pe = torch.split(q.view(b, s, -1, self.qk_head_dim), [m.qk_nope_head_dim, m.qk_rope_head_dim],
+                                   dim=-1)
+        kv, k_pe = torch.split(self.wkv_a(x), [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(kv)).view(b, s, -1, m.qk_nope_head_dim + m.v_head_dim)
+        k_nope, v = torch.split(kv, [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        q_pe, k_pe = apply_rope(q_pe, k_pe.unsqueeze(2), rope)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        if self.checkpoint_core:
+            from torch.utils.checkpoint import checkpoint
+
+            o = checkpoint(latent_core, q, k, v, use_reentrant=False, preserve_rng_state=False)
+        else:
+            o = latent_core(q, k, v)
+        return self.wo(o.reshape(b, s, -1))
+
+
 class FeedForward(nn.Module):
     def __init__(self, spec: ModelSpec, d_ff: int):
         super().__init__()
@@ -409,7 +526,7 @@ class Block(nn.Module):
         super().__init__()
         norm = RMSNorm if spec.norm == "rmsnorm" else nn.LayerNorm
         self.attention_norm = norm(spec.d_model)
-        self.attention = Attention(spec)
+        self.attention = LatentAttention(spec) if spec.mla else Attention(spec)
         self.ffn_norm = norm(spec.d_model)
         self.is_moe = spec.is_moe_layer(layer_id)
         if self.is_moe:
@@ -433,7 +550,7 @@ class Transformer(nn.Module):
         norm = RMSNorm if spec.norm == "rmsnorm" else nn.LayerNorm
         self.norm = norm(spec.d_model)
         self.output = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
-        self.register_buffer("rope", rope_cache(spec.head_dim, max_seq_len), persistent=False)
+        self.register_buffer("rope", rope_cache(_rope_dim(spec), max_seq_len), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -455,7 +572,12 @@ class Transformer(nn.Module):
             else:
                 full = torch.randn(p.shape, generator=g) * 0.02
             _copy_full(p, full)
-        self.rope = rope_cache(self.spec.head_dim, self.rope.shape[0])
+        self.rope = rope_cache(_rope_dim(self.spec), self.rope.shape[0])
+
+
+def _rope_dim(spec: ModelSpec) -> int:
+    """The width RoPE rotates: the head width, or MLA's rotary part of it."""
+    return spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
 
 
 def hash_name(name: str) -> int:

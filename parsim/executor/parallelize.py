@@ -209,12 +209,15 @@ def _sac_policy():
     all-to-all outputs of MoE token dispatch (torchtitan's save list for its MoE models) and max."""
     from torch.utils.checkpoint import CheckpointPolicy
 
+    from . import model  # noqa: F401  (registers the parsim ops the list names)
+
     _sac_ignore_profiler_ops()
     save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_efficient_attention.default,
             torch.ops.aten._scaled_dot_product_flash_attention.default,
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
             torch.ops._c10d_functional.reduce_scatter_tensor.default,
-            torch.ops._c10d_functional.all_to_all_single.default, torch.ops.aten.max.default}
+            torch.ops._c10d_functional.all_to_all_single.default, torch.ops.aten.max.default,
+            torch.ops.parsim.attention.default}  # (MLA's fused attention: ``model.latent_core``)
     autograd_a2a = getattr(getattr(torch.ops, "_c10d_functional_autograd", None), "all_to_all_single", None)
     if autograd_a2a is not None:
         save.add(autograd_a2a.default)
