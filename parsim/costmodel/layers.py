@@ -14,9 +14,10 @@ AC modes (torchtitan): ``full`` keeps the block input and recomputes the block; 
 of every other ``aten.mm`` (odd ones in forward order; a biased linear runs ``aten.addmm``, which the policy
 neither saves nor counts), SDPA outputs and reduce-scatter outputs and recomputes the
 rest; ``layer:N`` fully checkpoints every N-th layer; ``core-attn`` (Megatron's selective recompute) checkpoints
-the attention call alone, which drops its logsumexp and reruns it at the attention's backward. MLA is approximated
-as attention with H heads of width qk_nope+qk_rope for q and k and v_head_dim for v, plus the two latent
-projections and their norms.
+the attention call alone, which drops its logsumexp and reruns it at the attention's backward. MLA is costed as
+torchtitan's DeepSeek-V3 runs it: the latent down-projections and their norms, H heads of width qk_nope + qk_rope
+for q and k (each key the head's no-rope part and the shared rotary key, concatenated) and v_head_dim for v
+(``_latent_saved``, ``_BackwardSteps.latent_attention``).
 """
 
 from __future__ import annotations
