@@ -69,18 +69,15 @@ def _comm_table(pred: Prediction):
     from rich.table import Table  # (rich on the printing path only: the core stays fast to import)
 
     last = pred.comm_bytes_last_stage
+    cols = [("pp stage 0", pred.comm_bytes), (f"pp stage {int(pred.plan.get('pp', 1)) - 1}", last)] if last else [
+        ("GiB", pred.comm_bytes)]
     com = Table(title="communication per step (input bytes, GiB)" if last else
                 "communication per step (rank 0, input bytes)")
     com.add_column("collective/axis")
-    if not last:
-        com.add_column("GiB", justify="right")
-        for k, v in pred.comm_bytes.items():
-            com.add_row(k, f"{v / GiB:.3f}")
-        return com
-    com.add_column("pp stage 0", justify="right")
-    com.add_column(f"pp stage {int(pred.plan.get('pp', 1)) - 1}", justify="right")
-    for k in list(dict.fromkeys([*pred.comm_bytes, *last])):
-        com.add_row(k, f"{pred.comm_bytes.get(k, 0.0) / GiB:.3f}", f"{last.get(k, 0.0) / GiB:.3f}")
+    for name, _ in cols:
+        com.add_column(name, justify="right")
+    for k in dict.fromkeys(k for _, c in cols for k in c):
+        com.add_row(k, *(f"{c.get(k, 0.0) / GiB:.3f}" for _, c in cols))
     return com
 
 

@@ -828,7 +828,6 @@ class _BackwardSteps:
         step(T * d * b2, T * q_ * b2, ["attention_norm.output(gathered)"], pg("wq"))
         self.accumulate(T * d * b2)
 
-
     def latent_attention(self):
         """MLA's backward in autograd's order (the newest node first: the kv path before the q path): wo; the
         attention (dq, dk, dv made; the output's gradient, the saved q, k, v view and output freed: ``wkv_b``'s

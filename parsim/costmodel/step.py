@@ -489,7 +489,6 @@ def rank_details(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict[int, 
     r = evaluate(spec, b, hw, detail=True)
     out = {}
     for which, rk in zip((FIRST, LAST), r["ranks"], strict=True):
-        names = canonical_axes(plan, stage_rank(plan, which))
         pk = rk.peak
         out[which] = {
             "peak_memory_bytes": float(pk.memory_bytes[0]), "peak_phase": PHASES[int(pk.phase[0])],
@@ -497,9 +496,15 @@ def rank_details(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> dict[int, 
             "reserved_memory_bytes": float(pk.reserved_bytes[0]),
             "reserved_breakdown_bytes": {k: float(v[0]) for k, v in pk.reserved_breakdown_bytes.items()},
             "phase_totals_bytes": {k: float(np.broadcast_to(v, (1,))[0]) for k, v in pk.phase_totals_bytes.items()},
-            "comm_bytes": _named({k: float(v[0]) for k, v in rk.ledger.bytes_by_key().items()}, names),
+            "comm_bytes": _stage_comm_bytes(rk.ledger, plan, which),
         }
     return out
+
+
+def _stage_comm_bytes(ledger, plan: Plan, which: int) -> dict:
+    """The bytes per "<op>/<axis>" of one plan's FIRST / LAST rank ledger, under that rank's canonical axis names."""
+    return _named({k: float(v[0]) for k, v in ledger.bytes_by_key().items()},
+                  canonical_axes(plan, stage_rank(plan, which)))
 
 
 def stage_rank(plan: Plan, which: int) -> int:
@@ -557,8 +562,7 @@ def prediction_from(spec: ModelSpec, plan: Plan, hw: HardwareProfile, r: dict) -
     # collectives named as the executor's counter names them (``codec.canonical_axes``): bytes are rank 0's, times
     # the time-critical rank's
     comm = _named({k: float(v[0]) for k, v in r["comm_bytes"].items()}, canonical_axes(plan, 0))
-    comm_last = {} if plan.pp == 1 else _named({k: float(v[0]) for k, v in r["ranks"][LAST].ledger.bytes_by_key(
-    ).items()}, canonical_axes(plan, stage_rank(plan, LAST)))
+    comm_last = {} if plan.pp == 1 else _stage_comm_bytes(r["ranks"][LAST].ledger, plan, LAST)
     t_names = canonical_axes(plan, stage_rank(plan, int(r["time_rank"][0])))
     comm_t = _named({k: float(v[0]) for k, v in r["comm_time_s"].items()}, t_names)
     exposed = _named({k: float(v[0]) for k, v in r["exposed_comm_time_s"].items()}, t_names)

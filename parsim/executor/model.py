@@ -174,6 +174,16 @@ class HeadNorm(RMSNorm):
         return _RMSNormFn.apply(x, w, self.eps)
 
 
+def attend(core, checkpointed: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention call ``core(q, k, v)``, checkpointed alone under core-attn AC (``parallelize.apply_ac``:
+    Megatron's selective recompute of the core attention)."""
+    if not checkpointed:
+        return core(q, k, v)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(core, q, k, v, use_reentrant=False, preserve_rng_state=False)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -203,12 +213,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, rope)
-        if self.checkpoint_core:
-            from torch.utils.checkpoint import checkpoint
-
-            o = checkpoint(self._core, q, k, v, use_reentrant=False, preserve_rng_state=False)
-        else:
-            o = self._core(q, k, v)
+        o = attend(self._core, self.checkpoint_core, q, k, v)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -292,7 +297,7 @@ class LatentAttention(nn.Module):
         super().__init__()
         m = spec.mla
         assert m is not None
-        self.n_heads, self.m = spec.n_heads, m
+        self.m = m
         self.qk_head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
         mats = spec.attention_matrices()  # (in, out) per linear; a bias where the spec has one (DeepSeek: none)
 
@@ -319,13 +324,7 @@ class LatentAttention(nn.Module):
         q_pe, k_pe = apply_rope(q_pe, k_pe.unsqueeze(2), rope)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        if self.checkpoint_core:
-            from torch.utils.checkpoint import checkpoint
-
-            o = checkpoint(latent_core, q, k, v, use_reentrant=False, preserve_rng_state=False)
-        else:
-            o = latent_core(q, k, v)
-        return self.wo(o.reshape(b, s, -1))
+        return self.wo(attend(latent_core, self.checkpoint_core, q, k, v).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
