@@ -458,7 +458,10 @@ RULES: tuple[Rule, ...] = (
 # the rules that read only the batch split (global, local and micro batch, schedule, stages per rank), pp and dp:
 # the first of RULES, so that a row's first broken rule is one of them whenever it breaks one (search checks them
 # once per (pp, dp) key of its batch-split tables, ``search.candidate_chunks``)
-SPLIT_RULES = RULES[:8]
+SPLIT_RULES = RULES[:9]
+# the others read only the degrees, the stages per rank, the sequence length, the options a search pins and the
+# model: search checks them once per (degree combination, stages per rank) (``search._combo_legal``)
+COMBO_RULES = RULES[len(SPLIT_RULES):]
 
 
 def invalid_reasons(b: PlanBatch, spec: ModelSpec | None = None, rules: tuple[Rule, ...] = RULES) -> np.ndarray:

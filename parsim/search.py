@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .codec import RULES, SPLIT_RULES, PlanBatch, batch_of, decode, encode_field, first_broken, group_rpn
+from .codec import COMBO_RULES, SPLIT_RULES, PlanBatch, batch_of, decode, encode_field, first_broken, group_rpn
 from .costmodel.step import evaluate, memory_lower_bound, optimizer_step_lower_bound, step_time_lower_bound
 from .costmodel.work import counted, tally
 from .errors import ParsimError, check_number
@@ -281,21 +281,31 @@ def _combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> np.ndarray:
     return np.array(_degree_combos(spec, n_gpus, sp), dtype=np.int64).reshape(-1, 8)
 
 
-def candidate_chunks(combos: np.ndarray, sp: SearchSpace, max_rows: int = 1 << 20, split_pruned: Counter | None = None):
+def candidate_chunks(combos: np.ndarray, sp: SearchSpace, max_rows: int = 1 << 20, split_pruned: Counter | None = None,
+                     v_legal: np.ndarray | None = None):
     """``candidates``' (rows, batch) in pieces of whole combinations, about ``max_rows`` rows each (0: one piece),
     so that a huge space is checked piece by piece rather than built whole (29 M rows at 2^20 GPUs).
     ``split_pruned``: the rows that break a batch-split rule (``codec.SPLIT_RULES``, which read only the batch
-    split, pp and dp and come first in ``RULES``) are left out, counted there by rule, instead of built."""
-    # a combination's batch splits depend on (pp, dp) only: one table per such key, gathered per combination
-    keys, key_of = np.unique(np.stack([combos[:, 0], combos[:, 1] * combos[:, 2]], axis=1), axis=0,
+    split, pp and dp and come first in ``RULES``) are left out, counted there by rule, instead of built.
+    ``v_legal`` (combinations x ``_stage_counts(sp)``): a combination's rows with stages per rank v only where
+    true (the rest are not built)."""
+    # a combination's batch splits depend on (pp, dp) only (and on which stage counts it may have): one table per
+    # such key, gathered per combination
+    vset = np.zeros(len(combos), np.int64) if v_legal is None else v_legal.astype(np.int64) @ (
+        1 << np.arange(v_legal.shape[1], dtype=np.int64))
+    keys, key_of = np.unique(np.stack([combos[:, 0], combos[:, 1] * combos[:, 2], vset], axis=1), axis=0,
                              return_inverse=True)
     key_of = np.ravel(key_of)
     tables = [np.array(_batch_splits(int(pp), int(dp), sp), dtype=np.int64).reshape(-1, 4)
-              for pp, dp in keys.tolist()]
+              for pp, dp, _ in keys.tolist()]
     if split_pruned is not None:
         per_key = np.bincount(key_of, minlength=len(keys))
         tables = [_split_legal(t, int(pp), int(dp), sp, int(n), split_pruned)
-                  for t, (pp, dp), n in zip(tables, keys.tolist(), per_key.tolist(), strict=True)]
+                  for t, (pp, dp, _), n in zip(tables, keys.tolist(), per_key.tolist(), strict=True)]
+    if v_legal is not None:
+        vs = np.array(_stage_counts(sp), dtype=np.int64)
+        tables = [t[(code >> np.searchsorted(vs, t[:, 3])) & 1 == 1] for t, (_, _, code) in zip(tables, keys.tolist(),
+                                                                                              strict=True)]
     sizes = np.array([len(t) for t in tables], dtype=np.int64)
     first = np.cumsum(sizes) - sizes
     counts = sizes[key_of]
@@ -314,6 +324,44 @@ def candidate_chunks(combos: np.ndarray, sp: SearchSpace, max_rows: int = 1 << 2
                 "local_batch_size": r[:, 1], "micro_batch_size": r[:, 2], "pp_schedule": r[:, 3],
                 "pp_stages_per_rank": r[:, 4], **pinned_columns(sp, degs)}
         yield r, batch_of(cols, (AXES,), (DEFAULT_ORDER,), None)
+
+
+def _stage_counts(sp: SearchSpace) -> list[int]:
+    """The stages per rank a row of the space can have (``_batch_splits``)."""
+    return sorted({1, *(sp.stages_per_rank if "Interleaved1F1B" in sp.pp_schedules else ())})
+
+
+def _combo_legal(spec: ModelSpec, combos: np.ndarray, sp: SearchSpace, pruned: Counter) -> np.ndarray:
+    """(combinations x ``_stage_counts``) where a row of that combination and stage count breaks no rule, its rows
+    that break one counted in ``pruned`` by the first, as ``codec.first_broken`` over every candidate row counts
+    them [derived]: a row that breaks a batch-split rule (``codec.SPLIT_RULES``, first in ``RULES``) breaks it
+    first whatever else it breaks; the other rules (``codec.COMBO_RULES``) read only the degrees, the stages per
+    rank, the sequence, the pinned options and the model, so they are checked once per (combination, stage
+    count) and each row of it shares the verdict (``tests/test_search.py`` checks it against every row)."""
+    vs = _stage_counts(sp)
+    degs = {a: combos[:, k] for k, a in enumerate(COMBO_COLUMNS)}
+    first = np.empty((len(combos), len(vs)), dtype=np.int64)
+    for j, v in enumerate(vs):
+        cols = {**degs, "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size, "local_batch_size": 1,
+                "micro_batch_size": 1, "pp_stages_per_rank": v, **pinned_columns(sp, degs)}
+        first[:, j] = first_broken(batch_of(cols, (AXES,), (DEFAULT_ORDER,), None), spec, COMBO_RULES)
+    # rows per combination and stage count: its (pp, dp) table's rows of that count that break no split rule
+    # (those that do are counted by ``candidate_chunks``)
+    keys, key_of = np.unique(np.stack([combos[:, 0], combos[:, 1] * combos[:, 2]], axis=1), axis=0,
+                             return_inverse=True)
+    key_of = np.ravel(key_of)
+    per_key = np.bincount(key_of, minlength=len(keys))
+    rows_v = np.zeros((len(keys), len(vs)), dtype=np.int64)
+    for i, ((pp, dp), n) in enumerate(zip(keys.tolist(), per_key.tolist(), strict=True)):
+        t = _split_legal(np.array(_batch_splits(int(pp), int(dp), sp), dtype=np.int64).reshape(-1, 4), int(pp),
+                         int(dp), sp, int(n), Counter())  # (counted where the rows are built)
+        rows_v[i] = np.bincount(np.searchsorted(vs, t[:, 3]), minlength=len(vs))
+    counts = rows_v[key_of]
+    for i, n in enumerate(np.bincount(first.ravel(), weights=counts.ravel(), minlength=len(COMBO_RULES) + 1)
+                          [:len(COMBO_RULES)].tolist()):
+        if n:
+            pruned[COMBO_RULES[i].key] += int(n)
+    return first == len(COMBO_RULES)
 
 
 def _split_legal(table: np.ndarray, pp: int, dp: int, sp: SearchSpace, combos: int, pruned: Counter) -> np.ndarray:
@@ -365,13 +413,11 @@ def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict, deadl
     kept: list[np.ndarray] = []
     broken: Counter[str] = Counter()
     done = 0
-    for piece, b in candidate_chunks(combos, sp, RULE_CHUNK, broken):
+    v_legal = _combo_legal(spec, combos, sp, broken)
+    for piece, _b in candidate_chunks(combos, sp, RULE_CHUNK, broken, v_legal):
         if done:  # (past the first piece: a small space is checked whole, and the search's own deadline applies)
             _check_building(deadline, done, sp)
-        first = first_broken(b, spec)
-        ok = first == len(RULES)
-        _count_broken(broken, first, RULES)
-        kept.append(piece[ok])
+        kept.append(piece)
         done += len(piece)
     for k, n in broken.items():
         pruned[str(k)] = int(n)

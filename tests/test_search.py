@@ -493,3 +493,30 @@ def test_the_batch_split_rules_read_only_the_batch_split_pp_and_dp():
         got = {int(first_broken(encode([Plan(**kw, **deg)], None), None, SPLIT_RULES)[0])
                for deg in (dict(dp_shard=4), dict(dp_replicate=4), dict(dp_replicate=2, dp_shard=2, tp=2, cp=2))}
         assert len(got) == 1, kw
+
+
+@pytest.mark.parametrize("name,gpus,kw", [("deepseek-v3", 256, {}), ("qwen3-30b-a3b", 64, {"seq_len": 2048}),
+                                          ("llama3-8b", 48, {"pp_schedules": ("Interleaved1F1B", "GPipe"),
+                                                             "stages_per_rank": (1, 2, 3)}),
+                                          ("tiny-moe", 24, {"global_batch_size": 96})])
+def test_legal_rows_checked_per_combination_are_those_every_row_check_keeps(name, gpus, kw):
+    """``search._base_rows`` checks the rules other than the batch split's once per (degrees, stages per rank): its
+    rows and its pruned counts by rule are those of ``codec.first_broken`` over every candidate row."""
+    from collections import Counter
+
+    from parsim.codec import RULES, first_broken
+    from parsim.search import RULE_CHUNK, _base_rows, _combos, _count_broken, candidate_chunks
+
+    spec = PRESETS[name]
+    sp = SearchSpace(**{"global_batch_size": 256, "seq_len": 4096, **kw})
+    pruned: dict = {}
+    base = _base_rows(spec, gpus, sp, 8, pruned)
+    kept, broken = [], Counter()
+    for piece, b in candidate_chunks(_combos(spec, gpus, sp), sp, RULE_CHUNK, broken):
+        first = first_broken(b, spec)
+        _count_broken(broken, first, RULES)
+        kept.append(piece[first == len(RULES)])
+    rows = np.concatenate(kept)
+    assert len(rows) > 100 and len(broken) >= 3
+    assert np.array_equal(np.stack([base[k] for k in ("combo", "lbs", "mbs", "sched", "v")], axis=1), rows)
+    assert pruned == {str(k): n for k, n in broken.items()}

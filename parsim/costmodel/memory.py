@@ -144,6 +144,17 @@ class Timeline:
             self.best[p] = np.where(better, total, self.best[p])
             self.items[p] = np.where(better, self.arr if at is None else self.arr + at, self.items[p])
 
+    def take(self, idx: np.ndarray) -> Timeline:
+        """A timeline of the plans ``idx`` alone, from where this one is (its moments and mask too)."""
+        out = Timeline(len(idx))
+        out.arr[...], out.best[...], out.items[...] = self.arr[:, idx], self.best[:, idx], self.items[:, :, idx]
+        out.mask[...] = self.mask[idx]
+        return out
+
+    def put(self, idx: np.ndarray, part: Timeline) -> None:
+        """The plans ``idx`` become where ``part`` (a ``take`` of them) is."""
+        self.arr[:, idx], self.best[:, idx], self.items[:, :, idx] = part.arr, part.best, part.items
+
     def snapshot(self) -> np.ndarray:
         return self.arr.copy()
 
@@ -540,27 +551,38 @@ def simulate_actions(q: RankMemory, chunks: list, schedules: list, pp: int) -> d
     ``schedules``: (the plans it is for, the action list) pairs (the list depends on the microbatch count), each
     replayed for its plans only, a forward's or backward's record shared (``_replayed``)."""
     tally(schedule_replays=len(schedules), timeline_plans=q.n, schedule_actions=sum(len(a) for _, a in schedules))
-    tl = _step_start(q)
+    whole = _step_start(q)
     v = len(chunks)
     memo: dict = {}
     for plans, actions in schedules:
-        st = {"unsharded": [np.zeros(q.n, bool) for _ in range(v)], "held": [np.zeros(q.n) for _ in range(v)],
-              "backwards": [0] * v, "phase": FWD, "memo": memo}  # held: the stage's unsharded parameter bytes
-        with tl.only(plans):
-            i = 0
-            while i < len(actions):
-                kind, stage, _mb = actions[i]
-                k = 1
-                while (kind in ("F", "B") and i + k < len(actions) and actions[i + k][0] == kind
-                       and actions[i + k][1] == stage):
-                    k += 1
-                if kind == "LEFT_OUT_B":  # (``interleaved_actions(compress=True)``: ``_mb`` backwards left out)
-                    tl.add("activations", _sent_held(chunks[stage // pp]) * _mb)
-                else:
-                    _stage_action_run(tl, chunks[stage // pp], stage // pp, kind, k, st)
-                i += k
-    _optimizer_step(tl, q)
-    return tl.phases()
+        idx = np.flatnonzero(plans)
+        if not len(idx):
+            continue
+        tl = whole.take(idx)
+        # unsharded: per stage where its units are unsharded (over the whole batch: the records' keys);
+        # held: the stage's unsharded parameter bytes (the schedule's plans)
+        st = {"unsharded": [np.zeros(q.n, bool) for _ in range(v)], "held": [np.zeros(len(idx)) for _ in range(v)],
+              "backwards": [0] * v, "phase": FWD, "memo": memo, "idx": idx, "sliced": {}}
+        i = 0
+        while i < len(actions):
+            kind, stage, _mb = actions[i]
+            k = 1
+            while (kind in ("F", "B") and i + k < len(actions) and actions[i + k][0] == kind
+                   and actions[i + k][1] == stage):
+                k += 1
+            if kind == "LEFT_OUT_B":  # (``interleaved_actions(compress=True)``: ``_mb`` backwards left out)
+                tl.add("activations", _of(_sent_held(chunks[stage // pp]) * _mb, idx))
+            else:
+                _stage_action_run(tl, chunks[stage // pp], stage // pp, kind, k, st)
+            i += k
+        whole.put(idx, tl)
+    _optimizer_step(whole, q)
+    return whole.phases()
+
+
+def _of(x, idx: np.ndarray):
+    """``x`` (a scalar or one value per plan of the batch) for the plans ``idx``."""
+    return x[idx] if np.ndim(x) else x
 
 
 def _stage_action_run(tl: Timeline, qc: RankMemory, c: int, kind: str, k: int, st: dict) -> None:
@@ -589,7 +611,7 @@ def _stage_action(tl: Timeline, qc: RankMemory, c: int, kind: str, st: dict) -> 
         regather = ~unsharded[c]
         _replayed(tl, st, (kind, id(qc), mode, regather.tobytes()),
                   lambda t, p: _backward(t, qc, mode, p, regather=regather), phase)
-        tl.add("activations", _sent_held(qc))
+        tl.add("activations", _of(_sent_held(qc), st["idx"]))
         backwards[c] += 1
         unsharded[c] = qc.fsdp.copy()
         if np.any(qc.has_emb):
@@ -631,14 +653,17 @@ def _replayed(tl: Timeline, st: dict, key: tuple, action, phase: str = BWD1) -> 
     given (the backward's and the unshard's; no branch depends on it): the record is made under BWD1 and its
     BWD1 moments applied under ``phase``. Each recorded moment is applied relative to the start (two under one
     phase are two moments), the change after the last."""
-    memo = st["memo"]
-    rec = memo.get(key)
+    memo, sliced, idx = st["memo"], st["sliced"], st["idx"]
+    rec = sliced.get(key)
     if rec is None:
-        sub = Timeline(tl.n)
-        action(sub, BWD1)
-        rec = memo[key] = ([(ph, {"top": sub.best[j], "at": sub.items[j], "end": None})
-                            for j, ph in enumerate(PHASES) if np.isfinite(sub.best[j]).any()],  # (reached ones)
-                           sub.arr)
+        whole = memo.get(key)
+        if whole is None:
+            sub = Timeline(len(st["unsharded"][0]))
+            action(sub, BWD1)
+            whole = memo[key] = ([(ph, sub.best[j], sub.items[j]) for j, ph in enumerate(PHASES)
+                                  if np.isfinite(sub.best[j]).any()], sub.arr)  # (reached ones)
+        rec = sliced[key] = ([(ph, {"top": top[idx], "at": at[:, idx], "end": None}) for ph, top, at in whole[0]],
+                             whole[1][:, idx])
     moments, end = rec
     for ph, series in moments:
         tl.apply_series(phase if ph == BWD1 else ph, series)
