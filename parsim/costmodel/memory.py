@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -207,6 +208,12 @@ class Unit:
     copy_temp: np.ndarray | float = 0.0
     last_off_dim0: np.ndarray | bool = False
     grouped: np.ndarray | bool = False  # a shard group of 2+ ranks: its gathers all-gather into a flat buffer
+
+    @functools.cached_property
+    def single_group(self) -> np.ndarray:
+        """Where the unit's reduce has a shard group of one rank: output as large as its (non-empty) input."""
+        rs_in = np.asarray(self.rs_in, dtype=float)
+        return (rs_in > 0) & np.isclose(self.rs_out, rs_in)
 
 
 @dataclass
@@ -862,7 +869,7 @@ def _reduce_output(tl: Timeline, q: RankMemory, u: Unit, r, accr, grads_alive: b
     # (the same at pipelining's reduce: the accumulators are all gone after the copy-in, a shard group of one
     # keeping no last one, then the output and the division's buffer [trace: chunk_cat, the accumulators'
     # releases, empty, div, copy_])
-    single = r & (np.asarray(u.rs_in, dtype=float) > 0) & np.isclose(u.rs_out, u.rs_in)
+    single = r & u.single_group
     tl.add("fsdp_grad_buffers", -np.asarray(u.grads if grads_alive else u.last_grad, dtype=float), single & ~accr)
     tl.add("fsdp_grad_buffers", u.rs_out, r)
     tl.add("fsdp_grad_buffers", u.rs_in, single)
