@@ -39,6 +39,14 @@ def print_summary(summary: dict) -> None:
         add(src, s)
     add("parsim, curves only", summary.get("without_measured_blocks"))
     con.print(t)
+    _print_summary_notes(con, summary, pct)
+
+
+def _print_summary_notes(con, summary: dict, pct) -> None:
+    """``print_summary``'s lines below its table: measured blocks, collective rounds, step components, regret,
+    repeatability, peak memory, the fit check."""
+    from rich.table import Table
+
     mb = summary.get("measured_blocks")
     if mb:
         rounds = f", timed at the start of each of {mb['rounds']} rounds (the median kept)" if mb.get("rounds") else ""

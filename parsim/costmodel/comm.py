@@ -240,13 +240,15 @@ def rank_comm(spec, b, sh, hw, rv: RankView) -> RankComm:
                     fsdp_reduce_total_s=led.total_s(("fsdp_reduce",)))
 
 
-def per_microbatch_exposed_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac) -> None:
-    """The TP, CP and EP records of ``M`` microbatches (exposed: on the critical path of each)."""
-    _tp_records(led, spec, b, sh, rv, M, n_full, n_sac)
+def per_microbatch_exposed_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac,
+                                   per_step: bool = True) -> None:
+    """The TP, CP and EP records of ``M`` microbatches (exposed: on the critical path of each); ``per_step`` False
+    leaves out the only ones whose calls do not scale with ``M`` (``tp_partial_grad_records``)."""
+    _tp_records(led, spec, b, sh, rv, M, n_full, n_sac, per_step)
     _cp_ep_records(led, spec, b, sh, rv, M, n_full, n_sac, ac)
 
 
-def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> None:
+def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, per_step: bool = True) -> None:
     """TP + SP per microbatch. Activations are in param_dtype (``act_b``) under FSDP mixed precision; under
     autocast (no data parallelism) the residual stream is fp32: the forward all-gathers of norm outputs (and their
     recomputes), the embedding's backward all-gather and the reduce-scatters of their gradients move fp32
@@ -300,10 +302,11 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> Non
     # [derived from torch.distributed.tensor.parallel.loss; trace]
     led.add("loss parallel: all-reduces of the row max, the sum of exponentials and the target logit",
             "all_reduce", "tp", T * 4.0, M * 3.0 * np.where(rv.has_out, 1.0, 0.0), g, r, "forward", "exposed", tp_on)
-    _tp_partial_grad_records(led, spec, b, rv)
+    if per_step:
+        tp_partial_grad_records(led, spec, b, rv)
 
 
-def _tp_partial_grad_records(led: Ledger, spec, b, rv: RankView) -> None:
+def tp_partial_grad_records(led: Ledger, spec, b, rv: RankView) -> None:
     """Weights replicated over tp whose gradients are partial sums: under SP the norms (LayerNorm: weight and bias)
     see only their sequence shard, Qwen3's q/k norms only the rank's heads, the router only the rank's share of the
     tokens (EP with TP) or of the expert outputs (executor: MoE._tp_forward), with or without SP. With FSDP the

@@ -290,29 +290,37 @@ def saved_tensors(spec: ModelSpec, sh: Shapes, moe: bool) -> list[tuple[str, np.
     if not moe:
         out += _mlp_saved(spec, T, spec.d_ff / t, "mlp", T * d * b2, b2, te=te, f8b=sh.f8b)
     else:
-        mo = spec.moe
-        assert mo is not None
-        t_router = sh.Tr / (mo.top_k * mo.capacity_factor)
-        out += [("router.logits", t_router * mo.n_experts * b4, "mm"),
-                ("router.probs", t_router * mo.n_experts * b4, "other"),
-                # (the norm's output gathered by token: fp32 under autocast, where only linears cast their input)
-                # EP: the dispatch all-to-all's output (the received tokens, before their regrouped copy) and the
-                # combine's (the experts' output sent back): autograd saves neither, selective AC caches both (the
-                # policy saves all-to-all outputs, as torchtitan's does for its MoE models) [derived:
-                # executor.parallelize._sac_policy; trace: 7 MoE layers, ep 2 x cp 2, selective AC: two (192, 576)
-                # bf16 all-to-all outputs per layer alive at the output projection's backward, -2.1% before]
-                ("experts.dispatch(all-to-all)", np.where(sh.ep > 1, sh.Tr * d * rb, 0.0), "a2a"),
-                ("experts.input(permuted)", sh.Tr * d * rb, "other")]
-        # (routed experts: SwiGLU whatever the model's MLP, ``spec.routed_expert_matrices``)
-        experts = _mlp_saved(spec, sh.Tr, mo.d_ff_expert / sh.etp, "experts", sh.Tr * d * b2, b2, kind="gmm",
-                             mlp="swiglu")
-        # (the combine's all-to-all runs before the routing weights' product, which saves the experts' output: with
-        # EP the tokens that all-to-all returned, a tensor the recompute takes back from the cache)
-        out += experts[:-1] + [("experts.combine(all-to-all)", np.where(sh.ep > 1, sh.Tr * d * b2, 0.0), "a2a"),
-                               experts[-1]]
-        if mo.n_shared_experts:
-            out += _mlp_saved(spec, T, mo.d_ff_expert * mo.n_shared_experts / t, "shared", T * d * b2, b2)
+        out += _moe_saved(spec, sh)
     out.append(("mlp.reduce_scatter.out", np.where(sd > 1, T * d / sd * b2, 0.0), "rs"))
+    return out
+
+
+def _moe_saved(spec: ModelSpec, sh: Shapes) -> list[tuple[str, np.ndarray, str]]:
+    """``saved_tensors`` of a MoE layer's FFN part: the router's, the routed tokens' and experts', the shared
+    experts'."""
+    T, t, d, b2, b4, rb = sh.T, sh.t, spec.d_model, sh.act_b, 4.0, sh.res_b
+    mo = spec.moe
+    assert mo is not None
+    t_router = sh.Tr / (mo.top_k * mo.capacity_factor)
+    out = [("router.logits", t_router * mo.n_experts * b4, "mm"),
+           ("router.probs", t_router * mo.n_experts * b4, "other"),
+           # (the norm's output gathered by token: fp32 under autocast, where only linears cast their input)
+           # EP: the dispatch all-to-all's output (the received tokens, before their regrouped copy) and the
+           # combine's (the experts' output sent back): autograd saves neither, selective AC caches both (the
+           # policy saves all-to-all outputs, as torchtitan's does for its MoE models) [derived:
+           # executor.parallelize._sac_policy; trace: 7 MoE layers, ep 2 x cp 2, selective AC: two (192, 576)
+           # bf16 all-to-all outputs per layer alive at the output projection's backward, -2.1% before]
+           ("experts.dispatch(all-to-all)", np.where(sh.ep > 1, sh.Tr * d * rb, 0.0), "a2a"),
+           ("experts.input(permuted)", sh.Tr * d * rb, "other")]
+    # (routed experts: SwiGLU whatever the model's MLP, ``spec.routed_expert_matrices``)
+    experts = _mlp_saved(spec, sh.Tr, mo.d_ff_expert / sh.etp, "experts", sh.Tr * d * b2, b2, kind="gmm",
+                         mlp="swiglu")
+    # (the combine's all-to-all runs before the routing weights' product, which saves the experts' output: with
+    # EP the tokens that all-to-all returned, a tensor the recompute takes back from the cache)
+    out += experts[:-1] + [("experts.combine(all-to-all)", np.where(sh.ep > 1, sh.Tr * d * b2, 0.0), "a2a"),
+                           experts[-1]]
+    if mo.n_shared_experts:
+        out += _mlp_saved(spec, T, mo.d_ff_expert * mo.n_shared_experts / t, "shared", T * d * b2, b2)
     return out
 
 

@@ -966,6 +966,24 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     held = np.where(mid, np.asarray(q.mb_extra, dtype=float), np.asarray(q.stage_logits, dtype=float))
     recv = np.where(mid, q.flow, 0.0) - q.recv_grad  # (the received gradient, unless a receive buffer)
     tl.add("activations", held - np.asarray(q.mb_extra, dtype=float))
+    _output_backward(tl, q, mode, phase, regather, rs_prev)
+    _blocks_backward(tl, q, mode, phase, regather, rs_prev, mid)
+    # (the stage's first block released its saved input: where that is a receive buffer it stays, counted there)
+    tl.add("activations", q.recv_in)
+    held = held + (recv if q.blocks else -q.recv_grad)
+    kept = _input_held(q, mode)
+    _embedding_backward(tl, q, held, mode, phase, regather, rs_prev, kept)
+    _final_callback(tl, q, rs_prev)
+    # (the received input: its block's saved copy was released above; a receive buffer is counted there)
+    tl.add("activations", q.flow - q.recv_in, kept)
+    _deferred_casts(tl, q, mode, phase)
+    tl.add("activations", -(2.0 * q.flow - q.recv_in + held), kept)
+
+
+def _output_backward(tl: Timeline, q: RankMemory, mode, phase: str, regather, rs_prev: list) -> None:
+    """The [norm, output] unit's part of a microbatch's backward (``_backward``; the last stage): its gather where
+    resharded and the next unit's prefetch, the output projection's weight and input gradients, its
+    post-backward."""
     first_blk = q.blocks[-1][0] if q.blocks else None
     nxt = first_blk.unit.gathered if first_blk is not None else np.where(q.has_emb, q.emb.gathered, 0.0)
     out_gather = q.has_out & (regather & (q.raf_out | q.pp))
@@ -991,8 +1009,13 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
     tl.add("activations", np.where(q.has_out, q.flow - q.final_norm_saved, 0.0))
     _post_backward(tl, q, q.out, q.has_out, phase, rs_prev, True, mode)
     _plain_grads_done(tl, q, q.out.grads - out_def, q.has_out, mode)
+
+
+def _blocks_backward(tl: Timeline, q: RankMemory, mode, phase: str, regather, rs_prev: list, mid) -> None:
+    """The stage's blocks in backward order (``_backward``), run by run (``_run``); the stage's first block in
+    backward sums beside the received gradient (``mid``: a stage before the last)."""
     runs = list(reversed(q.blocks))
-    first = [True]  # (the stage's first block in backward sums beside the received gradient)
+    first = [True]
     for r, (blk, count) in enumerate(runs):
         after = runs[r + 1][0].unit.gathered if r + 1 < len(runs) else np.where(q.has_emb, q.emb.gathered, 0.0)
 
@@ -1001,16 +1024,6 @@ def _backward(tl: Timeline, q: RankMemory, mode, phase: str, regather) -> None:
             first[0] = False
             _block_backward(tl, q, b, after if last else blk.unit.gathered, rs_prev, mode, phase, regather)
         _run(tl, count, body)
-    # (the stage's first block released its saved input: where that is a receive buffer it stays, counted there)
-    tl.add("activations", q.recv_in)
-    held = held + (recv if runs else -q.recv_grad)
-    kept = _input_held(q, mode)
-    _embedding_backward(tl, q, held, mode, phase, regather, rs_prev, kept)
-    _final_callback(tl, q, rs_prev)
-    # (the received input: its block's saved copy was released above; a receive buffer is counted there)
-    tl.add("activations", q.flow - q.recv_in, kept)
-    _deferred_casts(tl, q, mode, phase)
-    tl.add("activations", -(2.0 * q.flow - q.recv_in + held), kept)
 
 
 def _input_held(q: RankMemory, mode) -> np.ndarray:

@@ -70,25 +70,41 @@ def framework_overheads(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, ledg
     if "fsdp_call_fixed_s" in c:
         out["framework_fsdp"] = _fsdp_calls_s(b, c, ledger) * scale
     if "tp_block_fixed_s" in c:
-        act = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) * float(spec.d_model) * b.param_bytes
-        per_block = float(c["tp_block_fixed_s"]) + float(c["tp_block_s_per_byte"]) * act
-        per_moe = per_block
-        if "tp_moe_block_fixed_s" in c:
-            per_moe = float(c["tp_moe_block_fixed_s"]) + float(c["tp_moe_block_s_per_byte"]) * act
-        blocks = (n_layers - n_moe_layers) * per_block + n_moe_layers * per_moe
-        out["framework_tp"] = np.where(b.tp > 1, M * blocks, 0.0) * scale
+        out["framework_tp"] = _tp_blocks_s(spec, b, c, n_layers, n_moe_layers, M) * scale
     if "ep_block_fixed_s" in c and spec.moe is not None:
-        share = np.where((b.tp > 1) & (b.etp_eff == 1), b.tp, 1)
-        rows = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) / share * spec.moe.top_k
-        per_block = float(c["ep_block_fixed_s"]) + float(c["ep_block_s_per_byte"]) * rows * spec.d_model * \
-            b.param_bytes
-        out["framework_ep"] = np.where(b.ep > 1, n_moe_layers * M * per_block, 0.0) * scale
+        out["framework_ep"] = _ep_blocks_s(spec, b, c, n_moe_layers, M) * scale
     if "pp_action_fixed_s" in c:
-        sent = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) / np.where(b.sequence_parallel, b.tp, 1) * \
-            float(spec.d_model) * b.param_bytes
-        per_action = float(c["pp_action_fixed_s"]) + float(c["pp_action_s_per_byte"]) * sent
-        out["framework_pp"] = np.where(b.pp > 1, 2.0 * M * b.pp_stages_per_rank * per_action, 0.0) * scale
+        out["framework_pp"] = _pp_actions_s(spec, b, c, M) * scale
     return out
+
+
+def _tp_blocks_s(spec: ModelSpec, b: PlanBatch, c: dict, n_layers, n_moe_layers, M) -> np.ndarray:
+    """``framework_overheads``' ``framework_tp`` before the core-sharing scale."""
+    act = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) * float(spec.d_model) * b.param_bytes
+    per_block = float(c["tp_block_fixed_s"]) + float(c["tp_block_s_per_byte"]) * act
+    per_moe = per_block
+    if "tp_moe_block_fixed_s" in c:
+        per_moe = float(c["tp_moe_block_fixed_s"]) + float(c["tp_moe_block_s_per_byte"]) * act
+    blocks = (n_layers - n_moe_layers) * per_block + n_moe_layers * per_moe
+    return np.where(b.tp > 1, M * blocks, 0.0)
+
+
+def _ep_blocks_s(spec: ModelSpec, b: PlanBatch, c: dict, n_moe_layers, M) -> np.ndarray:
+    """``framework_overheads``' ``framework_ep`` before the core-sharing scale."""
+    assert spec.moe is not None
+    share = np.where((b.tp > 1) & (b.etp_eff == 1), b.tp, 1)
+    rows = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) / share * spec.moe.top_k
+    per_block = float(c["ep_block_fixed_s"]) + float(c["ep_block_s_per_byte"]) * rows * spec.d_model * \
+        b.param_bytes
+    return np.where(b.ep > 1, n_moe_layers * M * per_block, 0.0)
+
+
+def _pp_actions_s(spec: ModelSpec, b: PlanBatch, c: dict, M) -> np.ndarray:
+    """``framework_overheads``' ``framework_pp`` before the core-sharing scale."""
+    sent = b.micro_batch_size * b.seq_len / np.maximum(b.cp, 1) / np.where(b.sequence_parallel, b.tp, 1) * \
+        float(spec.d_model) * b.param_bytes
+    per_action = float(c["pp_action_fixed_s"]) + float(c["pp_action_s_per_byte"]) * sent
+    return np.where(b.pp > 1, 2.0 * M * b.pp_stages_per_rank * per_action, 0.0)
 
 
 def interference(hw: HardwareProfile, ledger) -> np.ndarray:

@@ -380,9 +380,6 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     S, Se = b.fsdp[idx].astype(float), b.efsdp[idx].astype(float)
     sizes = (pb, gb, rb, S, Se, (b.ep == 1)[idx])
 
-    def unit(shard, local, s, last) -> Unit:
-        return _memory_unit(shard, local, s, last, pb, gb, rb)
-
     has_emb, has_out = rv.has_emb[idx], rv.has_out[idx]
     blocks = []
     built = {} if built is None else built  # runs of the same kind share one Block (and its replay caches)
@@ -390,11 +387,6 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         if (moe, ckpt) not in built:
             built[moe, ckpt] = _memory_block(spec, b, rv, c.costs, idx, moe, ckpt, steps_of, sizes)
         blocks.append((built[moe, ckpt], count))
-    emb_local = np.asarray(rv.emb_local)[idx]
-    V, d = spec.vocab_size, float(spec.d_model)
-    # the embedding backward's dense gradient over the whole vocabulary (torch's embedding backward, also under
-    # RowwiseParallel), its vocab shard under TE layers (Megatron's VocabParallelEmbedding)
-    emb_dense = np.where(has_emb, np.where(b.te_layers[idx], emb_local, V * d) * gb, 0.0)
     rope = float(spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim)
     # RoPE cos / sin
     buffers = b.seq_len[idx].astype(float) * rope * 4.0 * np.where(b.pp[idx] > 1, b.pp_stages_per_rank[idx], 1)
@@ -407,21 +399,12 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
     loss_saved = _loss_saved_bytes(spec, b, sh, c)[idx]
     pipe = _pipeline_sizes(b, c, rank, idx, steps_of, stage_out, act_b, has_emb, has_out)
     inflight_logits = np.where(b.fused_loss[idx], 0.0, pipe["stage_logits"])
-    # without FSDP a vocab-sharded (TP) embedding's gradient is a view of the dense whole-vocabulary gradient its
-    # backward made: that storage stays (with FSDP, FSDP2 copies the rank's rows out)
-    all_grads4 = np.asarray(p_shard)[idx] * 4.0 + np.where(~fsdp_on & has_emb & (b.tp[idx] > 1) & ~b.te_layers[idx],
-                                                           (V * d - emb_local) * 4.0, 0.0)
     return RankMemory(
         n=len(idx), parameters=np.asarray(p_opt)[idx] * 4.0, optimizer_states=np.asarray(p_opt)[idx] * 8.0,
         buffers=buffers, cp_buffers=_cp_buffers(b, idx, rope, has_emb, has_out), inputs=_step_inputs(b, idx),
-        all_grads4=all_grads4,
         fsdp=fsdp_on, raf=b.raf[idx],
         raf_out=b.raf_always[idx], acc=((b.grad_accum > 1) & ~b.sync_once)[idx], once=b.sync_once[idx],
-        has_emb=has_emb, has_out=has_out,
-        emb=unit(np.asarray(rv.emb_shard)[idx], emb_local, S, emb_local), emb_dense_grad=emb_dense,
-        emb_sharded=(b.tp > 1)[idx] & ~b.te_layers[idx],
-        out=unit(np.asarray(rv.norm_shard + rv.outw_shard)[idx], np.asarray(rv.out_local)[idx], S,
-                 np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx))),
+        has_emb=has_emb, has_out=has_out, **_end_units(spec, b, rv, idx, p_shard, sizes),
         loss=np.asarray(steps_of.once(_loss_bytes, spec, b, sh, rv, c))[idx] * np.ones(len(idx)) + inflight_logits,
         blocks=blocks, opt_temporaries=np.asarray(steps_of.once(optimizer_temporaries, b, rv))[idx], flat_held=S > 1,
         hsdp=(b.dp_replicate > 1)[idx], reduce_bytes=rb, flow=stage_out,
@@ -436,6 +419,26 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         autocast_cache=_autocast_cache(b, idx, fsdp_on, steps_of.once(_linear_weight_elems, spec, b, rv), rv),
         param_bytes=pb, out_weight4=np.asarray(rv.out_local - rv.norm_local)[idx] * 4.0 * np.ones(len(idx)),
         last_cast4=steps_of.once(_last_cast_elems, spec, b, runs[-1][0] if runs else False)[idx] * 4.0)
+
+
+def _end_units(spec: ModelSpec, b: PlanBatch, rv: C.RankView, idx: np.ndarray, p_shard, sizes: tuple) -> dict:
+    """The embedding's and the [norm, output] unit's sizes for ``_rank_memory_inputs`` (the plans ``idx``), and
+    every fp32 gradient of the rank (``all_grads4``)."""
+    pb, gb, rb, S = sizes[:4]
+    has_emb, fsdp_on, te = rv.has_emb[idx], b.fsdp_applied[idx], b.te_layers[idx]
+    emb_local = np.asarray(rv.emb_local)[idx]
+    V, d = spec.vocab_size, float(spec.d_model)
+    # without FSDP a vocab-sharded (TP) embedding's gradient is a view of the dense whole-vocabulary gradient its
+    # backward made: that storage stays (with FSDP, FSDP2 copies the rank's rows out)
+    all_grads4 = np.asarray(p_shard)[idx] * 4.0 + np.where(~fsdp_on & has_emb & (b.tp[idx] > 1) & ~te,
+                                                           (V * d - emb_local) * 4.0, 0.0)
+    return dict(
+        all_grads4=all_grads4, emb=_memory_unit(np.asarray(rv.emb_shard)[idx], emb_local, S, emb_local, pb, gb, rb),
+        # the embedding backward's dense gradient over the whole vocabulary (torch's embedding backward, also
+        # under RowwiseParallel), its vocab shard under TE layers (Megatron's VocabParallelEmbedding)
+        emb_dense_grad=np.where(has_emb, np.where(te, emb_local, V * d) * gb, 0.0), emb_sharded=(b.tp > 1)[idx] & ~te,
+        out=_memory_unit(np.asarray(rv.norm_shard + rv.outw_shard)[idx], np.asarray(rv.out_local)[idx], S,
+                         np.asarray(rv.out_local - rv.norm_local)[idx] * np.ones(len(idx)), pb, gb, rb))
 
 
 def _pipeline_sizes(b: PlanBatch, c: RankCompute, rank: int, idx: np.ndarray, steps_of: Whole, stage_out,
@@ -824,25 +827,59 @@ def rank_memory_bound(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: 
     warm = np.where(v1, w * per_mb + loss + unsharded,
                     _interleaved_bounds(spec, b, rank, c.costs, pp & ~v1, edges, loss, units,
                                         np.where(_torch_pp(b), stage_out, 0.0)))
+    steady = _steady_bound(b, rv, m, w, per_mb, loss, local * rb, gathered, np.where(kept & ~any_reshard, gathered,
+                                                                                   0.0))
+    reduce = _reduce_bound(b, rv, m, local * rb, gathered, pb)
+    return np.maximum(at_opt, held + np.maximum.reduce([warm, steady, reduce, _unit_reduce_bound(b, rv)]))
+
+
+def _unit_reduce_bound(b: PlanBatch, rv: C.RankView) -> np.ndarray:
+    """``rank_memory_bound``'s moment at a block's or its routed experts' gradient reduction under FSDP, from
+    below [derived: ``memory._post_backward``, which every FSDP unit of the step's last pass runs in REDUCE mode
+    (no PP) or FINAL (PP, the stage's reduce after its last backward)]: at the moment its reduce-scatter input is
+    made (padded shard x shard group, reduce dtype) the unit's own unsharded gradients are still alive (param
+    dtype; under PP its reduce-dtype accumulators, which the reduce took over), whatever the AC mode and the
+    reshard choice. The largest such unit of the rank's block kinds (the routed experts are a unit of their own
+    with ep > 1, part of their block's with ep 1); the embedding's and the output's are left out."""
+    rb = b.reduce_bytes.astype(float)
+    g = np.where(b.pp > 1, rb, grad_elem_bytes(b))
+    ep1 = b.ep == 1
+    out = np.zeros(len(b))
+    for k in rv.kinds:
+        (ne_l, ex_l), (ne_s, ex_s) = rv.plocal[k], rv.pshard[k]
+        blk = (ne_l + np.where(ep1, ex_l, 0.0)) * g + b.fsdp * (ne_s + np.where(ep1, ex_s, 0.0)) * rb
+        experts = np.where(ep1, 0.0, ex_l * g + b.efsdp * ex_s * rb)
+        out = np.maximum(out, np.where(np.asarray(rv.n_of[k]) > 0, np.maximum(blk, experts), 0.0))
+    return np.where(b.fsdp_applied, out, 0.0)
+
+
+def _steady_bound(b: PlanBatch, rv: C.RankView, m, w, per_mb, loss, acc, gathered, kept_gathered) -> np.ndarray:
+    """``rank_memory_bound``'s moment after the first backward of one stage per rank under FSDP: a 1F1B forward
+    with W in flight beside the accumulators (``acc``) and the units kept gathered; GPipe's second backward."""
+    fsdp_pp, v1 = b.fsdp_applied & (b.pp > 1), b.pp_stages_per_rank == 1
     gpipe = b.pp_schedule == SCHED_GPIPE
-    steady = np.where(fsdp_pp & v1 & (m >= 3) & (m > w) & ~gpipe,
-                      w * per_mb + loss + local * rb + np.where(kept & ~any_reshard, gathered, 0.0), 0.0)
+    steady = np.where(fsdp_pp & v1 & (m >= 3) & (m > w) & ~gpipe, w * per_mb + loss + acc + kept_gathered, 0.0)
     # GPipe: the second backward starts with m - 1 in flight (at least m - 2 whole ones at its first moment on a
     # stage without the loss, whose peak opens the last stage's), every unit kept gathered by the first
-    steady = np.maximum(steady, np.where(fsdp_pp & v1 & (m >= 2) & gpipe, (m - 1.0 - ~rv.has_out) * per_mb
-                                         + loss + local * rb + gathered, 0.0))
+    return np.maximum(steady, np.where(fsdp_pp & v1 & (m >= 2) & gpipe, (m - 1.0 - ~rv.has_out) * per_mb
+                                       + loss + acc + gathered, 0.0))
+
+
+def _reduce_bound(b: PlanBatch, rv: C.RankView, m, acc, gathered, pb) -> np.ndarray:
+    """``rank_memory_bound``'s reduce after a pipeline's last backward under FSDP (``acc``: the rank's
+    accumulators)."""
+    fsdp_pp, v1, v = b.fsdp_applied & (b.pp > 1), b.pp_stages_per_rank == 1, b.pp_stages_per_rank.astype(float)
     # the reduce of a stage of the rank holds at least that stage's accumulators: with v stages, at least 1 / v of
     # the rank's (the largest stage holds at least the mean); every stage's where each ran a backward by the first
     # reduce (one stage per rank, or an interleaved schedule of two rounds or more)
     per_round = m // np.maximum(1, m // b.pp)
-    reduce = np.where(fsdp_pp, local * rb / np.where(v1 | (m >= 2 * per_round), 1.0, v), 0.0)
+    reduce = np.where(fsdp_pp, acc / np.where(v1 | (m >= 2 * per_round), 1.0, v), 0.0)
     # (one stage per rank: every unit is still gathered at the first unit's reduce, but that unit, resharded
     # first: at most the embedding's or the largest block's parameters)
     first_unit = np.maximum.reduce([np.where(rv.has_emb, b.fsdp * rv.emb_shard, 0.0)]
                                    + [(b.fsdp * rv.pshard[k][0] + b.efsdp * rv.pshard[k][1]) * (rv.n_of[k] > 0)
                                       for k in rv.kinds]) * pb
-    reduce = reduce + np.where(fsdp_pp & v1, np.maximum(gathered - first_unit, 0.0), 0.0)
-    return np.maximum(at_opt, held + np.maximum.reduce([warm, steady, reduce]))
+    return reduce + np.where(fsdp_pp & v1, np.maximum(gathered - first_unit, 0.0), 0.0)
 
 
 class _StageUnits:

@@ -274,11 +274,12 @@ def step_time_lower_bound(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile) ->
     ``_time_lower_bound``); the microbatch's compute is computed once per distinct plan it can tell apart."""
     kinds = block_kinds(spec)
     compute_mb, mean_mb = on_distinct_rows(_microbatch_compute, b, spec, hw, tuple(kinds))
-    comm_mb = on_distinct_rows(_exposed_comm_bound, b, spec, hw, tuple(kinds),
-                               _rpn_counts(b, max(1, int(hw.gpus_per_node))))
+    counts = _rpn_counts(b, max(1, int(hw.gpus_per_node)))
+    comm_mb = on_distinct_rows(_exposed_comm_bound, b, spec, hw, tuple(kinds), counts)
+    comm_step = on_distinct_rows(_exposed_step_comm_bound, b, spec, hw, tuple(kinds), counts)
     M = (b.grad_accum * b.n_micro).astype(float)
     out = np.full(len(b), -np.inf)
-    for rv, c_mb, (e_mb, e_step) in zip(rank_views(spec, b, kinds), compute_mb, comm_mb, strict=True):
+    for rv, c_mb, e_mb, e_step in zip(rank_views(spec, b, kinds), compute_mb, comm_mb, comm_step, strict=True):
         t = _time_lower_bound(b, hw, c_mb, rank_params(b, rv)[1], rv.n_tensors, mean_mb)
         out = np.maximum(out, t + M * e_mb + e_step)
     return out
@@ -286,13 +287,14 @@ def step_time_lower_bound(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile) ->
 
 def _exposed_comm_bound(b: PlanBatch, spec: ModelSpec, hw: HardwareProfile, kinds: tuple,
                         counts: np.ndarray) -> list:
-    """Per rank, (seconds per microbatch, seconds per step) whose ``M x`` the first plus the second bounds the
-    exposed seconds of the step's TP, CP and EP collectives from below over every device order [derived]: those
-    records are exposed as they are (TP's by async TP's fraction, >= 0: left out where async TP is on,
-    ``overlap.set_exposed``); a record's time is its calls (a multiple of the microbatches, or per step) times one
-    call's, so the ledgers of 0 and of 1 microbatch give both parts; and a group's ranks per node is one of
-    1 .. gpus per node in any device order (``counts``, of the whole batch: ``_rpn_counts``), so each record is at
-    least its least time over those (``Ledger.time_with``; each on its own: one plan's groups sit differently)."""
+    """Per rank, the seconds per microbatch whose ``M x`` plus ``_exposed_step_comm_bound``'s seconds per step
+    bounds the exposed seconds of the step's TP, CP and EP collectives from below over every device order
+    [derived]: those records are exposed as they are (TP's by async TP's fraction, >= 0: left out where async TP
+    is on, ``overlap.set_exposed``); a record's time is its calls (a multiple of the microbatches, or per step:
+    ``comm.tp_partial_grad_records``, left out here) times one call's, so the ledgers of 0 and of 1 microbatch give
+    the part per microbatch; and a group's ranks per node is one of 1 .. gpus per node in any device order
+    (``counts``, of the whole batch: ``_rpn_counts``), so each record is at least its least time over those
+    (``Ledger.time_with``; each on its own: one plan's groups sit differently)."""
     sh = Shapes(spec, b)
     n = len(b)
     object.__setattr__(b, "rpn", {g: np.ones(n, dtype=np.int64) for g in GROUPS})
@@ -301,16 +303,38 @@ def _exposed_comm_bound(b: PlanBatch, spec: ModelSpec, hw: HardwareProfile, kind
         ac = {k: ac_counts(b, rv.n_of[k], rv.n_ckpt[k]) for k in kinds}
         n_full, n_sac = sum(ac[k][0] for k in kinds), sum(ac[k][1] for k in kinds)
         none, one = (_exposed_records(spec, b, sh, hw, rv, float(m), n_full, n_sac, ac, counts) for m in (0, 1))
-        out.append((sum((t1 - t0 for t0, t1 in zip(none, one, strict=True)), np.zeros(n)), sum(none, np.zeros(n))))
+        out.append(sum((t1 - t0 for t0, t1 in zip(none, one, strict=True)), np.zeros(n)))
+    return out
+
+
+def _exposed_step_comm_bound(b: PlanBatch, spec: ModelSpec, hw: HardwareProfile, kinds: tuple,
+                             counts: np.ndarray) -> list:
+    """Per rank, the seconds per step of ``_exposed_comm_bound``'s records: the TP all-reduces of partial weight
+    gradients (``comm.tp_partial_grad_records``), each at its least time over ``counts``. Computed apart from the
+    part per microbatch because they alone read how often gradients are reduced (the batch split and the data
+    parallel degrees), which the part per microbatch does not."""
+    n = len(b)
+    object.__setattr__(b, "rpn", {g: np.ones(n, dtype=np.int64) for g in GROUPS})
+    out = []
+    for rv in _layer_views(spec, b, list(kinds)):
+        led = C.Ledger(hw, n)
+        C.tp_partial_grad_records(led, spec, b, rv)
+        out.append(sum(_least_exposed(led, b, counts), np.zeros(n)))
     return out
 
 
 def _exposed_records(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareProfile, rv: C.RankView, m: float,
                      n_full, n_sac, ac, counts: np.ndarray) -> list:
-    """Each exposed TP / CP / EP record of ``m`` microbatches at its least time over the ranks-per-node
-    ``counts`` (TP's 0 under async TP)."""
+    """Each exposed TP / CP / EP record of ``m`` microbatches but those per step, at its least time over the
+    ranks-per-node ``counts`` (TP's 0 under async TP)."""
     led = C.Ledger(hw, len(b))
-    C.per_microbatch_exposed_records(led, spec, b, sh, rv, np.full(len(b), m), n_full, n_sac, ac)
+    C.per_microbatch_exposed_records(led, spec, b, sh, rv, np.full(len(b), m), n_full, n_sac, ac, per_step=False)
+    return _least_exposed(led, b, counts)
+
+
+def _least_exposed(led: C.Ledger, b: PlanBatch, counts: np.ndarray) -> list:
+    """Each exposed TP / CP / EP record of ``led`` at its least time over the ranks-per-node ``counts`` (TP's 0
+    under async TP)."""
     out = []
     for rec in led.records:
         if rec.overlap != "exposed" or rec.axis not in ("tp", "cp", "ep"):

@@ -165,147 +165,175 @@ def main(argv=None) -> int:
 
 
 def _run(args, device, rank, world) -> dict:
-    from .cp import cp_context
-    from .measure import CommCounter, recv_buffers, track_step
-    from .model import GroupedExperts, Transformer
-    from .parallelize import Meshes, apply_plan, set_grad_sync
+    job = _Job(args, device, world)
+    losses, times, profiled, measured = _train(job, args, rank)
+    return {"losses": losses, "step_times_s": times, "profiled_step_times_s": profiled,
+            "median_step_time_s": statistics.median(times) if times else None, **measured,
+            "compiled_graphs": compiled_graphs()}
 
-    with open(args.plan) as f:
-        plan = Plan.from_dict(json.load(f))
-    spec = load_model(args.model)
-    validate_plan(plan, spec, world)
-    snapshot = os.environ.get("PARSIM_CUDA_MEMORY_SNAPSHOT") if device.type == "cuda" else None
-    if snapshot:  # every allocation from here on, with its Python stack (what holds a GPU run's peak)
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-    torch.manual_seed(0)
-    model = Transformer(spec, plan.seq_len)
-    model.init_weights(seed=0)
-    model.to(device)
-    meshes = Meshes(plan, device.type)
-    parts, stage_ids = apply_plan(model, plan, meshes)
-    params = [p for m in parts for p in m.parameters()]
-    opt = make_optimizer(params, args.optimizer)
-    expert_ids = {id(p) for m in parts for mod in m.modules() if isinstance(mod, GroupedExperts)
-                  for p in mod.parameters()}
 
-    coord = dict(zip(meshes.world.mesh_dim_names, meshes.world.get_coordinate(), strict=True))
-    dp_rank = coord["dp_replicate"] * plan.dp_shard + coord["dp_shard"]
-    lbs, ga, seq = plan.local_batch_size, plan.grad_accum_steps, plan.seq_len
-    n_global = plan.global_batch_size * seq
-    schedule, stages = _schedule(plan, parts, stage_ids, meshes, device, n_global) if plan.pp > 1 else (None, [])
-    first, last = 0 in stage_ids, (plan.pp * plan.pp_stages_per_rank - 1) in stage_ids
+class _Job:
+    """A rank's model, parallelized as the plan says, its optimizer and its share of each step's data."""
 
-    def step(i: int) -> torch.Tensor:
+    def __init__(self, args, device, world):
+        from .model import GroupedExperts, Transformer
+        from .parallelize import Meshes, apply_plan
+
+        with open(args.plan) as f:
+            plan = Plan.from_dict(json.load(f))
+        self.plan, self.device, self.spec = plan, device, load_model(args.model)
+        validate_plan(plan, self.spec, world)
+        self.snapshot = os.environ.get("PARSIM_CUDA_MEMORY_SNAPSHOT") if device.type == "cuda" else None
+        if self.snapshot:  # every allocation from here on, with its Python stack (what holds a GPU run's peak)
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        torch.manual_seed(0)
+        model = Transformer(self.spec, plan.seq_len)
+        model.init_weights(seed=0)
+        model.to(device)
+        self.meshes = Meshes(plan, device.type)
+        self.parts, stage_ids = apply_plan(model, plan, self.meshes)
+        self.params = [p for m in self.parts for p in m.parameters()]
+        self.opt = make_optimizer(self.params, args.optimizer)
+        self.expert_ids = {id(p) for m in self.parts for mod in m.modules() if isinstance(mod, GroupedExperts)
+                           for p in mod.parameters()}
+        coord = dict(zip(self.meshes.world.mesh_dim_names, self.meshes.world.get_coordinate(), strict=True))
+        self.dp_rank = coord["dp_replicate"] * plan.dp_shard + coord["dp_shard"]
+        self.n_global = plan.global_batch_size * plan.seq_len
+        self.schedule, self.stages = (_schedule(plan, self.parts, stage_ids, self.meshes, device, self.n_global)
+                                      if plan.pp > 1 else (None, []))
+        self.first, self.last = 0 in stage_ids, (plan.pp * plan.pp_stages_per_rank - 1) in stage_ids
+
+    def step(self, i: int) -> torch.Tensor:
         """One training step; returns this rank's share of the loss (reduced outside any counter). The optimizer
         runs outside the step's contexts, as in the trace: under autocast (no FSDP) the weights' cast copies stay
         cached until the region ends, and with the optimizer inside they were alive at its peak (measured on an
         H100: +0.98 GiB with full AC, +2.8 GiB without, over the trace's and the model's 27.70 GiB)."""
-        with loss_context(plan, device.type):
-            contrib = _step(i)
-        clip_and_step(params, opt, meshes.pp.get_group() if meshes.pp is not None else None,
-                      meshes.expert_norm_group(), expert_ids)
+        with loss_context(self.plan, self.device.type):
+            contrib = self._forward_backward(i)
+        clip_and_step(self.params, self.opt, self.meshes.pp.get_group() if self.meshes.pp is not None else None,
+                      self.meshes.expert_norm_group(), self.expert_ids)
         return contrib
 
-    def fwd_bwd_only(i: int) -> None:
+    def fwd_bwd_only(self, i: int) -> None:
         """Step ``i``'s forward and backward with the gradients dropped: the parameters stay as they were."""
-        with loss_context(plan, device.type):
-            _step(i)
-        opt.zero_grad(set_to_none=True)
+        with loss_context(self.plan, self.device.type):
+            self._forward_backward(i)
+        self.opt.zero_grad(set_to_none=True)
 
-    def _step(i: int) -> torch.Tensor:
-        data = batch_for_step(i, plan.global_batch_size, seq, spec.vocab_size)
-        mine = data[dp_rank * lbs * ga:(dp_rank + 1) * lbs * ga].to(device)
-        contrib = torch.zeros((), device=device)
+    def _forward_backward(self, i: int) -> torch.Tensor:
+        plan, lbs, ga = self.plan, self.plan.local_batch_size, self.plan.grad_accum_steps
+        data = batch_for_step(i, plan.global_batch_size, plan.seq_len, self.spec.vocab_size)
+        mine = data[self.dp_rank * lbs * ga:(self.dp_rank + 1) * lbs * ga].to(self.device)
+        contrib = torch.zeros((), device=self.device)
         for k in range(ga):
             # own tensors: context parallel shards its buffers in place
             x, y = mine[k * lbs:(k + 1) * lbs, :-1].clone(), mine[k * lbs:(k + 1) * lbs, 1:].clone()
-            if schedule is None:
-                set_grad_sync(parts, plan, k)
-                with cp_context(plan, meshes, parts, x, y):
-                    logits = parts[0](x)
-                    loss = loss_sum(logits, y, plan.fused_loss) / n_global
-                    # (the logits go before the backward, as torchtitan's train step does: what the loss needs
-                    # of them it saved; kept, they are a (tokens x vocab) tensor beside the loss's backward)
-                    del logits
-                    loss.backward()
-                contrib += _local(loss.detach())
-            else:
-                losses = []
-                with cp_context(plan, meshes, parts, x if first else None, y if last else None):
-                    # (return_outputs=False: torch's last stage otherwise keeps every microbatch's output, the
-                    # logits, until the step ends, to merge them for the caller [torch 2.13 PipelineStage.
-                    # output_chunks; pytorch issue 159251]: the loss is all a training step needs)
-                    schedule.step(x if first else None, target=y if last else None,
-                                  losses=losses if last else None, return_outputs=False)
-                if last:
-                    contrib += torch.stack([_local(lo.detach()) for lo in losses]).sum()
+            share = self._pass(k, x, y)
+            if share is not None:
+                contrib += share
         return contrib
 
-    def logged(contrib: torch.Tensor) -> float:
-        dist.all_reduce(contrib)  # logging only: not part of the counted step
-        return float(contrib) / plan.tp  # CP ranks hold disjoint tokens' shares of the loss
+    def _pass(self, k: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Gradient-accumulation pass ``k`` on the local batch ``x`` (targets ``y``): this rank's loss share (None
+        on a pipeline rank without the last stage)."""
+        from .cp import cp_context
+        from .parallelize import set_grad_sync
 
-    def sync():
-        if device.type == "cuda":
+        plan, parts = self.plan, self.parts
+        if self.schedule is None:
+            set_grad_sync(parts, plan, k)
+            with cp_context(plan, self.meshes, parts, x, y):
+                logits = parts[0](x)
+                loss = loss_sum(logits, y, plan.fused_loss) / self.n_global
+                # (the logits go before the backward, as torchtitan's train step does: what the loss needs of them
+                # it saved; kept, they are a (tokens x vocab) tensor beside the loss's backward)
+                del logits
+                loss.backward()
+            return _local(loss.detach())
+        losses: list = []
+        first, last = self.first, self.last
+        with cp_context(plan, self.meshes, parts, x if first else None, y if last else None):
+            # (return_outputs=False: torch's last stage otherwise keeps every microbatch's output, the logits,
+            # until the step ends, to merge them for the caller [torch 2.13 PipelineStage.output_chunks; pytorch
+            # issue 159251]: the loss is all a training step needs)
+            self.schedule.step(x if first else None, target=y if last else None, losses=losses if last else None,
+                               return_outputs=False)
+        return torch.stack([_local(lo.detach()) for lo in losses]).sum() if last else None
+
+    def logged(self, contrib: torch.Tensor) -> float:
+        dist.all_reduce(contrib)  # logging only: not part of the counted step
+        return float(contrib) / self.plan.tp  # CP ranks hold disjoint tokens' shares of the loss
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
 
-    losses, times = [], []
-    comm, counts, peak, breakdown, mem_note = {}, {}, None, {}, ""
+
+def _train(job: _Job, args, rank: int) -> tuple:
+    """Warmup, timed and (with a tracer) profiled steps; the first step's collectives counted and, on CPU, the
+    second's tensor-level memory tracked (neither timed). Returns (losses, timed step seconds, profiled step
+    seconds, the memory and collective measurements)."""
+    from .measure import CommCounter, recv_buffers, track_step
+
+    losses, times, profiled = [], [], []
+    m: dict = {"comm_bytes": {}, "comm_counts": {}, "peak_memory_bytes": None, "memory_breakdown_bytes": {},
+               "memory_source": ""}
+    device = job.device
     tracer = StepTracer(os.environ.get("PARSIM_PROFILE_TRACE"), rank, device.type)
     timed_end = args.warmup + args.steps  # with a tracer, as many steps again after these, profiled
     total, count = timed_end + (args.steps if tracer.out_dir else 0), not os.environ.get("PARSIM_NO_COUNT")
     track = min(1, total - 1) if device.type == "cpu" else None
     plain0 = first_plain(count, track)
-    profiled: list[float] = []
     for i in range(total):
         if i == plain0:
-            compile_after_modes(plan, lambda: fwd_bwd_only(total), sync)  # untimed
-        sync()
+            compile_after_modes(job.plan, lambda: job.fwd_bwd_only(total), job.sync)  # untimed
+        job.sync()
         t0 = time.perf_counter()
         if i == 0 and count:  # collective bytes of one step (not timed)
-            counter = CommCounter(meshes.axis_of_group())
+            counter = CommCounter(job.meshes.axis_of_group())
             with counter:
-                contrib = step(i)
-            losses.append(logged(contrib))
-            comm, counts = counter.bytes, counter.counts
+                contrib = job.step(i)
+            losses.append(job.logged(contrib))
+            m.update(comm_bytes=counter.bytes, comm_counts=counter.counts)
         elif i == track:  # tensor-level memory of one step (not timed)
-            lo, peak, breakdown, peak_op = track_step(lambda i=i: step(i), parts, opt,
-                                                      pipeline_buffers=recv_buffers(stages))
-            mem_note = f"parsim PeakTracker: tensor-level peak of live storages during one step (CPU), at {peak_op}"
-            if plan.compile:  # dynamo runs the blocks eager under a dispatch mode: this step was not compiled
-                mem_note += "; an eager step (a compiled plan's CPU peak is not tracked)"
-            losses.append(logged(lo))
+            lo, peak, breakdown, peak_op = track_step(lambda i=i: job.step(i), job.parts, job.opt,
+                                                      pipeline_buffers=recv_buffers(job.stages))
+            note = f"parsim PeakTracker: tensor-level peak of live storages during one step (CPU), at {peak_op}"
+            if job.plan.compile:  # dynamo runs the blocks eager under a dispatch mode: this step was not compiled
+                note += "; an eager step (a compiled plan's CPU peak is not tracked)"
+            m.update(peak_memory_bytes=peak, memory_breakdown_bytes=breakdown, memory_source=note)
+            losses.append(job.logged(lo))
         else:
             if device.type == "cuda" and i == args.warmup:
                 torch.cuda.reset_peak_memory_stats()
             tracer.begin(i >= timed_end)
-            losses.append(logged(step(i)))
-        sync()
-        if i >= timed_end:
-            profiled.append(time.perf_counter() - t0)
-        elif i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            losses.append(job.logged(job.step(i)))
+        job.sync()
+        (profiled if i >= timed_end else times if i >= args.warmup else []).append(time.perf_counter() - t0)
         tracer.step_ended()
         if rank == 0:
             _progress(i, total, args.warmup, time.perf_counter() - t0, losses[-1])
     tracer.finish()
-    if device.type == "cuda":
+    _after_steps(job, m, rank, total)
+    return losses, times, profiled, m
+
+
+def _after_steps(job: _Job, m: dict, rank: int, total: int) -> None:
+    """A GPU run's peak over the timed steps (into ``m``), its allocation snapshot and torch profile if asked."""
+    if job.device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated())
-        breakdown = {"allocated_peak": peak, "reserved_peak": float(torch.cuda.max_memory_reserved())}
-        mem_note = "torch.cuda.max_memory_allocated over the timed steps (reserved_peak: max_memory_reserved)"
-    if snapshot:
+        m.update(peak_memory_bytes=peak, memory_breakdown_bytes={
+            "allocated_peak": peak, "reserved_peak": float(torch.cuda.max_memory_reserved())},
+            memory_source="torch.cuda.max_memory_allocated over the timed steps (reserved_peak: max_memory_reserved)")
+    if job.snapshot:
         from .measure import peak_holders
 
-        with open(f"{snapshot}.rank{rank}.json", "w") as f:
+        with open(f"{job.snapshot}.rank{rank}.json", "w") as f:
             json.dump(peak_holders(torch.cuda.memory._snapshot()), f, indent=1)
         torch.cuda.memory._record_memory_history(enabled=None)
     if os.environ.get("PARSIM_TORCH_PROFILE"):  # one more step, untimed, under torch.profiler (where time goes)
-        _profiled_step(lambda: logged(step(total)), os.environ["PARSIM_TORCH_PROFILE"], rank, sync)
-    return {"losses": losses, "step_times_s": times, "profiled_step_times_s": profiled,
-            "median_step_time_s": statistics.median(times) if times else None,
-            "peak_memory_bytes": peak, "memory_breakdown_bytes": breakdown, "memory_source": mem_note,
-            "comm_bytes": comm, "comm_counts": counts, "compiled_graphs": compiled_graphs()}
+        _profiled_step(lambda: job.logged(job.step(total)), os.environ["PARSIM_TORCH_PROFILE"], rank, job.sync)
 
 
 def _progress(i: int, total: int, warmup: int, wall_s: float, loss: float) -> None:

@@ -113,8 +113,7 @@ def _op_buffers(op: str, buf_bytes: int, n: int, me: int, group, ranks, device, 
     raise ValueError(op)
 
 
-def main(argv=None) -> int:
-    die_with_parent()  # torchrun gone (killed, crashed): this rank goes too
+def _parse(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", action="store_true")
@@ -125,7 +124,22 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--iters", type=int, default=0, help="calls per trial (0: by size)")
     ap.add_argument("--trials", type=int, default=3)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _resumed(args) -> dict:
+    """The samples of an earlier run of the same output (``--resume``), by (op, group size, kind, bytes)."""
+    done = {}
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as f:
+            for s in json.load(f).get("samples", []):
+                done[(s["op"], s["group_size"], s["group_kind"], s["bytes"])] = s
+    return done
+
+
+def main(argv=None) -> int:
+    die_with_parent()  # torchrun gone (killed, crashed): this rank goes too
+    args = _parse(argv)
     cuda = torch.cuda.is_available() and os.environ.get("PARSIM_DEVICE") != "cpu"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -133,20 +147,15 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = getattr(torch, args.dtype)
     min_b = args.min_bytes or (1 << 10)
     max_b = args.max_bytes or ((1 << 30) if cuda else (16 << 20))
-    done = {}
-    if args.resume and os.path.exists(args.out):
-        with open(args.out) as f:
-            for s in json.load(f).get("samples", []):
-                done[(s["op"], s["group_size"], s["group_kind"], s["bytes"])] = s
+    done = _resumed(args)
     samples = list(done.values())
     shapes = group_shapes(world, local_world)
     ops = [o for o in args.ops.split(",") if o]
     todo = [(op, g, kind, parts, b) for op in ops for g, kind, parts in shapes
             for b in sizes(min_b, max_b, args.factor) if (op, g, kind, b) not in done]
-    progress = None
+    progress = task = None
     if rank == 0:
         from rich.progress import Progress
 
@@ -159,60 +168,71 @@ def main(argv=None) -> int:
     for g, kind, parts in shapes:
         pgs = [dist.new_group(p) for p in parts]  # every rank creates every group, in the same order
         groups[(g, kind)] = (parts, pgs)
-    header_printed = set()
+    header_printed: set = set()
     t_start = time.perf_counter()
     for op, g, kind, parts, b in todo:
         parts, pgs = groups[(g, kind)]
         idx = next(i for i, p in enumerate(parts) if rank in p)
-        ranks, pg = parts[idx], pgs[idx]
-        me = ranks.index(rank)
-        iters = args.iters or max(2, min(50, int(2e7 // max(b, 1))))
-        call, check = _op_buffers(op, b, g, me, pg, ranks, device, dtype)
-        call()  # warm-up + correctness
-        if cuda:
-            torch.cuda.synchronize()
-        err = check()
-        times = []
-        for _ in range(args.trials):
-            dist.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                call()
-            if cuda:
-                torch.cuda.synchronize()
-            dt = torch.tensor([(time.perf_counter() - t0) / iters])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time per call
-            times.append(float(dt))
-        bad = torch.tensor([0 if err is None else 1])
-        dist.all_reduce(bad)
-        el = torch.tensor([], dtype=dtype).element_size()
-        count = max(g, (b // el) // g * g)
-        s_bytes = count * el
-        t = statistics.median(times)
-        sample = {"op": op, "group_size": g, "group_kind": kind, "ranks_per_node": ranks_per_node(ranks, local_world),
-                  "bytes": b, "buffer_bytes": s_bytes, "count": count, "dtype": args.dtype, "time_s": t,
-                  "time_min_s": min(times), "time_max_s": max(times), "iters": iters, "trials": args.trials,
-                  "wrong": int(bad)}
+        sample = _measure(args, op, g, kind, b, parts[idx], pgs[idx], rank, local_world, device, cuda)
         samples.append(sample)
-        if rank == 0:
-            key = (op, g, kind)
-            if key not in header_printed:
-                header_printed.add(key)
-                progress.console.print(f"# {op} group {g} ({kind}, {sample['ranks_per_node']} per node)\n"
-                                       f"# {'size':>12} {'count':>10} {'type':>8} {'time us':>10} "
-                                       f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'#wrong':>6}")
-            algbw = s_bytes / t / 1e9
-            progress.console.print(f"  {s_bytes:>12} {count:>10} {args.dtype:>8} {t * 1e6:>10.1f} {algbw:>10.3f} "
-                                   f"{algbw * float(busbw_factor(op, g)):>10.3f} {int(bad):>6}")
+        if progress is not None:
+            _print_point(progress, sample, header_printed, args.dtype)
             progress.update(task, advance=1)
             _save(args.out, samples, world, local_world, device, t_start)  # checkpoint: --resume continues here
-    if rank == 0:
+    if progress is not None:
         progress.stop()
         _save(args.out, samples, world, local_world, device, t_start)
     dist.destroy_process_group()
     return 0
+
+
+def _measure(args, op: str, g: int, kind: str, b: int, ranks: list, pg, rank: int, local_world: int, device,
+             cuda: bool) -> dict:
+    """One point: ``op`` of ``b`` bytes over this rank's group of ``g`` (``ranks``, ``pg``), checked once, then
+    timed in ``args.trials`` trials of ``iters`` calls (the slowest rank's time per call, median over trials)."""
+    dtype = getattr(torch, args.dtype)
+    me = ranks.index(rank)
+    iters = args.iters or max(2, min(50, int(2e7 // max(b, 1))))
+    call, check = _op_buffers(op, b, g, me, pg, ranks, device, dtype)
+    call()  # warm-up + correctness
+    if cuda:
+        torch.cuda.synchronize()
+    err = check()
+    times = []
+    for _ in range(args.trials):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        if cuda:
+            torch.cuda.synchronize()
+        dt = torch.tensor([(time.perf_counter() - t0) / iters])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time per call
+        times.append(float(dt))
+    bad = torch.tensor([0 if err is None else 1])
+    dist.all_reduce(bad)
+    el = torch.tensor([], dtype=dtype).element_size()
+    count = max(g, (b // el) // g * g)
+    return {"op": op, "group_size": g, "group_kind": kind, "ranks_per_node": ranks_per_node(ranks, local_world),
+            "bytes": b, "buffer_bytes": count * el, "count": count, "dtype": args.dtype,
+            "time_s": statistics.median(times), "time_min_s": min(times), "time_max_s": max(times), "iters": iters,
+            "trials": args.trials, "wrong": int(bad)}
+
+
+def _print_point(progress, sample: dict, header_printed: set, dtype: str) -> None:
+    """A line per point in nccl-tests' columns, under a header per (op, group size, kind)."""
+    op, g, kind = sample["op"], sample["group_size"], sample["group_kind"]
+    if (op, g, kind) not in header_printed:
+        header_printed.add((op, g, kind))
+        progress.console.print(f"# {op} group {g} ({kind}, {sample['ranks_per_node']} per node)\n"
+                               f"# {'size':>12} {'count':>10} {'type':>8} {'time us':>10} "
+                               f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'#wrong':>6}")
+    s_bytes, t = sample["buffer_bytes"], sample["time_s"]
+    algbw = s_bytes / t / 1e9
+    progress.console.print(f"  {s_bytes:>12} {sample['count']:>10} {dtype:>8} {t * 1e6:>10.1f} {algbw:>10.3f} "
+                           f"{algbw * float(busbw_factor(op, g)):>10.3f} {sample['wrong']:>6}")
 
 
 def _save(path, samples, world, local_world, device, t_start):

@@ -67,21 +67,10 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
         return None
     out_path = resolve_profile_out(name, out_dir)
     name, out_dir = out_path.stem, out_path.parent
-    check_output_path(out_path)
-    check_output_path(out_dir / f"{name}.samples.csv")
-    partial = out_dir / f".{name}.partial"
-    if restart and partial.exists():
-        shutil.rmtree(partial)
-    if partial.exists() and not resume:
-        raise ParsimError(f"an interrupted profile {name!r} exists in {partial}: pass --resume to continue it, "
-                          "or --restart to discard it and start over")
     # what earlier samples depend on (more ops or sizes on --resume only add samples; these would mix machines/shapes)
-    args = {"nproc_per_node": nproc_per_node, "model": model, "seq_len": seq_len, "device": device,
-            "nodes": nodes.n_nodes if nodes else 1}
-    _check_resume_args(partial / "args.json", args, resume)
+    partial = _partial_dir(out_path, {"nproc_per_node": nproc_per_node, "model": model, "seq_len": seq_len,
+                                      "device": device, "nodes": nodes.n_nodes if nodes else 1}, resume, restart)
     import torch
-
-    from .compute import core_sharing_sample, run_compute
 
     t0 = time.perf_counter()
     # 1. collectives under torchrun
@@ -91,18 +80,9 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
     coll = read_json(coll_f, "bad collective samples")
     t_coll = time.perf_counter() - t_coll
     # 2. compute in this process
-    comp_f = partial / "compute.json"
     dev = torch.device("cuda") if torch.cuda.is_available() and device != "cpu" else torch.device("cpu")
-    if resume and comp_f.exists():
-        comp = read_json(comp_f, "bad compute samples")
-    else:
-        log("measuring compute (GEMM, attention, elementwise, AdamW, one block) ...")
-        comp = {"samples": run_compute(dev, spec, seq_len, threads=1 if dev.type == "cpu" else None, quick=quick),
-                "threads": torch.get_num_threads()}
-        if dev.type == "cpu" and nproc_per_node > 1 and nodes is None:
-            log(f"measuring core sharing ({nproc_per_node} single-threaded processes at once) ...")
-            comp["samples"].append(core_sharing_sample(nproc_per_node, cycles=3 if quick else 8))
-        atomic_write_json(comp_f, comp)
+    comp = _measured_compute(partial / "compute.json", dev, spec, seq_len, nproc_per_node, nodes, resume, quick,
+                             log)
     # 3. framework overhead (FSDP2 / DTensor TP / EP beside their collectives), once per machine: on CPU on the
     # profile's ranks, sharing the cores as its plans' ranks do; on GPUs on 2
     fw_f = partial / "frameworks.json"
@@ -122,6 +102,43 @@ def profile(name: str, nproc_per_node: int, *, resume: bool = False, min_bytes: 
     atomic_write_text(out_dir / f"{name}.samples.csv", samples_csv(coll["samples"], comp["samples"]))
     shutil.rmtree(partial)
     return hw
+
+
+def _partial_dir(out_path: Path, args: dict, resume: bool, restart: bool) -> Path:
+    """The folder an interrupted profile's samples are kept in (``.NAME.partial`` beside the profile), checked:
+    the outputs writable, an interrupted one continued only with ``--resume`` and the same ``args`` (discarded
+    with ``--restart``)."""
+    name, out_dir = out_path.stem, out_path.parent
+    check_output_path(out_path)
+    check_output_path(out_dir / f"{name}.samples.csv")
+    partial = out_dir / f".{name}.partial"
+    if restart and partial.exists():
+        shutil.rmtree(partial)
+    if partial.exists() and not resume:
+        raise ParsimError(f"an interrupted profile {name!r} exists in {partial}: pass --resume to continue it, "
+                          "or --restart to discard it and start over")
+    _check_resume_args(partial / "args.json", args, resume)
+    return partial
+
+
+def _measured_compute(comp_f: Path, dev, spec, seq_len: int, nproc_per_node: int, nodes: NodeSpec | None,
+                      resume: bool, quick: bool, log) -> dict:
+    """The compute samples (``compute.run_compute``; on a CPU profile of several ranks on one node, the core
+    sharing too), measured in this process and checkpointed to ``comp_f`` (read back on ``--resume``)."""
+    import torch
+
+    from .compute import core_sharing_sample, run_compute
+
+    if resume and comp_f.exists():
+        return read_json(comp_f, "bad compute samples")
+    log("measuring compute (GEMM, attention, elementwise, AdamW, one block) ...")
+    comp = {"samples": run_compute(dev, spec, seq_len, threads=1 if dev.type == "cpu" else None, quick=quick),
+            "threads": torch.get_num_threads()}
+    if dev.type == "cpu" and nproc_per_node > 1 and nodes is None:
+        log(f"measuring core sharing ({nproc_per_node} single-threaded processes at once) ...")
+        comp["samples"].append(core_sharing_sample(nproc_per_node, cycles=3 if quick else 8))
+    atomic_write_json(comp_f, comp)
+    return comp
 
 
 @dataclass(frozen=True)
@@ -387,6 +404,46 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
     fits = collective_fits(samples)
     cs = comp["samples"]
     main_dtype = "float32" if dev.type == "cpu" else "bfloat16"
+    k = _compute_fits(cs, main_dtype)
+    world = coll["world_size"]
+    n_nodes = max(1, world // max(1, int(coll.get("local_world_size", world))))
+    topology, nic_measured = _measured_topology(fits)
+    mem_total = _ram_bytes() if dev.type == "cpu" else float(torch.cuda.get_device_properties(0).total_memory)
+    per_rank_mem = mem_total / (nproc_per_node if dev.type == "cpu" else 1)
+    rows = [(f.op, f.group_size, f.ranks_per_node, f.min_bytes, f.latency_s, f.busbw_bytes_per_s, f.rel_residual,
+             f.n_samples) for f in fits]
+    f8 = "float8" in k["peak"]
+    hw = HardwareProfile(
+        name=name, device_name=_cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(0),
+        gpus_per_node=nproc_per_node if dev.type == "cpu" else torch.cuda.device_count(), n_nodes=n_nodes,
+        memory_bytes=per_rank_mem, memory_reserved_bytes=min(0.05 * per_rank_mem, 2**30), peak_flops=k["peak"],
+        memory_bandwidth_bytes_per_s=k["bw"], gemm_efficiency=EfficiencyCurve(1.0, k["gemm_half"]),
+        attention_efficiency=EfficiencyCurve(1.0, k["attention_half"]), memory_efficiency=1.0, **k["a_bwd"],
+        float8_gemm_efficiency=EfficiencyCurve(1.0, k["f8_half"]) if f8 else None, topology=topology,
+        collectives=tuple(fits), source="measured", comm_overlap=dev.type != "cpu",
+        # ranks that share cores get that share of the single-thread compute measured (measured: os.cpu_count())
+        corrections={**({"compute_scale": _compute_scale(cs, nproc_per_node)} if dev.type == "cpu" else {}),
+                     **fit_optimizer_step(cs)},
+        assumptions=_assumptions(dev.type, n_nodes, nic_measured, f8),
+        # the raw block sample stays a measurement: the cost model derives the per-layer overhead from it
+        samples={"file": f"{name}.samples.csv", "fit_residuals": k["residuals"], **_block_sample(cs)},
+        provenance={
+            "how": "measured by parsim profile", "command": cmdline, "host": socket.gethostname(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(dev),
+            "device_count": world, "ranks_per_node": nproc_per_node, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "nccl": coll.get("nccl"), "backend": coll.get("backend"),
+            "gloo": "bundled with torch " + torch.__version__ if coll.get("backend") == "gloo" else None,
+            "compute_threads": comp.get("threads"), "wall_s": wall_s, "collectives_wall_s": coll_wall_s,
+            "python": platform.python_version(),
+            "machine": this_machine(torch.cuda.get_device_name(0) if dev.type == "cuda" else None)},
+    )
+    return hw, rows
+
+
+def _compute_fits(cs: list[dict], main_dtype: str) -> dict:
+    """The compute samples' fits (``fit_throughput``): peak FLOP/s per dtype (the main one, the other of fp32 /
+    bf16, float8 where measured), the GEMM, attention and float8 curves' half points, the memory bandwidth, the
+    attention backward's ratio to its forward, the fits' residuals."""
     g = [s for s in cs if s["kind"] == "gemm" and s["dtype"] == main_dtype]
     rate, x_half, g_res = fit_throughput([s["flops"] for s in g], [s["time_s"] for s in g])
     other = [s for s in cs if s["kind"] == "gemm" and s["dtype"] in ("float32", "bfloat16")
@@ -402,8 +459,18 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
              } if att else {}
     mem = [s for s in cs if s["kind"] == "elementwise"]
     bw, _, m_res = fit_throughput([s["bytes"] for s in mem], [s["time_s"] for s in mem])
-    world = coll["world_size"]
-    # the largest group inside one node gives the intra-node bandwidth of the topology fallback
+    peak = {main_dtype: rate, ("bfloat16" if main_dtype == "float32" else "float32"): other_rate}
+    if f8:
+        peak["float8"] = f8_rate
+    return {"peak": peak, "gemm_half": x_half, "attention_half": a_half, "f8_half": f8_half, "bw": bw,
+            "a_bwd": a_bwd, "residuals": {"gemm": g_res, "attention": a_res, "elementwise": m_res}}
+
+
+def _measured_topology(fits: list) -> tuple[Topology, bool]:
+    """The topology fallback from the collective fits, and whether groups across nodes were measured: the
+    intra-node bandwidth of each op from its largest group inside one node; with several nodes the NIC rate per GPU
+    from the cross-node fits (busbw = rpn x NIC across nodes, Topology) [measured], else the slowest intra-node
+    op's."""
     intra = {}
     for op in COLLECTIVE_OPS:
         cand = [f for f in fits if f.op == op and f.ranks_per_node >= f.group_size]
@@ -413,9 +480,6 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
     for op in COLLECTIVE_OPS:
         intra.setdefault(op, min(intra.values()) if intra else 1e9)
     lat = [f.latency_s for f in fits if f.min_bytes == 0]
-    # several nodes: groups crossing nodes were measured; their fits are used as they are, and the topology fallback
-    # gets the NIC rate per GPU from them (busbw = rpn x NIC across nodes, Topology) [measured]
-    n_nodes = max(1, world // max(1, int(coll.get("local_world_size", world))))
     cross = {}
     for f in fits:
         if f.ranks_per_node < f.group_size and f.busbw_bytes_per_s > 0:
@@ -424,56 +488,26 @@ def build_profile(name, coll: dict, comp: dict, dev, nproc_per_node: int, cmdlin
                 cross[k] = f
     nic = sorted(f.busbw_bytes_per_s / f.ranks_per_node for f in cross.values())
     nic_rate = nic[len(nic) // 2] if nic else min(intra.values())
-    peak = {main_dtype: rate, ("bfloat16" if main_dtype == "float32" else "float32"): other_rate}
-    if f8:
-        peak["float8"] = f8_rate
-    mem_total = _ram_bytes() if dev.type == "cpu" else float(torch.cuda.get_device_properties(0).total_memory)
-    per_rank_mem = mem_total / (nproc_per_node if dev.type == "cpu" else 1)
-    rows = [(f.op, f.group_size, f.ranks_per_node, f.min_bytes, f.latency_s, f.busbw_bytes_per_s, f.rel_residual,
-             f.n_samples) for f in fits]
-    hw = HardwareProfile(
-        name=name, device_name=_cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(0),
-        gpus_per_node=nproc_per_node if dev.type == "cpu" else torch.cuda.device_count(), n_nodes=n_nodes,
-        memory_bytes=per_rank_mem, memory_reserved_bytes=min(0.05 * per_rank_mem, 2**30), peak_flops=peak,
-        memory_bandwidth_bytes_per_s=bw, gemm_efficiency=EfficiencyCurve(1.0, x_half),
-        attention_efficiency=EfficiencyCurve(1.0, a_half), memory_efficiency=1.0, **a_bwd,
-        float8_gemm_efficiency=EfficiencyCurve(1.0, f8_half) if f8 else None,
-        topology=Topology(intra_node_busbw_bytes_per_s=intra, inter_node_bytes_per_s_per_gpu=nic_rate,
-                          intra_latency_s=float(sorted(lat)[len(lat) // 2]) if lat else 1e-4,
-                          inter_latency_s=float(max(lat)) if lat else 1e-4, latency_per_log2_rank_s=0.0),
-        collectives=tuple(fits), source="measured", comm_overlap=dev.type != "cpu",
-        # ranks that share cores get that share of the single-thread compute measured (measured: os.cpu_count())
-        corrections={**({"compute_scale": _compute_scale(cs, nproc_per_node)} if dev.type == "cpu" else {}),
-                     **fit_optimizer_step(cs)},
-        assumptions=(
-            "peak_flops are the sustained throughput fitted on the measured GEMMs (eff_max = 1), not a spec sheet",
-            ("inter-node bandwidth measured across %d nodes: the topology fallback's NIC rate is the median of the "
-             "cross-node fits' busbw / ranks per node" % n_nodes) if nic else
-            "inter-node bandwidth is not measured (one node): the topology fallback uses the slowest intra-node op",
-            "compile_memory_bound_factor is not measured" + ("" if f8 else "; float8 GEMMs are not measured (no "
-                                                              "GPU with compute capability 8.9+)"),
-            "gloo on CPU: collectives block the rank (comm_overlap false); ranks share the cores: "
-            "corrections.compute_scale is the measured slowdown of a block run by that many processes at once "
-            "(ranks / cores where not measured)",
-            ("CPU: compute measured with 1 thread, as each torchrun rank runs (OMP_NUM_THREADS=1); "
-             if dev.type == "cpu" else "")
-            + "memory_bytes is the device memory per rank" + (" (RAM / ranks)" if dev.type == "cpu" else ""),
-        ),
-        # the raw block sample stays a measurement: the cost model derives the per-layer overhead from it
-        samples={"file": f"{name}.samples.csv", "fit_residuals": {"gemm": g_res, "attention": a_res,
-                                                                   "elementwise": m_res},
-                 **_block_sample(cs)},
-        provenance={
-            "how": "measured by parsim profile", "command": cmdline, "host": socket.gethostname(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(dev),
-            "device_count": world, "ranks_per_node": nproc_per_node, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "nccl": coll.get("nccl"), "backend": coll.get("backend"),
-            "gloo": "bundled with torch " + torch.__version__ if coll.get("backend") == "gloo" else None,
-            "compute_threads": comp.get("threads"), "wall_s": wall_s, "collectives_wall_s": coll_wall_s,
-            "python": platform.python_version(),
-            "machine": this_machine(torch.cuda.get_device_name(0) if dev.type == "cuda" else None)},
+    return Topology(intra_node_busbw_bytes_per_s=intra, inter_node_bytes_per_s_per_gpu=nic_rate,
+                    intra_latency_s=float(sorted(lat)[len(lat) // 2]) if lat else 1e-4,
+                    inter_latency_s=float(max(lat)) if lat else 1e-4, latency_per_log2_rank_s=0.0), bool(nic)
+
+
+def _assumptions(device_type: str, n_nodes: int, nic_measured: bool, f8: bool) -> tuple[str, ...]:
+    cpu = device_type == "cpu"
+    return (
+        "peak_flops are the sustained throughput fitted on the measured GEMMs (eff_max = 1), not a spec sheet",
+        ("inter-node bandwidth measured across %d nodes: the topology fallback's NIC rate is the median of the "
+         "cross-node fits' busbw / ranks per node" % n_nodes) if nic_measured else
+        "inter-node bandwidth is not measured (one node): the topology fallback uses the slowest intra-node op",
+        "compile_memory_bound_factor is not measured" + ("" if f8 else "; float8 GEMMs are not measured (no "
+                                                          "GPU with compute capability 8.9+)"),
+        "gloo on CPU: collectives block the rank (comm_overlap false); ranks share the cores: "
+        "corrections.compute_scale is the measured slowdown of a block run by that many processes at once "
+        "(ranks / cores where not measured)",
+        ("CPU: compute measured with 1 thread, as each torchrun rank runs (OMP_NUM_THREADS=1); " if cpu else "")
+        + "memory_bytes is the device memory per rank" + (" (RAM / ranks)" if cpu else ""),
     )
-    return hw, rows
 
 
 def _compute_scale(compute_samples: list[dict], nproc_per_node: int) -> float:
