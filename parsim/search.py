@@ -282,13 +282,13 @@ def _combos(spec: ModelSpec, n_gpus: int, sp: SearchSpace) -> np.ndarray:
 
 
 def candidate_chunks(combos: np.ndarray, sp: SearchSpace, max_rows: int = 1 << 20, split_pruned: Counter | None = None,
-                     v_legal: np.ndarray | None = None):
+                     v_legal: np.ndarray | None = None, batches: bool = True):
     """``candidates``' (rows, batch) in pieces of whole combinations, about ``max_rows`` rows each (0: one piece),
     so that a huge space is checked piece by piece rather than built whole (29 M rows at 2^20 GPUs).
     ``split_pruned``: the rows that break a batch-split rule (``codec.SPLIT_RULES``, which read only the batch
     split, pp and dp and come first in ``RULES``) are left out, counted there by rule, instead of built.
     ``v_legal`` (combinations x ``_stage_counts(sp)``): a combination's rows with stages per rank v only where
-    true (the rest are not built)."""
+    true (the rest are not built). ``batches`` False: the rows alone (the batch None)."""
     # a combination's batch splits depend on (pp, dp) only (and on which stage counts it may have): one table per
     # such key, gathered per combination
     vset = np.zeros(len(combos), np.int64) if v_legal is None else v_legal.astype(np.int64) @ (
@@ -318,6 +318,9 @@ def candidate_chunks(combos: np.ndarray, sp: SearchSpace, max_rows: int = 1 << 2
         r = np.empty((int(counts[lo:hi].sum()), 5), dtype=np.int64)
         r[:, 0] = np.repeat(np.arange(lo, hi, dtype=np.int64), counts[lo:hi])
         r[:, 1:] = every[_ranges(first[key_of[lo:hi]], counts[lo:hi])]
+        if not batches:
+            yield r, None
+            continue
         c = combos[r[:, 0]]
         degs = {a: c[:, k] for k, a in enumerate(COMBO_COLUMNS)}
         cols = {**degs, "seq_len": sp.seq_len, "global_batch_size": sp.global_batch_size,
@@ -414,7 +417,7 @@ def _base_rows(spec, n_gpus: int, sp: SearchSpace, gpn: int, pruned: dict, deadl
     broken: Counter[str] = Counter()
     done = 0
     v_legal = _combo_legal(spec, combos, sp, broken)
-    for piece, _b in candidate_chunks(combos, sp, RULE_CHUNK, broken, v_legal):
+    for piece, _ in candidate_chunks(combos, sp, RULE_CHUNK, broken, v_legal, batches=False):
         if done:  # (past the first piece: a small space is checked whole, and the search's own deadline applies)
             _check_building(deadline, done, sp)
         kept.append(piece)
@@ -748,19 +751,22 @@ def _closest(mem: _Memory) -> tuple[float, int]:
     """(memory, global id) of the plan that needs the least memory, when nothing fits [derived]: every (row, memory
     class) pair bounded, then replayed in ascending bound, in doubling batches, until no bound is below the least
     memory replayed."""
-    nr, nc = mem.lower.shape
-    mem.bound_rows(np.flatnonzero(np.isnan(mem.lower).any(axis=1)))
-    order = np.argsort(mem.lower.ravel(), kind="stable")
+    nc = len(mem.rep)
+    mem.bound_rows(mem.lower.rows_without())
+    lower = mem.lower.dense()
+    order = np.argsort(lower.ravel(), kind="stable")
     lo, step = 0, 256
     while lo < len(order):
-        best = np.nanmin(mem.values) if not np.isnan(mem.values).all() else np.inf
-        if mem.lower.flat[order[lo]] >= best:
+        values = mem.values.dense()
+        best = np.nanmin(values) if not np.isnan(values).all() else np.inf
+        if lower.flat[order[lo]] >= best:
             break
         part = order[lo:lo + step]
         mem.exact(part // nc, part % nc)
         lo, step = lo + len(part), 2 * step
-    j = int(np.nanargmin(mem.values))
-    return float(mem.values.flat[j]), int(mem.base["row_start"][j // nc] * len(mem.opts) + mem.rep[j % nc])
+    values = mem.values.dense()
+    j = int(np.nanargmin(values))
+    return float(values.flat[j]), int(mem.base["row_start"][j // nc] * len(mem.opts) + mem.rep[j % nc])
 
 
 class _Bounded:
@@ -851,7 +857,7 @@ class _Pairs:
         mem.bound_rows(rows)
         pr, po = np.repeat(rows, no), np.tile(np.arange(no, dtype=np.int64), len(rows))
         pc = mem.cls[po]
-        fits = mem.lower[pr, pc] <= job.usable
+        fits = mem.lower.get(pr, pc) <= job.usable
         job.res.pruned_memory += int(job.counts[pr[~fits]].sum())
         pr, po, pc = pr[fits], po[fits], pc[fits]
         lb = _pair_bounds(job.spec, job.hw, job.base, job.opts, job.sp, pr, po, job.chunk, job.deadline)
@@ -891,9 +897,9 @@ class _Pairs:
         res.pruned_bound += int(counts[pr[sel[skip]]].sum())
         self.done[sel[skip]] = True
         sel = sel[~skip]
-        if np.isnan(job.mem.values[pr[sel], pc[sel]]).any():
+        if np.isnan(job.mem.values.get(pr[sel], pc[sel])).any():
             self._prefetch(sel)
-        exact = job.mem.values[pr[sel], pc[sel]]
+        exact = job.mem.values.get(pr[sel], pc[sel])
         if np.isnan(exact).any():
             return False
         self.done[sel] = True
@@ -915,8 +921,8 @@ class _Pairs:
         need = [sel]
         if np.isfinite(job.found.threshold()):
             rest = self.order[~self.done[self.order]]
-            rest = rest[(self.lb[rest] <= self.limit) & np.isnan(job.mem.values[pr[rest], pc[rest]])]
-            need.append(rest[~self._skippable(rest, job.mem.lower[pr[rest], pc[rest]])])
+            rest = rest[(self.lb[rest] <= self.limit) & np.isnan(job.mem.values.get(pr[rest], pc[rest]))]
+            need.append(rest[~self._skippable(rest, job.mem.lower.get(pr[rest], pc[rest]))])
         both = np.concatenate(need)
         job.mem.exact(pr[both], pc[both], job.deadline)
 
@@ -1000,8 +1006,7 @@ class _Memory:
         self.cls, self.rep = _memory_classes(opts)
         self.usable = usable
         nr = len(base["row_start"])
-        self.lower = np.full((nr, len(self.rep)), np.nan)
-        self.values = np.full((nr, len(self.rep)), np.nan)
+        self.lower, self.values = _PairTable(nr, len(self.rep)), _PairTable(nr, len(self.rep))
         self.n_exact = 0
 
     def bound_rows(self, rows: np.ndarray) -> None:
@@ -1012,38 +1017,76 @@ class _Memory:
         for lo in range(0, len(idx), self.chunk):
             part = idx[lo:lo + self.chunk]
             gid = starts[part // nc] * no + self.rep[part % nc]
-            self.lower.flat[part] = memory_lower_bound(self.spec, _batch_at(self.base, self.opts, gid, self.sp, None),
-                                                       self.hw)
+            self.lower.set(part // nc, part % nc, memory_lower_bound(
+                self.spec, _batch_at(self.base, self.opts, gid, self.sp, None), self.hw))
         tally(memory_bounds=len(idx))
 
     def known(self, rows: np.ndarray, classes: np.ndarray) -> np.ndarray:
         """The exact memory where replayed, else the pair's lower bound."""
-        v = self.values[rows, classes]
-        return np.where(np.isnan(v), self.lower[rows, classes], v)
+        v = self.values.get(rows, classes)
+        return np.where(np.isnan(v), self.lower.get(rows, classes), v)
 
     def exact(self, rows: np.ndarray, classes: np.ndarray, deadline: float = math.inf) -> np.ndarray:
         """The exact memory of these pairs, replaying those not replayed yet (NaN: not reached by ``deadline``)."""
         import time
 
-        flat = rows * len(self.rep) + classes
-        todo = np.unique(flat[np.isnan(self.values.flat[flat])])
+        nc = len(self.rep)
+        flat = rows * nc + classes
+        todo = np.unique(flat[np.isnan(self.values.get(rows, classes))])
         starts, no = self.base["row_start"], len(self.opts)
         for lo in range(0, len(todo), self.chunk):
             if time.perf_counter() > deadline:
                 break
             idx = todo[lo:lo + self.chunk]
             gidx = starts[idx // len(self.rep)] * no + self.rep[idx % len(self.rep)]
-            self.values.flat[idx] = evaluate(self.spec, _batch_at(self.base, self.opts, gidx, self.sp, None), self.hw,
-                                             memory_only=True)["reserved_memory_bytes"]
+            self.values.set(idx // nc, idx % nc, evaluate(self.spec, _batch_at(self.base, self.opts, gidx, self.sp,
+                                                                               None), self.hw,
+                                                          memory_only=True)["reserved_memory_bytes"])
             self.n_exact += len(idx)
             tally(memory_replay_batches=1)
-        return self.values.flat[flat]
+        return self.values.get(rows, classes)
 
     def fitting_plans(self) -> int:
         """Plans whose exact memory is known to fit (every device order of a replayed pair's options)."""
         per_class = np.bincount(self.cls, minlength=len(self.rep))  # options per memory class
-        fits = np.nan_to_num(self.values, nan=np.inf) <= self.usable
-        return int((fits * per_class[None, :]).sum(axis=1) @ self.base["row_count"])
+        rows, vals = self.values.rows_and_data()
+        fits = np.nan_to_num(vals, nan=np.inf) <= self.usable
+        return int((fits * per_class[None, :]).sum(axis=1) @ self.base["row_count"][rows])
+
+
+class _PairTable:
+    """A value per (row, memory class) pair (NaN: not known), stored for the rows given one (a search bounds few of
+    its rows: a dense table of every row's would be most of its memory and time)."""
+
+    def __init__(self, n_rows: int, n_classes: int):
+        self.slot = np.full(n_rows, -1, dtype=np.int64)  # row -> its row of ``data``
+        self.data = np.full((0, n_classes), np.nan)
+        self.rows = np.empty(0, dtype=np.int64)  # data's rows, in slot order
+
+    def get(self, rows: np.ndarray, classes: np.ndarray) -> np.ndarray:
+        s = self.slot[rows]
+        if not len(self.data):
+            return np.full(len(s), np.nan)
+        return np.where(s >= 0, self.data[np.maximum(s, 0), classes], np.nan)
+
+    def set(self, rows: np.ndarray, classes: np.ndarray, values: np.ndarray) -> None:
+        new = np.unique(rows[self.slot[rows] < 0])
+        if len(new):
+            self.slot[new] = len(self.rows) + np.arange(len(new))
+            self.rows = np.concatenate([self.rows, new])
+            self.data = np.concatenate([self.data, np.full((len(new), self.data.shape[1]), np.nan)])
+        self.data[self.slot[rows], classes] = values
+
+    def rows_without(self) -> np.ndarray:
+        return np.flatnonzero(self.slot < 0)
+
+    def rows_and_data(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.rows, self.data
+
+    def dense(self) -> np.ndarray:
+        out = np.full((len(self.slot), self.data.shape[1]), np.nan)
+        out[self.rows] = self.data
+        return out
 
 
 def _time_classes(opts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
