@@ -520,3 +520,30 @@ def test_legal_rows_checked_per_combination_are_those_every_row_check_keeps(name
     assert len(rows) > 100 and len(broken) >= 3
     assert np.array_equal(np.stack([base[k] for k in ("combo", "lbs", "mbs", "sched", "v")], axis=1), rows)
     assert pruned == {str(k): n for k, n in broken.items()}
+
+
+@pytest.mark.parametrize("model,gpus,kw", [("qwen3-30b-a3b", 64, dict(global_batch_size=256, seq_len=4096)),
+                                           ("deepseek-v3", 256, dict(global_batch_size=1024, seq_len=4096)),
+                                           ("mixtral-8x7b", 32, dict(global_batch_size=128, seq_len=8192))])
+def test_gradient_reduction_moment_bounds_the_replayed_peak(model, gpus, kw):
+    """``phases._unit_reduce_bound`` (a unit's unsharded gradients beside its reduce-scatter input, from below) is
+    below every rank's replayed allocated peak and present (FSDP) in most plans, and the memory bound with it stays
+    below the peak."""
+    from parsim.costmodel import evaluate
+    from parsim.costmodel.phases import _unit_reduce_bound
+    from parsim.costmodel.step import block_kinds, memory_lower_bound, rank_views
+    from parsim.search import _base_rows, _batch_at, _options
+
+    spec, hw = PRESETS[model], load_profile("h100-sxm-spec-cal")
+    sp = SearchSpace(**kw)
+    base = _base_rows(spec, gpus, sp, hw.gpus_per_node, {})
+    opts, base["orders"] = _options(sp, hw)
+    rows = np.random.default_rng(1).choice(len(base["row_start"]), size=min(300, len(base["row_start"])),
+                                           replace=False)
+    gid = ((base["row_start"][rows] * len(opts))[:, None] + np.arange(0, len(opts), 3)).ravel()
+    b = _batch_at(base, opts, gid, sp, None)
+    peak = evaluate(spec, b, hw, memory_only=True)["peak_memory_bytes"]
+    term = np.maximum.reduce([_unit_reduce_bound(b, rv) for rv in rank_views(spec, b, block_kinds(spec))])
+    bound = memory_lower_bound(spec, b, hw)
+    assert np.all(term < peak) and np.all(bound <= peak)
+    assert (term > 0).mean() > 0.5
