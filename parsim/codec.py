@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import ParsimError
 from .plan import AC_MODES, AXES, PP_SCHEDULES, ranks_per_node, world_size_message
-from .plan_schema import DTYPES, EP_FROM, GRAD_SYNCS, PLAN_FIELDS, PlanField, parse_ac
+from .plan_schema import DTYPES, PLAN_FIELDS, EpFrom, GradSync, PlanField, RafMode, parse_ac
 from .units import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -90,24 +90,24 @@ class PlanBatch:
     def raf(self):
         """reshard_after_forward in effect: default = on without PP, off with PP (torchtitan)."""
         mode = self.fsdp_reshard_after_forward
-        return np.where(mode == 0, self.pp == 1, mode == 1)
+        return np.where(mode == RafMode.DEFAULT, self.pp == 1, mode == RafMode.ALWAYS)
 
     @cached_property
     def raf_always(self):
         """'always' reshards the output layer too (torchtitan's default keeps the last unit gathered)."""
-        return self.fsdp_reshard_after_forward == 1
+        return self.fsdp_reshard_after_forward == RafMode.ALWAYS
 
     @cached_property
     def ep_ddp(self):
         """EP borrowed from dp_replicate (Megatron DDP + EP) instead of dp_shard x cp x tp (torchtitan dp2ep)."""
-        return self.ep_from == EP_FROM.index("dp_replicate")
+        return self.ep_from == EpFrom.DP_REPLICATE
 
     @cached_property
     def ep_folded(self):
         """Megatron-Core MoE parallel folding: the expert mesh (edp, ep, etp) laid over the dense mesh's
         dp_replicate x cp x tp ranks of a pipeline stage (etp innermost), so EP may outnumber the data-parallel
         ranks; dp_shard is 1 (Megatron DDP, optionally with its distributed optimizer)."""
-        return self.ep_from == EP_FROM.index("folded")
+        return self.ep_from == EpFrom.FOLDED
 
     @cached_property
     def ep_megatron(self):
@@ -158,7 +158,7 @@ class PlanBatch:
     def reduce_passes(self):
         """Passes of a step after which data-parallel gradients are reduced: every one, or the last alone
         (``grad_sync`` once)."""
-        return np.where(self.grad_sync == GRAD_SYNCS.index("once"), 1, self.grad_accum)
+        return np.where(self.grad_sync == GradSync.ONCE, 1, self.grad_accum)
 
     @cached_property
     def sync_once(self):

@@ -15,6 +15,7 @@ Torch-free and numpy-free (imported by everything).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 from .errors import ParsimError
@@ -39,6 +40,39 @@ ATTENTION_KERNELS = ("flash", "triton")
 # every-pass (torchtitan: FSDP2 reduce-scatters, HSDP all-reduces after every pass's backward) | once (in the
 # last pass only: Megatron-Core's DDP, FSDP2's set_requires_gradient_sync(False) for the passes before)
 GRAD_SYNCS = ("every-pass", "once")
+
+
+# a choice column's codes (its index in the tuple above: what a PlanBatch holds), by name: comparisons read
+# ``b.float8_recipe == Float8Recipe.ROWWISE`` instead of a bare integer, and a choice inserted into a tuple moves
+# its codes with it (a renamed or removed one fails at import)
+class RafMode(IntEnum):
+    DEFAULT = RAF_MODES.index("default")
+    ALWAYS = RAF_MODES.index("always")
+    NEVER = RAF_MODES.index("never")
+
+
+class EpFrom(IntEnum):
+    DP_SHARD = EP_FROM.index("dp_shard")
+    DP_REPLICATE = EP_FROM.index("dp_replicate")
+    FOLDED = EP_FROM.index("folded")
+
+
+class Float8Recipe(IntEnum):
+    TENSORWISE = FLOAT8_RECIPES.index("tensorwise")
+    ROWWISE = FLOAT8_RECIPES.index("rowwise")
+    ROWWISE_WITH_GW_HP = FLOAT8_RECIPES.index("rowwise_with_gw_hp")
+
+
+class AttentionKernel(IntEnum):
+    FLASH = ATTENTION_KERNELS.index("flash")
+    TRITON = ATTENTION_KERNELS.index("triton")
+
+
+class GradSync(IntEnum):
+    EVERY_PASS = GRAD_SYNCS.index("every-pass")
+    ONCE = GRAD_SYNCS.index("once")
+
+
 # absurd sizes, refused before anything is enumerated (and int64 / float arithmetic stays far from overflow)
 MAX_GPUS = 2**20  # 1,048,576: beyond every cluster built so far
 MAX_SEQ_LEN = 2**24  # 16,777,216 tokens

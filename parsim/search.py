@@ -42,7 +42,7 @@ from .plan import (
     Plan,
     interval_factor,
 )
-from .plan_schema import FIELDS, PINNED
+from .plan_schema import FIELDS, PINNED, EpFrom, RafMode
 from .spec import ModelSpec
 
 AC_CHOICES = ("none", "selective-op", "full", "layer:2")
@@ -239,7 +239,7 @@ def _ep_options(spec, dpr, dps, cp, tp, sp: SearchSpace) -> list[tuple]:
         opts += [(ep, 1, 1) for ep in divisors(dpr) if ep > 1]
     same_as_ddp = cp * tp == 1 and "dp_replicate" in sp.ep_from
     if spec.moe is not None and "folded" in sp.ep_from and dps == 1 and not same_as_ddp:
-        opts += [(ep, etp, EP_FROM.index("folded")) for etp in sorted({1, tp}) for ep in divisors(dpr * cp * tp // etp)
+        opts += [(ep, etp, EpFrom.FOLDED.value) for etp in sorted({1, tp}) for ep in divisors(dpr * cp * tp // etp)
                  if ep > 1]
     return [o for o in opts if (sp.ep is None or o[0] in sp.ep) and (sp.etp is None or o[1] in sp.etp)]
 
@@ -511,7 +511,7 @@ def _raf_mode(choice: np.ndarray, pp: np.ndarray) -> np.ndarray:
     """RESHARD_CHOICES index -> RAF_MODES index; flip is the non-default: never without PP, always with it."""
     named = np.array([RAF_MODES.index(c) if c in RAF_MODES else 0 for c in RESHARD_CHOICES])[choice]
     return np.where(choice == RESHARD_CHOICES.index("flip"),
-                    np.where(pp == 1, RAF_MODES.index("never"), RAF_MODES.index("always")), named)
+                    np.where(pp == 1, RafMode.NEVER, RafMode.ALWAYS), named)
 
 
 def _chunk_batch(base: dict, opts: np.ndarray, lo: int, hi: int, sp: SearchSpace, gpn: int | None) -> PlanBatch:

@@ -190,3 +190,13 @@ def test_the_flags_that_say_a_plan_build_that_plan():
         assert got == plan and got.plan_id == plan.plan_id
 
     check()
+
+
+def test_choice_codes_name_every_choice_of_their_column():
+    """Each choice column's IntEnum names every choice of its schema tuple, with the code a PlanBatch holds."""
+    from parsim import plan_schema as S
+
+    for enum, choices in ((S.RafMode, S.RAF_MODES), (S.EpFrom, S.EP_FROM), (S.Float8Recipe, S.FLOAT8_RECIPES),
+                          (S.AttentionKernel, S.ATTENTION_KERNELS), (S.GradSync, S.GRAD_SYNCS)):
+        assert [m.name.lower().replace("_", "-") for m in enum] == [c.replace("_", "-") for c in choices]
+        assert [int(m) for m in enum] == list(range(len(choices)))

@@ -16,7 +16,7 @@ from ..codec import DTYPES, PlanBatch, encode
 from ..hardware import HardwareProfile
 from ..ordering import ac_wraps_compile_recompute_factor
 from ..plan import Plan
-from ..plan_schema import ATTENTION_KERNELS
+from ..plan_schema import ATTENTION_KERNELS, Float8Recipe
 from ..spec import ModelSpec
 from . import comm as C
 from .layers import (
@@ -116,7 +116,7 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
         eff = hw.gemm_efficiency(kernel_flops)
         if fp8_peak and hw.float8_gemm_efficiency is not None:
             t_fp8 = (flops / kernel_flops) * hw.float8_gemm_efficiency.time_s(kernel_flops, fp8_peak)
-            t_fp8 = t_fp8 / np.where(b.float8_recipe == 0, 1.0, ROWWISE_KERNEL_SPEED)
+            t_fp8 = t_fp8 / np.where(b.float8_recipe == Float8Recipe.TENSORWISE, 1.0, ROWWISE_KERNEL_SPEED)
             # [derived] cast: read bf16 (2 B), write fp8 (1 B) per element, the fused casts of torch.compile and
             # Transformer Engine (the amax pass taken as hidden); rowwise recipes quantize each operand along both
             # axes (the backward GEMMs scale along the other dimension), tensorwise reuses one scale.
@@ -127,9 +127,10 @@ def layer_compute_items(spec: ModelSpec, b: PlanBatch, sh: Shapes, hw: HardwareP
             # 17.2% -> 19.3% uncalibrated); eager torchao casts (each op a kernel, ~33 B per element) +8.7..+12.7 ms,
             # which this count does not model (composed -0.49..-2.29): no published row runs them (torchtitan
             # compiles; Megatron, NeMo and llm-foundry's fp8 run TE's fused casts), a measured block carries them
-            casts = np.where(b.float8_recipe == 0, 1.0, 2.0)
+            casts = np.where(b.float8_recipe == Float8Recipe.TENSORWISE, 1.0, 2.0)
             t_fp8 = t_fp8 + casts * 3.0 * io_elems / mem_bw
-            wgrad_hp = wgrad_hp + np.where(b.float8 & (b.float8_recipe == 2), np.maximum(t - t_fp8, 0.0), 0.0)
+            gw_hp = b.float8 & (b.float8_recipe == Float8Recipe.ROWWISE_WITH_GW_HP)
+            wgrad_hp = wgrad_hp + np.where(gw_hp, np.maximum(t - t_fp8, 0.0), 0.0)
             t = np.where(b.float8, t_fp8, t)
             eff = np.where(b.float8, hw.float8_gemm_efficiency(kernel_flops), eff)
         # SAC recomputes the even mm's, every addmm (biased linears, ``layers.linear_kind``) and a grouped GEMM's
