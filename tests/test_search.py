@@ -547,3 +547,23 @@ def test_gradient_reduction_moment_bounds_the_replayed_peak(model, gpus, kw):
     bound = memory_lower_bound(spec, b, hw)
     assert np.all(term < peak) and np.all(bound <= peak)
     assert (term > 0).mean() > 0.5
+
+
+def test_time_bound_per_microbatch_reads_nothing_of_how_often_gradients_are_reduced():
+    """A guard on work: the per-microbatch part of the exposed-collective time bound is computed once per distinct
+    (local shapes, degrees of TP / CP / EP, AC) row; only its per-step part (``_exposed_step_comm_bound``) reads how
+    often gradients are reduced, which varies with the local batch and the data-parallel degrees (reading it
+    there multiplied the distinct rows of DeepSeek-V3 on 2,048 GPUs by 4.4)."""
+    from parsim.costmodel import distinct
+    from parsim.costmodel.step import _exposed_comm_bound, _exposed_step_comm_bound, step_time_lower_bound
+    from parsim.search import _base_rows, _batch_at, _options
+
+    spec, hw = PRESETS["qwen3-30b-a3b"], load_profile("h100-sxm-spec-cal")
+    sp = SearchSpace(global_batch_size=256, seq_len=4096)
+    base = _base_rows(spec, 64, sp, hw.gpus_per_node, {})
+    opts, base["orders"] = _options(sp, hw)
+    b = _batch_at(base, opts, base["row_start"] * len(opts), sp, None)
+    step_time_lower_bound(spec, b, hw)
+    per_pass = {"reduce_passes", "sync_once", "grad_accum", "local_batch_size", "dp_replicate", "dp_shard", "fsdp"}
+    assert not distinct._KEYS[_exposed_comm_bound] & per_pass
+    assert distinct._KEYS[_exposed_step_comm_bound] & per_pass
