@@ -109,9 +109,8 @@ def _not_tracked_in_sharding_propagation(fake):
 def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .measure import CommRecorder, track_step
-    from .model import GroupedExperts, Transformer
-    from .parallelize import Meshes, apply_plan
+    from .measure import track_step
+    from .model import GroupedExperts
     from .worker import clip_and_step, loss_context, make_optimizer
 
     validate_plan(plan, spec)
@@ -122,13 +121,7 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
             "plan": plan.to_dict(), "notes": [f"{k} not applied in the trace" for k, v in NOT_TRACED.items()
                                               if getattr(plan, k) != v and k != "float8_recipe"]}
     try:
-        with torch.device("meta"):
-            model = Transformer(spec, plan.seq_len)
-        for mod in model.modules():
-            if hasattr(mod, "static_routing"):
-                mod.static_routing = True
-        meshes = Meshes(traced, "cpu")
-        parts, stage_ids = apply_plan(model, traced, meshes)
+        meshes, parts, stage_ids = _meta_parts(spec, traced)
         fake = _CountingFake.make()(allow_non_fake_inputs=True)
         with fake:
             for m in parts:
@@ -150,16 +143,7 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
                 phase["now"] = PHASE_OPTIMIZER
                 clip_and_step(params, opt, pp_g, ep_g, expert_ids)
 
-            counter = CommRecorder(meshes.axis_of_group())
-            fake.counter = counter
-            try:
-                step()
-            finally:
-                fake.counter = None
-            comm = dict(counter.bytes)
-            if sends["bytes"]:
-                comm["send/pp"] = comm.get("send/pp", 0) + sends["bytes"]
-            sends["bytes"] = 0
+            comm, counter = _counted_step(fake, meshes, step, sends)
             events: list = []
             with _not_tracked_in_sharding_propagation(fake):
                 _, peak, breakdown, peak_op = track_step(step, parts, opt, phase, events, below=fake,
@@ -179,6 +163,40 @@ def trace_plan(spec: ModelSpec, plan: Plan, rank: int = 0) -> Measurement:
     finally:
         dist.destroy_process_group()
         _forget_meshes()
+
+
+def _meta_parts(spec: ModelSpec, traced: Plan) -> tuple:
+    """(meshes, the rank's parallelized parts, their stage ids) of a model built on the meta device, its routers'
+    static routing on (every expert gets its share of the tokens, as the cost model assumes)."""
+    from .model import Transformer
+    from .parallelize import Meshes, apply_plan
+
+    with torch.device("meta"):
+        model = Transformer(spec, traced.seq_len)
+    for mod in model.modules():
+        if hasattr(mod, "static_routing"):
+            mod.static_routing = True
+    meshes = Meshes(traced, "cpu")
+    parts, stage_ids = apply_plan(model, traced, meshes)
+    return meshes, parts, stage_ids
+
+
+def _counted_step(fake, meshes, step, sends: dict) -> tuple:
+    """One step under the fake mode's collective counter: (bytes per "<op>/<axis>", with the pipeline's sends
+    under "send/pp", the counter)."""
+    from .measure import CommRecorder
+
+    counter = CommRecorder(meshes.axis_of_group())
+    fake.counter = counter
+    try:
+        step()
+    finally:
+        fake.counter = None
+    comm = dict(counter.bytes)
+    if sends["bytes"]:
+        comm["send/pp"] = comm.get("send/pp", 0) + sends["bytes"]
+    sends["bytes"] = 0
+    return comm, counter
 
 
 def _reserved(events: list) -> dict:
