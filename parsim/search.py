@@ -289,23 +289,13 @@ def candidate_chunks(combos: np.ndarray, sp: SearchSpace, max_rows: int = 1 << 2
     split, pp and dp and come first in ``RULES``) are left out, counted there by rule, instead of built.
     ``v_legal`` (combinations x ``_stage_counts(sp)``): a combination's rows with stages per rank v only where
     true (the rest are not built). ``batches`` False: the rows alone (the batch None)."""
-    # a combination's batch splits depend on (pp, dp) only (and on which stage counts it may have): one table per
-    # such key, gathered per combination
-    vset = np.zeros(len(combos), np.int64) if v_legal is None else v_legal.astype(np.int64) @ (
-        1 << np.arange(v_legal.shape[1], dtype=np.int64))
-    keys, key_of = np.unique(np.stack([combos[:, 0], combos[:, 1] * combos[:, 2], vset], axis=1), axis=0,
-                             return_inverse=True)
-    key_of = np.ravel(key_of)
-    tables = [np.array(_batch_splits(int(pp), int(dp), sp), dtype=np.int64).reshape(-1, 4)
-              for pp, dp, _ in keys.tolist()]
-    if split_pruned is not None:
-        per_key = np.bincount(key_of, minlength=len(keys))
-        tables = [_split_legal(t, int(pp), int(dp), sp, int(n), split_pruned)
-                  for t, (pp, dp, _), n in zip(tables, keys.tolist(), per_key.tolist(), strict=True)]
-    if v_legal is not None:
+    key_of, tables = _split_tables(combos, sp, split_pruned)
+    if v_legal is not None:  # (one table per (pp, dp) key and set of stage counts a combination may have)
+        vset = v_legal.astype(np.int64) @ (1 << np.arange(v_legal.shape[1], dtype=np.int64))
+        keys, key_of = np.unique(np.stack([key_of, vset], axis=1), axis=0, return_inverse=True)
+        key_of = np.ravel(key_of)
         vs = np.array(_stage_counts(sp), dtype=np.int64)
-        tables = [t[(code >> np.searchsorted(vs, t[:, 3])) & 1 == 1] for t, (_, _, code) in zip(tables, keys.tolist(),
-                                                                                              strict=True)]
+        tables = [tables[k][(code >> np.searchsorted(vs, tables[k][:, 3])) & 1 == 1] for k, code in keys.tolist()]
     sizes = np.array([len(t) for t in tables], dtype=np.int64)
     first = np.cumsum(sizes) - sizes
     counts = sizes[key_of]
@@ -329,6 +319,21 @@ def candidate_chunks(combos: np.ndarray, sp: SearchSpace, max_rows: int = 1 << 2
         yield r, batch_of(cols, (AXES,), (DEFAULT_ORDER,), None)
 
 
+def _split_tables(combos: np.ndarray, sp: SearchSpace, split_pruned: Counter | None = None) -> tuple:
+    """(per combination its key, per key its table of batch splits): a combination's batch splits depend on its
+    (pp, dp) only. ``split_pruned``: the splits that break a batch-split rule are left out of the tables, counted
+    there by rule once per combination of the key."""
+    keys, key_of = np.unique(np.stack([combos[:, 0], combos[:, 1] * combos[:, 2]], axis=1), axis=0,
+                             return_inverse=True)
+    key_of = np.ravel(key_of)
+    tables = [np.array(_batch_splits(int(pp), int(dp), sp), dtype=np.int64).reshape(-1, 4) for pp, dp in keys.tolist()]
+    if split_pruned is not None:
+        per_key = np.bincount(key_of, minlength=len(keys))
+        tables = [_split_legal(t, int(pp), int(dp), sp, int(n), split_pruned)
+                  for t, (pp, dp), n in zip(tables, keys.tolist(), per_key.tolist(), strict=True)]
+    return key_of, tables
+
+
 def _stage_counts(sp: SearchSpace) -> list[int]:
     """The stages per rank a row of the space can have (``_batch_splits``)."""
     return sorted({1, *(sp.stages_per_rank if "Interleaved1F1B" in sp.pp_schedules else ())})
@@ -350,15 +355,9 @@ def _combo_legal(spec: ModelSpec, combos: np.ndarray, sp: SearchSpace, pruned: C
         first[:, j] = first_broken(batch_of(cols, (AXES,), (DEFAULT_ORDER,), None), spec, COMBO_RULES)
     # rows per combination and stage count: its (pp, dp) table's rows of that count that break no split rule
     # (those that do are counted by ``candidate_chunks``)
-    keys, key_of = np.unique(np.stack([combos[:, 0], combos[:, 1] * combos[:, 2]], axis=1), axis=0,
-                             return_inverse=True)
-    key_of = np.ravel(key_of)
-    per_key = np.bincount(key_of, minlength=len(keys))
-    rows_v = np.zeros((len(keys), len(vs)), dtype=np.int64)
-    for i, ((pp, dp), n) in enumerate(zip(keys.tolist(), per_key.tolist(), strict=True)):
-        t = _split_legal(np.array(_batch_splits(int(pp), int(dp), sp), dtype=np.int64).reshape(-1, 4), int(pp),
-                         int(dp), sp, int(n), Counter())  # (counted where the rows are built)
-        rows_v[i] = np.bincount(np.searchsorted(vs, t[:, 3]), minlength=len(vs))
+    key_of, tables = _split_tables(combos, sp, Counter())
+    rows_v = np.array([np.bincount(np.searchsorted(vs, t[:, 3]), minlength=len(vs)) for t in tables],
+                      dtype=np.int64).reshape(len(tables), len(vs))
     counts = rows_v[key_of]
     for i, n in enumerate(np.bincount(first.ravel(), weights=counts.ravel(), minlength=len(COMBO_RULES) + 1)
                           [:len(COMBO_RULES)].tolist()):
@@ -1038,10 +1037,10 @@ class _Memory:
             if time.perf_counter() > deadline:
                 break
             idx = todo[lo:lo + self.chunk]
-            gidx = starts[idx // len(self.rep)] * no + self.rep[idx % len(self.rep)]
-            self.values.set(idx // nc, idx % nc, evaluate(self.spec, _batch_at(self.base, self.opts, gidx, self.sp,
-                                                                               None), self.hw,
-                                                          memory_only=True)["reserved_memory_bytes"])
+            gidx = starts[idx // nc] * no + self.rep[idx % nc]
+            b = _batch_at(self.base, self.opts, gidx, self.sp, None)
+            self.values.set(idx // nc, idx % nc, evaluate(self.spec, b, self.hw, memory_only=True)[
+                "reserved_memory_bytes"])
             self.n_exact += len(idx)
             tally(memory_replay_batches=1)
         return self.values.get(rows, classes)
@@ -1049,9 +1048,8 @@ class _Memory:
     def fitting_plans(self) -> int:
         """Plans whose exact memory is known to fit (every device order of a replayed pair's options)."""
         per_class = np.bincount(self.cls, minlength=len(self.rep))  # options per memory class
-        rows, vals = self.values.rows_and_data()
-        fits = np.nan_to_num(vals, nan=np.inf) <= self.usable
-        return int((fits * per_class[None, :]).sum(axis=1) @ self.base["row_count"][rows])
+        fits = np.nan_to_num(self.values.data, nan=np.inf) <= self.usable
+        return int((fits * per_class[None, :]).sum(axis=1) @ self.base["row_count"][self.values.rows])
 
 
 class _PairTable:
@@ -1079,9 +1077,6 @@ class _PairTable:
 
     def rows_without(self) -> np.ndarray:
         return np.flatnonzero(self.slot < 0)
-
-    def rows_and_data(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.rows, self.data
 
     def dense(self) -> np.ndarray:
         out = np.full((len(self.slot), self.data.shape[1]), np.nan)

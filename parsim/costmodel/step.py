@@ -291,8 +291,8 @@ def _exposed_comm_bound(b: PlanBatch, spec: ModelSpec, hw: HardwareProfile, kind
     bounds the exposed seconds of the step's TP, CP and EP collectives from below over every device order
     [derived]: those records are exposed as they are (TP's by async TP's fraction, >= 0: left out where async TP
     is on, ``overlap.set_exposed``); a record's time is its calls (a multiple of the microbatches, or per step:
-    ``comm.tp_partial_grad_records``, left out here) times one call's, so the ledgers of 0 and of 1 microbatch give
-    the part per microbatch; and a group's ranks per node is one of 1 .. gpus per node in any device order
+    ``comm.tp_partial_grad_records``, left out here) times one call's, so the ledger of one microbatch gives the
+    part per microbatch; and a group's ranks per node is one of 1 .. gpus per node in any device order
     (``counts``, of the whole batch: ``_rpn_counts``), so each record is at least its least time over those
     (``Ledger.time_with``; each on its own: one plan's groups sit differently)."""
     sh = Shapes(spec, b)
@@ -302,8 +302,7 @@ def _exposed_comm_bound(b: PlanBatch, spec: ModelSpec, hw: HardwareProfile, kind
     for rv in _layer_views(spec, b, list(kinds)):
         ac = {k: ac_counts(b, rv.n_of[k], rv.n_ckpt[k]) for k in kinds}
         n_full, n_sac = sum(ac[k][0] for k in kinds), sum(ac[k][1] for k in kinds)
-        none, one = (_exposed_records(spec, b, sh, hw, rv, float(m), n_full, n_sac, ac, counts) for m in (0, 1))
-        out.append(sum((t1 - t0 for t0, t1 in zip(none, one, strict=True)), np.zeros(n)))
+        out.append(sum(_exposed_records(spec, b, sh, hw, rv, 1.0, n_full, n_sac, ac, counts), np.zeros(n)))
     return out
 
 
