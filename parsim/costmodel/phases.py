@@ -46,7 +46,7 @@ from .memory import (
     simulate_actions,
 )
 from .pipeline import SCHED_GPIPE, interleaved_actions
-from .reserved import reserved_breakdown
+from .reserved import fsdp_streams, reduce_scatter_pool, reserved_breakdown
 from .rows import row_ids, unique_rows
 
 
@@ -775,29 +775,32 @@ def optimizer_temporaries(b: PlanBatch, rv: C.RankView) -> np.ndarray:
     return np.where(b.ep > 1, np.maximum(dense_opt, expert_opt), dense_opt + expert_opt) * 4.0
 
 
-def rank_memory_bound(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView,
-                      c: RankCompute, any_reshard: bool = False) -> np.ndarray:
-    """A lower bound of the rank's allocated peak without replaying the timeline [derived]: the largest of four of
-    its moments, each from below. Every key of the timeline holds bytes and none is ever negative, so leaving
-    keys out bounds a moment from below; every moment holds the fp32 parameters and Adam states (12 B per
-    parameter the rank steps), the pipeline's receive buffers (``memory.pipeline_recv_buffers``) and, with gradient
-    accumulation, the earlier passes' sharded fp32 gradients (at least 4 B per parameter it holds):
+def _rank_moment_bounds(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView,
+                        c: RankCompute, any_reshard: bool = False) -> tuple:
+    """(the optimizer step's moment, the largest other moment), each from below: their larger is a lower bound of
+    the rank's allocated peak without replaying the timeline [derived]. Every key of the timeline holds bytes and
+    none is ever negative, so leaving keys out bounds a moment from below; every moment holds the fp32 parameters
+    and Adam states (12 B per parameter the rank steps), the pipeline's receive buffers
+    (``memory.pipeline_recv_buffers``) and, with gradient accumulation, the earlier passes' sharded fp32 gradients
+    (at least 4 B per parameter it holds). The moments:
 
     * the optimizer step (``memory._optimizer_step``): every sharded gradient and the foreach temporaries;
     * the end of the forwards before the first backward: W microbatches in flight (``layers.inflight``; 1 without
       PP), each keeping its blocks' activations (``RankCompute.act``) and at least its stage output over its
       received input; on the last stage the loss's peak (``_loss_bytes``) above the stage output. Interleaved
-      schedules: the warm-up forwards torch runs before its first backward (``_warmup_activations``);
+      schedules: the warm-up forwards torch runs before its first backward (``_interleaved_bounds``);
     * a 1F1B forward after the first backward (m > W, m >= 3: ``memory.simulate``'s steady state): W in flight
       again beside the gradient accumulators the first backward made (every unsharded parameter of the stage in
       reduce dtype, under FSDP) and, without reshard-after-forward, every unit's gathered parameters;
     * the reduce after a pipeline's last backward (``memory._reduce_after``, under FSDP): the accumulators, when
       every stage of the rank has run a backward by then (one stage per rank, or an interleaved schedule of two
-      rounds or more).
+      rounds or more); a unit's gradient reduction (``_unit_reduce_bound``);
+    * a vocab-sharded embedding's backward (``_embedding_grad_bound``) and the recompute of the first block a
+      backward reaches (``_first_backward_bound``).
 
     ``any_reshard``: a bound for every reshard-after-forward choice (the unsharded parameters that only some keep
-    after a forward left out). Search decides with it which rows can fit and which pairs a found plan dominates
-    before any replay; tests hold it below the replayed peak on whole search spaces."""
+    after a forward left out). Search decides with it (``rank_reserved_bound``) which rows can fit and which pairs
+    a found plan dominates before any replay; tests hold it below the replayed peak on whole search spaces."""
     p_shard, p_opt = rank_params(b, rv)
     pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
     pp, v1, m = b.pp > 1, b.pp_stages_per_rank == 1, b.n_micro.astype(float)
@@ -830,11 +833,132 @@ def rank_memory_bound(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: 
     steady = _steady_bound(b, rv, m, w, per_mb, loss, local * rb, gathered, np.where(kept & ~any_reshard, gathered,
                                                                                    0.0))
     reduce = _reduce_bound(b, rv, m, local * rb, gathered, pb)
-    return np.maximum(at_opt, held + np.maximum.reduce([warm, steady, reduce, _unit_reduce_bound(b, rv)]))
+    return at_opt, held + np.maximum.reduce([warm, steady, reduce, _unit_reduce_bound(b, rv),
+                                             _backward_moments(spec, b, sh, rank, rv, c, w, gathered, local)])
+
+
+def _backward_moments(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, w,
+                      gathered, local) -> np.ndarray:
+    """The larger of ``_embedding_grad_bound`` and ``_first_backward_bound`` for ``_rank_moment_bounds`` (``w``
+    microbatches in flight at the first backward, ``gathered`` the rank's gathered parameters, ``local`` its local
+    parameters): a microbatch in flight at a backward keeps its blocks' activations and the stage output a first
+    stage keeps, less the received input (a receive buffer)."""
+    pp, v1 = b.pp > 1, b.pp_stages_per_rank == 1
+    stage_out = _stage_output_bytes(spec, sh)
+    per_mb = c.act + np.where(pp & rv.has_emb & ~rv.has_out, stage_out, 0.0) - np.where(
+        _torch_pp(b) & ~rv.has_emb, stage_out, 0.0)
+    acc = np.where(b.fsdp_applied, local * b.reduce_bytes,
+                   np.where((b.grad_accum > 1) & ~b.sync_once, 0.0, local * 4.0))
+    blocks = _first_backward_bound(spec, b, sh, rank, rv, c, w * per_mb, per_mb + acc)
+    emb = _embedding_grad_bound(spec, b, rv, b.n_micro.astype(float),
+                                np.where(v1, gathered, b.fsdp * rv.emb_shard * b.param_bytes),
+                                np.where(v1, (w - 1.0) * per_mb, 0.0))
+    return np.maximum(emb, blocks)
+
+
+def rank_reserved_bound(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute,
+                        allocator: bool, any_reshard: bool = False) -> np.ndarray:
+    """A lower bound of the rank's reserved memory (``rank_peak``) without replaying the timeline [derived]: the
+    allocated peak's bound (``_rank_moment_bounds``), and more where the peak is known not to be the optimizer
+    step's. Reserved memory at the peak is at least the default stream's part (the peak less what the FSDP
+    streams hold of it) plus each stream's pool (``reserved.reserved_breakdown``: pages of at least what they
+    hold). Under PP before the optimizer step the reduce-scatter stream's pool (every sharded fp32 gradient,
+    ``reserved.reduce_scatter_pool``) holds nothing of the allocated peak (the stage's gradients are its unsharded
+    accumulators then, on the default stream), so there reserved is at least the peak plus that whole pool. The
+    peak is not the optimizer step's where a bound of another moment exceeds the optimizer moment's upper bound
+    (``_optimizer_moment_upper``: ties go to the earlier phase). A CPU (gloo) profile has no caching allocator:
+    reserved is the allocated peak."""
+    at_opt, other = _rank_moment_bounds(spec, b, sh, rank, rv, c, any_reshard)
+    alloc = np.maximum(at_opt, other)
+    if not allocator:
+        return alloc
+    wrapped = fsdp_streams(b)
+    pool, _ = reduce_scatter_pool(b, rv, wrapped, rank_params(b, rv)[0], b.reduce_bytes.astype(float))
+    known_before_opt = (b.pp > 1) & wrapped & (other > _optimizer_moment_upper(spec, b, rv, at_opt))
+    return np.where(known_before_opt, other + pool, alloc)
+
+
+def _optimizer_moment_upper(spec: ModelSpec, b: PlanBatch, rv: C.RankView, at_opt) -> np.ndarray:
+    """The optimizer step's moment (``memory._optimizer_step``) from above, given ``at_opt`` (its bound from below
+    in ``_rank_moment_bounds``: parameters and Adam states, receive buffers, the sharded gradients, the foreach
+    temporaries) [derived]: the step clears every key but those, the RoPE buffers and the gradients, which are
+    every fp32 gradient of the rank (without FSDP a vocab-sharded embedding's is the whole vocabulary's), and its
+    temporaries are at least two clones of such an embedding gradient's rows."""
+    rope = float(spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim)
+    buffers = b.seq_len.astype(float) * rope * 4.0 * np.where(b.pp > 1, b.pp_stages_per_rank, 1)
+    dense_emb = ~b.fsdp_applied & rv.has_emb & (b.tp > 1) & ~b.te_layers
+    emb_local = np.asarray(rv.emb_local, dtype=float)
+    extra_grads = np.where(dense_emb, (float(spec.vocab_size) * spec.d_model - emb_local) * 4.0, 0.0)
+    clones = np.where(dense_emb, np.maximum(2.0 * emb_local * 4.0 - optimizer_temporaries(b, rv), 0.0), 0.0)
+    return at_opt + buffers + extra_grads + clones
+
+
+def _embedding_grad_bound(spec: ModelSpec, b: PlanBatch, rv: C.RankView, m, gathered, others) -> np.ndarray:
+    """``_rank_moment_bounds``' moments at the embedding's backward of a vocab-sharded (TP, not TE) embedding, from
+    below [derived: ``memory._embedding_backward``]. torch's embedding backward makes a dense gradient of the whole
+    vocabulary (V x d; param dtype under FSDP, fp32 without):
+
+    * FSDP without PP (REDUCE): the rank's rows are cloned out of it (``V / tp x d``) before it goes, the
+      embedding's gathered parameters beside both;
+    * FSDP under PP (no sync): FSDP2 keeps the dense gradient itself as the accumulation. In the pass's first
+      backward an upcast copies it into a reduce-dtype accumulator as large (where the reduce dtype is not the
+      param dtype), the W - 1 other microbatches in flight beside it (``others``); a later microbatch's dense
+      gradient (m >= 2) is made beside the accumulator the earlier ones filled. With one stage per rank every
+      block of the stage has run its backward of that microbatch before the embedding's: their accumulators
+      (reduce dtype, the stage's local parameters) are alive, and every unit of the stage is gathered (a pipeline's
+      backward does not reshard; ``gathered``: the embedding's alone with several stages per rank, whose other
+      stages' reduces may have run);
+    * without FSDP the parameter's ``.grad`` is a view of the first backward's dense gradient, which stays: a later
+      backward's (m >= 2 under PP, or an earlier pass of gradient accumulation) makes a new one beside it, and the
+      blocks' fp32 gradients of the step's first backward are kept (one stage per rank: every block's by then;
+      with more, by the last microbatch every stage has run a backward)."""
+    on = rv.has_emb & (b.tp > 1) & ~b.te_layers
+    fsdp, pp, v1 = b.fsdp_applied, b.pp > 1, b.pp_stages_per_rank == 1
+    pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
+    dense = float(spec.vocab_size) * spec.d_model
+    blocks = sum(rv.n_of[k] * (rv.plocal[k][0] + rv.plocal[k][1]) for k in rv.kinds)
+    stage = gathered + np.where(v1, blocks * rb, 0.0)
+    first = dense * pb + np.where(rb != pb, dense * rb, 0.0) + others
+    piped = stage + np.maximum(first, np.where(m >= 2, dense * (pb + rb), 0.0))
+    sharded = np.where(pp, piped, b.fsdp * rv.emb_shard * pb + dense * pb + np.asarray(rv.emb_local) * pb)
+    acc = (b.grad_accum > 1) & ~b.sync_once
+    earlier = np.where(acc, (dense - np.asarray(rv.emb_local, dtype=float)) * 4.0,
+                       np.where(pp & (m >= 2), dense * 4.0, 0.0))
+    plain = dense * 4.0 + earlier + np.where(~acc & (v1 | (m >= 2)), blocks * 4.0, 0.0)
+    return np.where(on, np.where(fsdp, sharded, plain), 0.0)
+
+
+def _first_backward_bound(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute,
+                          in_flight, later) -> np.ndarray:
+    """``_rank_moment_bounds``' moments at the recompute of the first block a backward reaches (one stage per rank:
+    the stage's last block), from below [derived: ``memory._block_backward``, its first moment]: the block's FSDP
+    unit is gathered (a backward needs its parameters, whatever the reshard choice) and the block has rerun its
+    forward: its tensors beyond what its AC mode kept are alive again (its activations without AC less those kept;
+    0 under ``layer:N``, where the block may be one it does not checkpoint, and under core-attn, which recomputes
+    inside the attention's backward) with the MLP input the recompute holds (``layers.ffn_input_held_bytes``).
+    Beside them, in the rank's first backward every microbatch in flight keeps its blocks' activations
+    (``in_flight``: W of them); in a later microbatch's backward under PP (m >= 2) that microbatch's and what the
+    first backward left: the stage's gradient accumulators, or without FSDP its fp32 gradients (``later``)."""
+    held = np.asarray(ffn_input_held_bytes(spec, sh), dtype=float)
+    ep1 = b.ep == 1
+    moment = {}
+    for moe, cost in c.costs.items():
+        kept = _block_activations(b, cost, False)
+        trans = np.where(b.ac == AC_MODES["core-attn"], 0.0, np.asarray(cost.act["none"], dtype=float) - kept)
+        ne_s, ex_s = rv.pshard[moe]
+        unit = np.where(b.fsdp_applied, b.fsdp * (ne_s + np.where(ep1, ex_s, 0.0)) * b.param_bytes, 0.0)
+        moment[moe] = trans + np.where(trans > 0, held, 0.0) + unit
+    last = np.zeros(len(b))
+    for p in np.unique(b.pp).tolist():
+        layer = stage_bounds(spec.n_layers, p)[1] - 1 if rank == FIRST and p > 1 else spec.n_layers - 1
+        sel = b.pp == p
+        last[sel] = np.broadcast_to(moment[spec.is_moe_layer(layer)], (len(b),))[sel]
+    later_on = (b.pp > 1) & (b.n_micro >= 2)
+    return np.where(b.pp_stages_per_rank == 1, last + np.maximum(in_flight, np.where(later_on, later, 0.0)), 0.0)
 
 
 def _unit_reduce_bound(b: PlanBatch, rv: C.RankView) -> np.ndarray:
-    """``rank_memory_bound``'s moment at a block's or its routed experts' gradient reduction under FSDP, from
+    """``_rank_moment_bounds``' moment at a block's or its routed experts' gradient reduction under FSDP, from
     below [derived: ``memory._post_backward``, which every FSDP unit of the step's last pass runs in REDUCE mode
     (no PP) or FINAL (PP, the stage's reduce after its last backward)]: at the moment its reduce-scatter input is
     made (padded shard x shard group, reduce dtype) the unit's own unsharded gradients are still alive (param
@@ -854,7 +978,7 @@ def _unit_reduce_bound(b: PlanBatch, rv: C.RankView) -> np.ndarray:
 
 
 def _steady_bound(b: PlanBatch, rv: C.RankView, m, w, per_mb, loss, acc, gathered, kept_gathered) -> np.ndarray:
-    """``rank_memory_bound``'s moment after the first backward of one stage per rank under FSDP: a 1F1B forward
+    """``_rank_moment_bounds``' moment after the first backward of one stage per rank under FSDP: a 1F1B forward
     with W in flight beside the accumulators (``acc``) and the units kept gathered; GPipe's second backward."""
     fsdp_pp, v1 = b.fsdp_applied & (b.pp > 1), b.pp_stages_per_rank == 1
     gpipe = b.pp_schedule == SCHED_GPIPE

@@ -69,7 +69,7 @@ def _all_gather_pool(b: PlanBatch, rv: C.RankView, wrapped, pb) -> tuple:
                                                              np.where(rv.has_out, out, 0.0), blk])
 
 
-def _reduce_pool(b: PlanBatch, rv: C.RankView, wrapped, p_shard, rb) -> tuple:
+def reduce_scatter_pool(b: PlanBatch, rv: C.RankView, wrapped, p_shard, rb) -> tuple:
     """(the reduce-scatter stream's pool: every fp32 sharded gradient, plus one unit's output in reduce dtype where
     outputs are converted or accumulated into existing gradients; the largest unit's output), bytes."""
     unit_shards = [rv.emb_shard, rv.norm_shard + rv.outw_shard] + [rv.pshard[k][0] + rv.pshard[k][1]
@@ -77,6 +77,13 @@ def _reduce_pool(b: PlanBatch, rv: C.RankView, wrapped, p_shard, rb) -> tuple:
     largest = np.maximum.reduce([np.broadcast_to(np.asarray(u, dtype=float), (len(b),)) for u in unit_shards])
     transient = ((rb < 4) | ((b.grad_accum > 1) & (b.pp == 1))) * largest * rb
     return np.where(wrapped, p_shard * 4.0 + transient, 0.0), largest * 4.0
+
+
+def fsdp_streams(b: PlanBatch) -> np.ndarray:
+    """Plans whose FSDP2 wrapping has its streams' pools: FSDP2 wraps the model, where Megatron-style plans
+    (distributed optimizer, TE layers: cost-model-only Megatron semantics) keep their gradients in one contiguous
+    buffer on the default stream instead."""
+    return ((b.fsdp > 1) | (b.efsdp > 1) | (b.dp_replicate > 1)) & ~b.zero1 & ~b.te_layers
 
 
 def reserved_breakdown(b: PlanBatch, rv: C.RankView, logits, act_b, p_shard, peak, mb: dict, phase_idx,
@@ -91,11 +98,9 @@ def reserved_breakdown(b: PlanBatch, rv: C.RankView, logits, act_b, p_shard, pea
         return {"default_stream_allocated": np.asarray(peak, dtype=float) * np.ones(n),
                 "default_stream_holes": z, "all_gather_stream": z, "reduce_scatter_stream": z}
     pb, rb = b.param_bytes.astype(float), b.reduce_bytes.astype(float)
-    # FSDP2 wraps the model (its streams); Megatron-style plans (distributed optimizer, TE layers: cost-model-only
-    # Megatron semantics) keep their gradients in one contiguous buffer on the default stream instead
-    wrapped = ((b.fsdp > 1) | (b.efsdp > 1) | (b.dp_replicate > 1)) & ~b.zero1 & ~b.te_layers
+    wrapped = fsdp_streams(b)
     ag, ag_largest = _all_gather_pool(b, rv, wrapped, pb)
-    rs, rs_largest = _reduce_pool(b, rv, wrapped, p_shard, rb)
+    rs, rs_largest = reduce_scatter_pool(b, rv, wrapped, p_shard, rb)
     at_opt = phase_idx == PHASES.index(OPT)
     # gradients at the peak on the reduce-scatter stream: the sharded ones (without PP, or at the optimizer
     # step); under PP before the optimizer they are the unsharded accumulators, on the default stream

@@ -81,9 +81,9 @@ from .phases import (
     RankPeak,
     optimizer_temporaries,
     rank_memory,
-    rank_memory_bound,
     rank_params,
     rank_peak,
+    rank_reserved_bound,
     static_bytes,
 )
 from .pipeline import shared_cores
@@ -138,17 +138,18 @@ def evaluate(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, detail: bool = 
 
 def memory_lower_bound(spec: ModelSpec, b: PlanBatch, hw: HardwareProfile, any_reshard: bool = False) -> np.ndarray:
     """A lower bound of every plan's reserved memory, without the timeline [derived]: the larger of the two ranks'
-    ``phases.rank_memory_bound``, which the allocated peak is at least; reserved memory is at least the allocated
-    peak (``reserved.reserved_breakdown``: every pool is mapped in whole pages of what it holds). Shrunk by one
-    part in 1e9: it sums the same terms in another order than the timeline. ``any_reshard``: a bound for the
-    plans' every reshard-after-forward choice."""
+    ``phases.rank_reserved_bound``: the allocated peak's bound (reserved memory is at least the allocated peak,
+    ``reserved.reserved_breakdown``: every pool is mapped in whole pages of what it holds), with the
+    reduce-scatter stream's pool beside it where the peak is known to come before the optimizer step under PP.
+    Shrunk by one part in 1e9: it sums the same terms in another order than the timeline. ``any_reshard``: a bound
+    for the plans' every reshard-after-forward choice."""
     sh = Shapes(spec, b)
     kinds = block_kinds(spec)
     costs = kind_costs(spec, b, hw, kinds, block_overheads(hw), times=False)
     out = np.zeros(len(b))
     for rank, rv in zip((FIRST, LAST), rank_views(spec, b, kinds), strict=True):
         c = rank_compute(spec, b, sh, hw, rv, costs)
-        out = np.maximum(out, rank_memory_bound(spec, b, sh, rank, rv, c, any_reshard))
+        out = np.maximum(out, rank_reserved_bound(spec, b, sh, rank, rv, c, hw.comm_overlap, any_reshard))
     return out * (1.0 - 1e-9)
 
 
@@ -156,7 +157,7 @@ def optimizer_step_lower_bound(spec: ModelSpec, b: PlanBatch) -> np.ndarray:
     """A lower bound of every plan's reserved memory from its parameters alone [derived]: at the optimizer step each
     rank holds its fp32 parameters and Adam states (12 B per parameter it steps), its sharded fp32 gradients (4 B per
     parameter it holds) and the foreach step's temporaries (``phases.optimizer_temporaries``): the optimizer moment
-    of ``phases.rank_memory_bound`` without the pipeline's receive buffers. It reads the degrees, the stages per
+    of ``phases._rank_moment_bounds`` without the pipeline's receive buffers. It reads the degrees, the stages per
     rank and the pinned options, not the batch split nor AC, compile, float8 or reshard (search computes it once
     per (degrees, stages per rank))."""
     out = np.zeros(len(b))
