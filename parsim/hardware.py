@@ -28,9 +28,10 @@ import numpy as np
 
 from .errors import ParsimError, check_number
 from .jsonio import atomic_write_json, exists, read_json, short_path  # noqa: F401 (atomic_write_json re-exported)
+from .vocab import Op
 
 SCHEMA_VERSION = 1
-COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send")
+COLLECTIVE_OPS = tuple(o.value for o in Op)  # (plain words: profiles and the profiler's CLI carry them)
 # the profiles shipped with parsim: package data of parsim.profiles (the repository's profiles/ folder)
 PACKAGED_PROFILES_DIR = Path(str(importlib.resources.files("parsim.profiles")))
 # Interval half-widths (log of the ratio) of profiles no calibration has sized, 90% split-conformal quantiles of

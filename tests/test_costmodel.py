@@ -457,25 +457,32 @@ def test_the_attention_backward_takes_the_profiles_measured_ratio():
 
 def test_ledger_refuses_words_it_does_not_know():
     """A misspelt op, phase, overlap, axis or FSDP unit in a ledger record is an error, not a collective that every
-    group-by naming the right word silently misses."""
+    group-by naming the right word silently misses; a record's words are the vocabulary's members (``parsim.vocab``,
+    equal to their plain words), and everything but its label is passed by name."""
     import numpy as np
 
     from parsim.costmodel.comm import Ledger
     from parsim.hardware import load_profile
+    from parsim.vocab import Axis, FsdpUnit, Op, Overlap, Phase
 
     led = Ledger(load_profile("h100-sxm-spec"), 1)
-    led.add("ok", "all_gather", "tp", 1e6, 1, np.array([2]), 8, "forward", "exposed")
-    assert len(led.records) == 1
+    size = dict(bytes_per_call=1e6, calls=1, group=np.array([2]), rpn=8)
+    led.add("ok", op="all_gather", axis="tp", phase="forward", overlap="exposed", **size)
+    rec = led.records[-1]
+    assert (rec.op, rec.axis, rec.phase, rec.overlap) == (Op.ALL_GATHER, Axis.TP, Phase.FORWARD, Overlap.EXPOSED)
+    assert isinstance(rec.op, Op) and rec.key == "all_gather/tp" and rec.unit is None
+    with pytest.raises(TypeError):  # (keyword-only: a shifted position cannot pass for another field)
+        led.add("positional", "all_gather", "tp", 1e6, 1, np.array([2]), 8, "forward", "exposed")  # type: ignore[misc]
     for bad in (("allgather", "tp", "forward", "exposed"), ("all_gather", "tp", "fwd", "exposed"),
                 ("all_gather", "tp", "forward", "hidden"), ("all_gather", "tensor", "forward", "exposed"),
                 ("all_gather", [("dp_shard", True), ("dpshard", False)], "forward", "fsdp_gather")):
         op, axis, phase, overlap = bad
         with pytest.raises(ValueError, match="not one of the known words"):
-            led.add("bad", op, axis, 1e6, 1, np.array([2]), 8, phase, overlap)
+            led.add("bad", op=op, axis=axis, phase=phase, overlap=overlap, **size)
     # an FSDP record names its unit from the vocabulary (what reads it keys on the unit, not on the label)
-    led.add("FSDP all-gather: dense block", "all_gather", "dp_shard", 1e6, 1, np.array([2]), 8, "forward+backward",
-            "fsdp_gather", unit="dense block")
-    assert led.records[-1].unit == "dense block"
+    led.add("FSDP all-gather: dense block", op=Op.ALL_GATHER, axis=Axis.DP_SHARD, phase=Phase.FORWARD_BACKWARD,
+            overlap=Overlap.FSDP_GATHER, unit=FsdpUnit.DENSE_BLOCK, **size)
+    assert led.records[-1].unit == "dense block" == FsdpUnit.DENSE_BLOCK
     with pytest.raises(ValueError, match="unit 'dense blocks' is not one of the known words"):
-        led.add("FSDP all-gather: x", "all_gather", "dp_shard", 1e6, 1, np.array([2]), 8, "forward+backward",
-                "fsdp_gather", unit="dense blocks")
+        led.add("FSDP all-gather: x", op="all_gather", axis="dp_shard", phase="forward+backward",
+                overlap="fsdp_gather", unit="dense blocks", **size)

@@ -42,36 +42,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..hardware import COLLECTIVE_OPS
+from ..vocab import Axis, FsdpUnit, Op, Overlap, Phase
 from .layers import ac_counts as _ac_counts
 from .layers import core_attn_counts as _core_attn_counts
 from .layers import param_tensor_counts
 
-FSDP_OVERLAPS = ("fsdp_gather", "fsdp_reduce")
-# the vocabulary of a record: when in the step it runs, and what hides it (exposed: nothing; pp: the pipeline
-# schedule; fsdp_*: FSDP's prefetch and overlap, ``overlap.fsdp_exposed``); ``Ledger.add`` refuses anything else,
-# so that a misspelt word cannot silently drop a collective from every group-by that names the right one
-RECORD_PHASES = ("forward", "backward", "forward+backward", "step")
-RECORD_OVERLAPS = ("exposed", "pp") + FSDP_OVERLAPS
+FSDP_OVERLAPS = (Overlap.FSDP_GATHER, Overlap.FSDP_REDUCE)
 
 
 @dataclass
 class Record:
     """One kind of collective call on one rank; arrays over the plan batch (0 calls where it does not apply)."""
 
-    what: str
-    op: str
-    axis: str
+    what: str  # a display label, read by nothing
+    op: Op
+    axis: Axis
     bytes_per_call: np.ndarray
     calls: np.ndarray  # per training step
     group: np.ndarray
     ranks_per_node: np.ndarray
-    phase: str  # forward | backward | forward+backward | step
-    overlap: str  # exposed | pp | fsdp_gather | fsdp_reduce
+    phase: Phase
+    overlap: Overlap
     time_s: np.ndarray  # raw seconds per step: collective_time_s(bytes_per_call) * calls
     exposed_s: np.ndarray | None = None  # set by the step model: the part of time_s the step waits for
     bytes_scale: float = 1.0  # the call is timed as ``op`` of this many times its bytes (``Ledger.add``)
-    unit: str = ""  # the FSDP unit an FSDP / HSDP record is of (one of ``FSDP_UNITS``), "" for any other record
+    unit: FsdpUnit | None = None  # the FSDP unit an FSDP / HSDP record is of; None for any other record
 
     @property
     def key(self) -> str:
@@ -81,8 +76,9 @@ class Record:
 # mesh axis -> class of collectives that behave alike (message sizes, place in the step): tensor parallel (small,
 # on the critical path), data parallel (bulk FSDP / DDP gradient and parameter traffic), pipeline p2p, expert
 # all-to-all, context-parallel ring
-AXIS_CLASS = {"tp": "tp", "dp_shard": "dp", "dp_replicate": "dp", "dp_shard+cp": "dp", "efsdp": "dp", "edp": "dp",
-              "fsdp": "dp", "pp": "pp", "ep": "ep", "cp": "cp"}
+AXIS_CLASS: dict[str, str] = {Axis.TP: "tp", Axis.DP_SHARD: "dp", Axis.DP_REPLICATE: "dp", Axis.DP_SHARD_CP: "dp",
+                              Axis.EFSDP: "dp", Axis.EDP: "dp", Axis.FSDP: "dp", Axis.PP: "pp", Axis.EP: "ep",
+                              Axis.CP: "cp"}
 
 
 def axis_class_scale(hw, axis: str, op: str) -> float:
@@ -93,15 +89,19 @@ def axis_class_scale(hw, axis: str, op: str) -> float:
     return float(c.get(f"comm_scale_{AXIS_CLASS.get(axis, axis)}", 1.0)) * float(c.get(f"comm_scale_op_{op}", 1.0))
 
 
-def _check_words(what: str, op: str, axis, phase: str, overlap: str, unit: str = "") -> None:
-    names = [a for a, _ in axis] if isinstance(axis, list) else [axis]
-    checks = [("op", op, op in COLLECTIVE_OPS), ("phase", phase, phase in RECORD_PHASES),
-              ("overlap", overlap, overlap in RECORD_OVERLAPS), ("unit", unit, unit in ("", *FSDP_UNITS))] + [
-                  ("axis", a, a in AXIS_CLASS) for a in names]
-    bad = [(k, v) for k, v, ok in checks if not ok]
-    if bad:
-        raise ValueError(f"ledger record {what!r}: " + ", ".join(f"{k} {v!r} is not one of the known words"
-                                                                 for k, v in bad))
+def _words(what: str, op, axis, phase, overlap, unit) -> tuple:
+    """(op, [(axis, mask)] or axis, phase, overlap, unit) as the vocabulary's members (``parsim.vocab``); a word
+    that is none of them is refused with the record's label, so that a misspelt one cannot silently drop a
+    collective from every group-by that names the right one."""
+    def one(kind, enum, word):
+        try:
+            return enum(word)
+        except ValueError:
+            raise ValueError(f"ledger record {what!r}: {kind} {word!r} is not one of the known words") from None
+
+    axes = [(one("axis", Axis, a), m) for a, m in axis] if isinstance(axis, list) else one("axis", Axis, axis)
+    return (one("op", Op, op), axes, one("phase", Phase, phase), one("overlap", Overlap, overlap),
+            None if unit is None else one("unit", FsdpUnit, unit))
 
 
 class Ledger:
@@ -111,15 +111,15 @@ class Ledger:
         self.hw, self.n = hw, n
         self.records: list[Record] = []
 
-    def add(self, what, op, axis, bytes_per_call, calls, group, rpn, phase, overlap, mask=True,
-            time_bytes_scale=1.0, unit: str = "") -> None:
-        """Record a kind of call. ``axis`` may be a list of (axis, mask) to split one kind of call between axis
-        names by plan (FSDP over dp_shard, or dp_shard+cp when cp > 1): its time is computed once.
-        ``time_bytes_scale``: the call is timed as ``op`` of that many times its bytes (a permute issued as an
-        all-to-all sends all of its buffer, where the all-to-all curve's call of the same size sends (g-1)/g).
-        ``unit``: the FSDP unit of an FSDP or HSDP record (``FSDP_UNITS``), which what reads it keys on (not the
-        display label ``what``)."""
-        _check_words(what, op, axis, phase, overlap, unit)
+    def add(self, what: str, *, op: Op, axis: Axis | list, bytes_per_call, calls, group, rpn, phase: Phase,
+            overlap: Overlap, mask=True, time_bytes_scale=1.0, unit: FsdpUnit | None = None) -> None:
+        """Record a kind of call (``what``: its label; every other argument by name). ``axis`` may be a list of
+        (axis, mask) to split one kind of call between axes by plan (FSDP over dp_shard, or dp_shard+cp when
+        cp > 1): its time is computed once. ``time_bytes_scale``: the call is timed as ``op`` of that many times
+        its bytes (a permute issued as an all-to-all sends all of its buffer, where the all-to-all curve's call of
+        the same size sends (g-1)/g). ``unit``: the FSDP unit of an FSDP or HSDP record, which what reads it keys
+        on (not the display label ``what``)."""
+        op, axis, phase, overlap, unit = _words(what, op, axis, phase, overlap, unit)
         n = self.n
         group = np.broadcast_to(np.asarray(group), (n,))
         rpn = np.broadcast_to(rpn, (n,))
@@ -229,15 +229,17 @@ def rank_comm(spec, b, sh, hw, rv: RankView) -> RankComm:
     per_microbatch_exposed_records(led, spec, b, sh, rv, M, n_full, n_sac, ac)
     v = b.pp_stages_per_rank.astype(float)
     sends = np.where(b.pp > 1, (2.0 * v - 1.0), 0.0)  # first: v fwd + (v-1) bwd; last: (v-1) fwd + v bwd
-    led.add("PP send of a stage output / its gradient (fp32 under autocast)", "send", "pp",
-            sh.T * spec.d_model / sh.sp_div * sh.res_b, M * sends, np.where(b.pp > 1, 2, 1),
-            np.minimum(b.rpn["pp"], 2), "forward+backward", "pp")
+    led.add("PP send of a stage output / its gradient (fp32 under autocast)", op=Op.SEND, axis=Axis.PP,
+            bytes_per_call=sh.T * spec.d_model / sh.sp_div * sh.res_b, calls=M * sends, group=np.where(b.pp > 1, 2, 1),
+            rpn=np.minimum(b.rpn["pp"], 2), phase=Phase.FORWARD_BACKWARD, overlap=Overlap.PP)
     _fsdp_records(led, spec, b, rv)
     _grad_norm_records(led, spec, b, rv)
-    per_mb = {a: sum((r.time_s for r in led.records if r.overlap == "exposed" and r.axis == a
-                      and r.phase != "step"), np.zeros(len(b))) / np.maximum(M, 1) for a in ("tp", "cp", "ep")}
-    return RankComm(ledger=led, per_microbatch_exposed_s=per_mb, fsdp_gather_total_s=led.total_s(("fsdp_gather",)),
-                    fsdp_reduce_total_s=led.total_s(("fsdp_reduce",)))
+    per_mb = {a: sum((r.time_s for r in led.records if r.overlap == Overlap.EXPOSED and r.axis == a
+                      and r.phase != Phase.STEP), np.zeros(len(b))) / np.maximum(M, 1)
+              for a in (Axis.TP, Axis.CP, Axis.EP)}
+    return RankComm(ledger=led, per_microbatch_exposed_s=per_mb,
+                    fsdp_gather_total_s=led.total_s((Overlap.FSDP_GATHER,)),
+                    fsdp_reduce_total_s=led.total_s((Overlap.FSDP_REDUCE,)))
 
 
 def per_microbatch_exposed_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac,
@@ -273,18 +275,24 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, per_st
     # TE layers all-gather the norm output in float8 when float8 is on and gather it again in the backward (the
     # local shard is what they keep, see layers.saved_tensors) [derived]
     ag_res = ag_res + np.where(sh.te, 2.0 * L, 0.0)
-    led.add("TP all-gather of norm outputs before the column-parallel linears (incl. recompute)", "all_gather", "tp",
-            T * d / t * np.where(sh.te, sh.f8b, sh.res_b), M * ag_res, g, r, "forward+backward", "exposed", tp_on & sp)
-    led.add("TP all-gather of row-parallel output gradients", "all_gather", "tp", T * d / t * sh.act_b,
-            M * (ag_mm - L_moe), g, r, "backward", "exposed", tp_on & sp)
-    led.add("TP all-gather of MoE output gradients", "all_gather", "tp", T * d / t * sh.res_b, M * L_moe, g, r,
-            "backward", "exposed", tp_on & sp & (L_moe > 0))
-    led.add("TP reduce-scatter of row-parallel outputs (incl. full-AC recompute)", "reduce_scatter", "tp",
-            T * d * sh.act_b, M * rs_mm, g, r, "forward", "exposed", tp_on & sp)
-    led.add("TP reduce-scatter of MoE outputs", "reduce_scatter", "tp", T * d * sh.res_b, M * L_moe, g, r,
-            "forward", "exposed", tp_on & sp & (L_moe > 0))
-    led.add("TP reduce-scatter of norm-output gradients", "reduce_scatter", "tp", T * d * sh.res_b, M * rs_res, g, r,
-            "backward", "exposed", tp_on & sp)
+    led.add("TP all-gather of norm outputs before the column-parallel linears (incl. recompute)", op=Op.ALL_GATHER,
+            axis=Axis.TP, bytes_per_call=T * d / t * np.where(sh.te, sh.f8b, sh.res_b), calls=M * ag_res, group=g,
+            rpn=r, phase=Phase.FORWARD_BACKWARD, overlap=Overlap.EXPOSED, mask=tp_on & sp)
+    led.add("TP all-gather of row-parallel output gradients", op=Op.ALL_GATHER, axis=Axis.TP,
+            bytes_per_call=T * d / t * sh.act_b, calls=M * (ag_mm - L_moe), group=g, rpn=r, phase=Phase.BACKWARD,
+            overlap=Overlap.EXPOSED, mask=tp_on & sp)
+    led.add("TP all-gather of MoE output gradients", op=Op.ALL_GATHER, axis=Axis.TP,
+            bytes_per_call=T * d / t * sh.res_b, calls=M * L_moe, group=g, rpn=r, phase=Phase.BACKWARD,
+            overlap=Overlap.EXPOSED, mask=tp_on & sp & (L_moe > 0))
+    led.add("TP reduce-scatter of row-parallel outputs (incl. full-AC recompute)", op=Op.REDUCE_SCATTER, axis=Axis.TP,
+            bytes_per_call=T * d * sh.act_b, calls=M * rs_mm, group=g, rpn=r, phase=Phase.FORWARD,
+            overlap=Overlap.EXPOSED, mask=tp_on & sp)
+    led.add("TP reduce-scatter of MoE outputs", op=Op.REDUCE_SCATTER, axis=Axis.TP, bytes_per_call=T * d * sh.res_b,
+            calls=M * L_moe, group=g, rpn=r, phase=Phase.FORWARD, overlap=Overlap.EXPOSED,
+            mask=tp_on & sp & (L_moe > 0))
+    led.add("TP reduce-scatter of norm-output gradients", op=Op.REDUCE_SCATTER, axis=Axis.TP,
+            bytes_per_call=T * d * sh.res_b, calls=M * rs_res, group=g, rpn=r, phase=Phase.BACKWARD,
+            overlap=Overlap.EXPOSED, mask=tp_on & sp)
     # recompute: early stop skips the MLP's all-reduce (consumed by the residual add alone) under full AC and
     # selective-op AC alike (which does not save all-reduce outputs): one per recomputed layer (trace: tiny,
     # tiny-moe, llama3-405b at tp 2 without SP). The row-parallel outputs are reduced in param_dtype; the
@@ -292,16 +300,18 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, per_st
     # projection's input gradient in the backward) in the residual stream's dtype, fp32 under autocast (trace:
     # a 4-layer model at tp 2 without data parallelism, full AC, 3 microbatches: 36 bf16 and 30 fp32 (T, d)
     # all-reduces; the model had all 66 in bf16, 31% under) [derived]
-    led.add("TP all-reduce of row-parallel outputs (no sequence parallel; incl. recompute)", "all_reduce", "tp",
-            T * d * sh.act_b, M * (2.0 * L - L_moe + n_full + n_sac), g, r, "forward", "exposed", tp_on & ~sp)
+    led.add("TP all-reduce of row-parallel outputs (no sequence parallel; incl. recompute)", op=Op.ALL_REDUCE,
+            axis=Axis.TP, bytes_per_call=T * d * sh.act_b, calls=M * (2.0 * L - L_moe + n_full + n_sac), group=g, rpn=r,
+            phase=Phase.FORWARD, overlap=Overlap.EXPOSED, mask=tp_on & ~sp)
     led.add("TP all-reduce of MoE outputs, column-parallel input gradients and the edges (no sequence parallel)",
-            "all_reduce", "tp", T * d * sh.res_b, M * (2.0 * L + L_moe + edge), g, r, "forward+backward", "exposed",
-            tp_on & ~sp)
+            op=Op.ALL_REDUCE, axis=Axis.TP, bytes_per_call=T * d * sh.res_b, calls=M * (2.0 * L + L_moe + edge),
+            group=g, rpn=r, phase=Phase.FORWARD_BACKWARD, overlap=Overlap.EXPOSED, mask=tp_on & ~sp)
     # loss parallel on the last stage: torch's log_softmax / nll_loss handlers for vocab-sharded logits all-reduce
     # the row max, the sum of exponentials and the target logit, one fp32 value per token each, in the forward
     # [derived from torch.distributed.tensor.parallel.loss; trace]
-    led.add("loss parallel: all-reduces of the row max, the sum of exponentials and the target logit",
-            "all_reduce", "tp", T * 4.0, M * 3.0 * np.where(rv.has_out, 1.0, 0.0), g, r, "forward", "exposed", tp_on)
+    led.add("loss parallel: all-reduces of the row max, the sum of exponentials and the target logit", op=Op.ALL_REDUCE,
+            axis=Axis.TP, bytes_per_call=T * 4.0, calls=M * 3.0 * np.where(rv.has_out, 1.0, 0.0), group=g, rpn=r,
+            phase=Phase.FORWARD, overlap=Overlap.EXPOSED, mask=tp_on)
     if per_step:
         tp_partial_grad_records(led, spec, b, rv)
 
@@ -321,15 +331,17 @@ def tp_partial_grad_records(led: Ledger, spec, b, rv: RankView) -> None:
     dtype_b = np.where(fsdp_on, np.where((b.pp > 1) | b.sync_once, b.reduce_bytes, b.param_bytes), 4.0).astype(float)
     per = np.where(fsdp_on, b.reduce_passes.astype(float), 4.0)
     norm_tensors = 2.0 if spec.norm == "layernorm" else 1.0
-    led.add("TP all-reduce of sequence-parallel norm-weight gradients", "all_reduce", "tp", d * dtype_b,
-            per * norm_tensors * (2.0 * L + np.where(rv.has_out, 1.0, 0.0)), g, r, "backward", "exposed",
-            tp_on & b.sequence_parallel)
+    led.add("TP all-reduce of sequence-parallel norm-weight gradients", op=Op.ALL_REDUCE, axis=Axis.TP,
+            bytes_per_call=d * dtype_b, calls=per * norm_tensors * (2.0 * L + np.where(rv.has_out, 1.0, 0.0)), group=g,
+            rpn=r, phase=Phase.BACKWARD, overlap=Overlap.EXPOSED, mask=tp_on & b.sequence_parallel)
     if spec.qk_norm:
-        led.add("TP all-reduce of q/k-norm weight gradients", "all_reduce", "tp", spec.head_dim * dtype_b,
-                per * 2.0 * L, g, r, "backward", "exposed", tp_on)
+        led.add("TP all-reduce of q/k-norm weight gradients", op=Op.ALL_REDUCE, axis=Axis.TP,
+                bytes_per_call=spec.head_dim * dtype_b, calls=per * 2.0 * L, group=g, rpn=r, phase=Phase.BACKWARD,
+                overlap=Overlap.EXPOSED, mask=tp_on)
     if True in rv.kinds and spec.moe is not None:
-        led.add("TP all-reduce of router-weight gradients", "all_reduce", "tp", d * spec.moe.n_experts * dtype_b,
-                per * rv.n_of[True], g, r, "backward", "exposed", tp_on)
+        led.add("TP all-reduce of router-weight gradients", op=Op.ALL_REDUCE, axis=Axis.TP,
+                bytes_per_call=d * spec.moe.n_experts * dtype_b, calls=per * rv.n_of[True], group=g, rpn=r,
+                phase=Phase.BACKWARD, overlap=Overlap.EXPOSED, mask=tp_on)
 
 
 def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac) -> None:
@@ -339,28 +351,27 @@ def _cp_ep_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, ac)
     # selective-op AC saves the ring attention's output (its policy sees the SDPA op above DTensor's CP handler),
     # so only full AC's recompute gathers K and V again, and core-attn's, whose checkpoint is the attention call
     n_core = sum((_core_attn_counts(b, rv.n_of[k]) for k in rv.kinds), np.zeros(len(b)))
-    led.add("CP all-gather of K and V (forward, full-AC / core-attn recompute, backward)", "all_gather", "cp", kv,
-            M * (2.0 * L + n_full + n_core), g, r, "forward+backward", "exposed", cp_on)
+    led.add("CP all-gather of K and V (forward, full-AC / core-attn recompute, backward)", op=Op.ALL_GATHER,
+            axis=Axis.CP, bytes_per_call=kv, calls=M * (2.0 * L + n_full + n_core), group=g, rpn=r,
+            phase=Phase.FORWARD_BACKWARD, overlap=Overlap.EXPOSED, mask=cp_on)
     # the backward passes the fp32 partial sums of dK and dV round the ring: one permute (an all-to-all with all
     # of the buffer going to the next rank) per ring step, cp per layer
     kv_f32 = sh.T * (spec.kv_dim + spec.v_dim) / sh.t * 4.0
-    led.add("CP ring pass of the fp32 K and V gradients (one permute per ring step)", "all_to_all", "cp", kv_f32,
-            M * L * g, g, r, "backward", "exposed", cp_on, time_bytes_scale=g / np.maximum(g - 1, 1))
+    led.add("CP ring pass of the fp32 K and V gradients (one permute per ring step)", op=Op.ALL_TO_ALL, axis=Axis.CP,
+            bytes_per_call=kv_f32, calls=M * L * g, group=g, rpn=r, phase=Phase.BACKWARD, overlap=Overlap.EXPOSED,
+            mask=cp_on, time_bytes_scale=g / np.maximum(g - 1, 1))
     if True in rv.kinds:
         n_moe = rv.n_of[True]
         full_moe = ac[True][0]
         # the dispatch moves the block's input (the residual stream's dtype, fp32 under autocast), the combine the
         # experts' outputs (param_dtype); their backwards the same pair: per call the mean of the two [derived:
         # executor MoE._routed; trace: tp8 x ep8 without data parallelism, 1.5x the param_dtype bytes]
-        led.add("EP all-to-all dispatch and combine of routed tokens (fwd, bwd, full-AC recompute)", "all_to_all",
-                "ep", sh.Tr * spec.d_model * (sh.act_b + sh.res_b) / 2.0, M * (4.0 * n_moe + 2.0 * full_moe), b.ep,
-                b.rpn["ep"], "forward+backward", "exposed", b.ep > 1)
+        led.add("EP all-to-all dispatch and combine of routed tokens (fwd, bwd, full-AC recompute)", op=Op.ALL_TO_ALL,
+                axis=Axis.EP, bytes_per_call=sh.Tr * spec.d_model * (sh.act_b + sh.res_b) / 2.0,
+                calls=M * (4.0 * n_moe + 2.0 * full_moe), group=b.ep, rpn=b.rpn["ep"], phase=Phase.FORWARD_BACKWARD,
+                overlap=Overlap.EXPOSED, mask=b.ep > 1)
 
 
-FSDP_OUTPUT_UNIT = "[final norm, output] unit"
-FSDP_MOE_UNIT = "MoE block"  # the routed experts inside where ep = 1
-FSDP_EXPERT_UNIT = "MoE block's routed experts"  # their own unit where ep > 1 (over efsdp)
-FSDP_UNITS = ("dense block", FSDP_MOE_UNIT, FSDP_EXPERT_UNIT, "embedding unit", FSDP_OUTPUT_UNIT)
 
 
 def fsdp_gathers_per_pass(b, output_unit: bool = False) -> np.ndarray:
@@ -386,13 +397,13 @@ def _fsdp_units(spec, b, rv: RankView) -> list[tuple]:
     ep1 = b.ep == 1
     units = []
     for k in rv.kinds:
-        name = FSDP_MOE_UNIT if k else "dense block"
+        name = FsdpUnit.MOE_BLOCK if k else FsdpUnit.DENSE_BLOCK
         ne_s, ex_s = rv.pshard[k]
-        units.append((name, ne_s + np.where(ep1, ex_s, 0.0), rv.n_of[k], gathers, "fsdp"))
+        units.append((name, ne_s + np.where(ep1, ex_s, 0.0), rv.n_of[k], gathers, Axis.FSDP))
         if k:
-            units.append((FSDP_EXPERT_UNIT, ex_s, np.where(ep1, 0.0, rv.n_of[k]), gathers, "efsdp"))
-    units += [("embedding unit", rv.emb_shard, 1.0, gathers, "fsdp"),
-              (FSDP_OUTPUT_UNIT, rv.norm_shard + rv.outw_shard, 1.0, out_gathers, "fsdp")]
+            units.append((FsdpUnit.EXPERTS, ex_s, np.where(ep1, 0.0, rv.n_of[k]), gathers, Axis.EFSDP))
+    units += [(FsdpUnit.EMBEDDING, rv.emb_shard, 1.0, gathers, Axis.FSDP),
+              (FsdpUnit.OUTPUT, rv.norm_shard + rv.outw_shard, 1.0, out_gathers, Axis.FSDP)]
     return units
 
 
@@ -409,35 +420,39 @@ def _fsdp_records(led: Ledger, spec, b, rv: RankView) -> None:
     cp_axis = b.cp > 1
     for name, shard, units, gathers, grp in _fsdp_units(spec, b, rv):
         on = shard > 0
-        if grp == "fsdp":
-            axis = [("dp_shard", ~cp_axis), ("dp_shard+cp", cp_axis)] if cp_axis.any() else "dp_shard"
+        if grp == Axis.FSDP:
+            axis = [(Axis.DP_SHARD, ~cp_axis), (Axis.DP_SHARD_CP, cp_axis)] if cp_axis.any() else Axis.DP_SHARD
             size, rpn, mult = b.fsdp, b.rpn["fsdp"], f
         else:
-            axis, size, rpn, mult = "efsdp", b.efsdp, b.rpn["efsdp"], ef
-        led.add(f"FSDP all-gather: {name}", "all_gather", axis, shard * pb, ga * gathers * units,
-                size, rpn, "forward+backward", "fsdp_gather", on, unit=name)
-        led.add(f"FSDP reduce-scatter of gradients: {name}", "reduce_scatter", axis, shard * mult * rb, rp * units,
-                size, rpn, "backward", "fsdp_reduce", on, unit=name)
-        expert = grp == "efsdp"
+            axis, size, rpn, mult = Axis.EFSDP, b.efsdp, b.rpn["efsdp"], ef
+        led.add(f"FSDP all-gather: {name}", op=Op.ALL_GATHER, axis=axis, bytes_per_call=shard * pb,
+                calls=ga * gathers * units, group=size, rpn=rpn, phase=Phase.FORWARD_BACKWARD,
+                overlap=Overlap.FSDP_GATHER, mask=on, unit=name)
+        led.add(f"FSDP reduce-scatter of gradients: {name}", op=Op.REDUCE_SCATTER, axis=axis,
+                bytes_per_call=shard * mult * rb, calls=rp * units, group=size, rpn=rpn, phase=Phase.BACKWARD,
+                overlap=Overlap.FSDP_REDUCE, mask=on, unit=name)
+        expert = grp == Axis.EFSDP
         dense_dp = on & (~b.ep_megatron if expert else True)
         dist = b.zero1
-        led.add(f"HSDP all-reduce of sharded gradients: {name}", "all_reduce", "dp_replicate", shard * rb,
-                rp * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce", dense_dp & ~dist,
-                unit=name)
+        led.add(f"HSDP all-reduce of sharded gradients: {name}", op=Op.ALL_REDUCE, axis=Axis.DP_REPLICATE,
+                bytes_per_call=shard * rb, calls=rp * units, group=b.dp_replicate, rpn=b.rpn["dp_replicate"],
+                phase=Phase.BACKWARD, overlap=Overlap.FSDP_REDUCE, mask=dense_dp & ~dist, unit=name)
         # distributed optimizer: the all-reduce becomes a reduce-scatter of the gradients and, after the step, an
         # all-gather of the updated param_dtype shards (overlapped with the next forward, Megatron's
         # overlap_param_gather): the same bus bytes in bf16/fp32 halves
-        led.add(f"distributed-optimizer reduce-scatter of gradients: {name}", "reduce_scatter", "dp_replicate",
-                shard * rb, rp * units, b.dp_replicate, b.rpn["dp_replicate"], "backward", "fsdp_reduce",
-                dense_dp & dist, unit=name)
-        led.add(f"distributed-optimizer all-gather of updated parameters: {name}", "all_gather", "dp_replicate",
-                shard / np.maximum(b.dp_replicate, 1) * pb, units, b.dp_replicate, b.rpn["dp_replicate"],
-                "forward", "fsdp_gather", dense_dp & dist, unit=name)
+        led.add(f"distributed-optimizer reduce-scatter of gradients: {name}", op=Op.REDUCE_SCATTER,
+                axis=Axis.DP_REPLICATE, bytes_per_call=shard * rb, calls=rp * units, group=b.dp_replicate,
+                rpn=b.rpn["dp_replicate"], phase=Phase.BACKWARD, overlap=Overlap.FSDP_REDUCE, mask=dense_dp & dist,
+                unit=name)
+        led.add(f"distributed-optimizer all-gather of updated parameters: {name}", op=Op.ALL_GATHER,
+                axis=Axis.DP_REPLICATE, bytes_per_call=shard / np.maximum(b.dp_replicate, 1) * pb, calls=units,
+                group=b.dp_replicate, rpn=b.rpn["dp_replicate"], phase=Phase.FORWARD, overlap=Overlap.FSDP_GATHER,
+                mask=dense_dp & dist, unit=name)
         if expert:
             _megatron_expert_records(led, b, name, shard, units, rp, pb, rb, on)
 
 
-def _megatron_expert_records(led: Ledger, b, name: str, shard, units, rp, pb, rb, on) -> None:
+def _megatron_expert_records(led: Ledger, b, name: FsdpUnit, shard, units, rp, pb, rb, on) -> None:
     """Megatron-style EP (DDP-style or folded): the routed experts' gradients are reduced over their
     expert-data-parallel group (``edp``, the ranks holding the same experts), not over the dense data-parallel
     ranks; under the distributed optimizer the expert optimizer state is sharded over that group, so the reduce is a
@@ -446,12 +461,15 @@ def _megatron_expert_records(led: Ledger, b, name: str, shard, units, rp, pb, rb
     [framework source]. ``shard``: the unit's (unsharded: efsdp 1) expert elements on the rank."""
     meg = on & b.ep_megatron
     dist = meg & b.distributed_optimizer.astype(bool) & (b.edp > 1)
-    led.add(f"expert-data-parallel all-reduce of gradients: {name}", "all_reduce", "edp", shard * rb, rp * units,
-            b.edp, b.rpn["edp"], "backward", "fsdp_reduce", meg & ~dist, unit=name)
-    led.add(f"distributed-optimizer reduce-scatter of expert gradients: {name}", "reduce_scatter", "edp", shard * rb,
-            rp * units, b.edp, b.rpn["edp"], "backward", "fsdp_reduce", dist, unit=name)
-    led.add(f"distributed-optimizer all-gather of updated expert parameters: {name}", "all_gather", "edp",
-            shard / b.edp * pb, units, b.edp, b.rpn["edp"], "forward", "fsdp_gather", dist, unit=name)
+    led.add(f"expert-data-parallel all-reduce of gradients: {name}", op=Op.ALL_REDUCE, axis=Axis.EDP,
+            bytes_per_call=shard * rb, calls=rp * units, group=b.edp, rpn=b.rpn["edp"], phase=Phase.BACKWARD,
+            overlap=Overlap.FSDP_REDUCE, mask=meg & ~dist, unit=name)
+    led.add(f"distributed-optimizer reduce-scatter of expert gradients: {name}", op=Op.REDUCE_SCATTER, axis=Axis.EDP,
+            bytes_per_call=shard * rb, calls=rp * units, group=b.edp, rpn=b.rpn["edp"], phase=Phase.BACKWARD,
+            overlap=Overlap.FSDP_REDUCE, mask=dist, unit=name)
+    led.add(f"distributed-optimizer all-gather of updated expert parameters: {name}", op=Op.ALL_GATHER, axis=Axis.EDP,
+            bytes_per_call=shard / b.edp * pb, calls=units, group=b.edp, rpn=b.rpn["edp"], phase=Phase.FORWARD,
+            overlap=Overlap.FSDP_GATHER, mask=dist, unit=name)
 
 
 def _grad_norm_records(led: Ledger, spec, b, rv: RankView) -> None:
@@ -464,7 +482,7 @@ def _grad_norm_records(led: Ledger, spec, b, rv: RankView) -> None:
     one = np.ones(len(b))
     fsdp_on = b.fsdp_applied
     cp_axis = b.cp > 1
-    fsdp_axis = [("dp_shard", ~cp_axis), ("dp_shard+cp", cp_axis)] if cp_axis.any() else "dp_shard"
+    fsdp_axis = [(Axis.DP_SHARD, ~cp_axis), (Axis.DP_SHARD_CP, cp_axis)] if cp_axis.any() else Axis.DP_SHARD
     dense_t, expert_t = np.zeros(len(b)), np.zeros(len(b))
     for k in rv.kinds:
         n_d, n_e = param_tensor_counts(spec, k)
@@ -476,18 +494,22 @@ def _grad_norm_records(led: Ledger, spec, b, rv: RankView) -> None:
     dense_t = dense_t + np.where(rv.has_out, (2.0 if spec.norm == "layernorm" else 1.0) + own_out, 0.0)
     ep_on = b.ep > 1
     dense = dense_t + np.where(ep_on, 0.0, expert_t)
-    led.add("gradient-norm all-reduce: one fp32 norm per dense gradient tensor", "all_reduce", fsdp_axis, 4.0 * dense,
-            one, b.fsdp, b.rpn["fsdp"], "step", "exposed", fsdp_on)
+    led.add("gradient-norm all-reduce: one fp32 norm per dense gradient tensor", op=Op.ALL_REDUCE, axis=fsdp_axis,
+            bytes_per_call=4.0 * dense, calls=one, group=b.fsdp, rpn=b.rpn["fsdp"], phase=Phase.STEP,
+            overlap=Overlap.EXPOSED, mask=fsdp_on)
     # without SP the block and final norms are not DTensors over tp (only SP's plan makes them replicated ones):
     # their norms are stacked in a group of their own, reduced over FSDP only
     per_norm = 2.0 if spec.norm == "layernorm" else 1.0
     plain = sum((rv.n_of[k] * 2.0 * per_norm for k in rv.kinds), np.zeros(len(b))) + np.where(rv.has_out, per_norm, 0.0)
-    led.add("gradient-norm all-reduce: one fp32 norm per dense gradient tensor", "all_reduce", "tp",
-            4.0 * (dense - np.where(b.sequence_parallel, 0.0, plain)), one, b.tp, b.rpn["tp"], "step", "exposed")
+    led.add("gradient-norm all-reduce: one fp32 norm per dense gradient tensor", op=Op.ALL_REDUCE, axis=Axis.TP,
+            bytes_per_call=4.0 * (dense - np.where(b.sequence_parallel, 0.0, plain)), calls=one, group=b.tp,
+            rpn=b.rpn["tp"], phase=Phase.STEP, overlap=Overlap.EXPOSED)
     has_experts = ep_on & (expert_t > 0)
-    led.add("gradient-norm all-reduce: one fp32 norm per routed-expert gradient tensor", "all_reduce", "efsdp",
-            4.0 * expert_t, one, b.efsdp, b.rpn["efsdp"], "step", "exposed", has_experts & fsdp_on)
-    led.add("gradient-norm all-reduce of the experts' squared norm over EP", "all_reduce", "ep", 4.0 * one, one, b.ep,
-            b.rpn["ep"], "step", "exposed", has_experts)
-    led.add("gradient-norm all-reduce over the pipeline stages", "all_reduce", "pp", 4.0 * one, one, b.pp, b.rpn["pp"],
-            "step", "exposed")
+    led.add("gradient-norm all-reduce: one fp32 norm per routed-expert gradient tensor", op=Op.ALL_REDUCE,
+            axis=Axis.EFSDP, bytes_per_call=4.0 * expert_t, calls=one, group=b.efsdp, rpn=b.rpn["efsdp"],
+            phase=Phase.STEP, overlap=Overlap.EXPOSED, mask=has_experts & fsdp_on)
+    led.add("gradient-norm all-reduce of the experts' squared norm over EP", op=Op.ALL_REDUCE, axis=Axis.EP,
+            bytes_per_call=4.0 * one, calls=one, group=b.ep, rpn=b.rpn["ep"], phase=Phase.STEP, overlap=Overlap.EXPOSED,
+            mask=has_experts)
+    led.add("gradient-norm all-reduce over the pipeline stages", op=Op.ALL_REDUCE, axis=Axis.PP,
+            bytes_per_call=4.0 * one, calls=one, group=b.pp, rpn=b.rpn["pp"], phase=Phase.STEP, overlap=Overlap.EXPOSED)

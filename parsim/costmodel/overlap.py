@@ -8,6 +8,7 @@ import numpy as np
 from ..codec import PlanBatch
 from ..hardware import HardwareProfile
 from ..spec import ModelSpec
+from ..vocab import Axis, FsdpUnit, Op, Overlap, Phase
 from . import comm as C
 
 
@@ -152,7 +153,7 @@ def set_exposed(ledger, fsdp_exposed, fsdp_total, tp_ratio) -> None:
     for r in ledger.records:
         if r.overlap in C.FSDP_OVERLAPS:
             r.exposed_s = fsdp_exposed * r.time_s / safe
-        elif r.axis == "tp" and r.phase != "step":
+        elif r.axis == Axis.TP and r.phase != Phase.STEP:
             r.exposed_s = r.time_s * tp_ratio
         else:
             r.exposed_s = r.time_s
@@ -162,20 +163,20 @@ def _fsdp_calls_s(b: PlanBatch, c: dict, ledger) -> np.ndarray:
     """FSDP2's per-call overhead summed over the units' reductions and the unshards that go with each."""
     t = np.zeros(len(b))
     for r in ledger.records:
-        if r.overlap != "fsdp_reduce":
+        if r.overlap != Overlap.FSDP_REDUCE:
             continue
         # FSDP's reduce-scatter over its shard group (dp_shard, dp_shard+cp, efsdp; not the distributed
         # optimizer's over dp_replicate or edp), or HSDP's all-reduce over dp_replicate (Megatron EP's over edp
         # is not FSDP)
-        whole_unit = r.op == "reduce_scatter" and r.axis not in ("dp_replicate", "edp")
-        replicate_only = r.op == "all_reduce" and r.axis == "dp_replicate"
+        whole_unit = r.op == Op.REDUCE_SCATTER and r.axis not in (Axis.DP_REPLICATE, Axis.EDP)
+        replicate_only = r.op == Op.ALL_REDUCE and r.axis == Axis.DP_REPLICATE
         if not (whole_unit or replicate_only):
             continue
         on = np.ones(len(b), bool) if whole_unit else (b.fsdp == 1)
-        gathers = C.fsdp_gathers_per_pass(b, output_unit=r.unit == C.FSDP_OUTPUT_UNIT)
+        gathers = C.fsdp_gathers_per_pass(b, output_unit=r.unit == FsdpUnit.OUTPUT)
         per_call = float(c["fsdp_call_fixed_s"]) + float(c["fsdp_call_s_per_byte"]) * r.bytes_per_call
         if "fsdp_moe_call_fixed_s" in c:
-            experts = ((r.unit == C.FSDP_MOE_UNIT) & (b.ep == 1)) | (r.unit == C.FSDP_EXPERT_UNIT)
+            experts = ((r.unit == FsdpUnit.MOE_BLOCK) & (b.ep == 1)) | (r.unit == FsdpUnit.EXPERTS)
             per_moe = float(c["fsdp_moe_call_fixed_s"]) + float(c["fsdp_moe_call_s_per_byte"]) * r.bytes_per_call
             per_call = np.where(experts, per_moe, per_call)
         # the unit's unshards: ``gathers`` per pass, in every pass, also those that do not reduce

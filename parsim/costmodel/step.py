@@ -61,6 +61,7 @@ from ..ordering import ac_wraps_compile_recompute_factor
 from ..plan import Plan, interval_group
 from ..results import Prediction
 from ..spec import ModelSpec
+from ..vocab import Axis, Overlap
 from . import comm as C
 from .compute import RankCompute, block_overheads, layer_costs, optimizer_time_s, rank_compute
 from .distinct import on_distinct_rows
@@ -337,13 +338,13 @@ def _least_exposed(led: C.Ledger, b: PlanBatch, counts: np.ndarray) -> list:
     under async TP)."""
     out = []
     for rec in led.records:
-        if rec.overlap != "exposed" or rec.axis not in ("tp", "cp", "ep"):
+        if rec.overlap != Overlap.EXPOSED or rec.axis not in (Axis.TP, Axis.CP, Axis.EP):
             continue
         if not rec.calls.any():  # (no call in this batch: nothing to time)
             out.append(np.zeros(len(b)))
             continue
         least = led.time_with(rec, counts[:, None]).min(axis=0)  # (every count at once: counts x plans)
-        out.append(np.where((rec.axis == "tp") & b.async_tp, 0.0, least))
+        out.append(np.where((rec.axis == Axis.TP) & b.async_tp, 0.0, least))
     return out
 
 
