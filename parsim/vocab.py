@@ -65,3 +65,16 @@ class FsdpUnit(StrEnum):
     EXPERTS = "MoE block's routed experts"
     EMBEDDING = "embedding unit"
     OUTPUT = "[final norm, output] unit"
+
+
+class MemoryPhase(StrEnum):
+    """The moments of a step a rank's memory peak is attributed to, in step order (``costmodel.memory``'s timeline
+    and ``executor.trace``'s traced peaks use the same words): the forwards, with the loss's and the output
+    projection's backward; the blocks' backward of a pass's first microbatch on the rank; under PP those of its
+    other microbatches; the embedding's backward and the reduce after the last (PP); clipping and the optimizer."""
+
+    END_OF_FORWARD = "end of forward"
+    FIRST_BACKWARD = "backward of the last layer"
+    LATER_BACKWARD = "backward of a later microbatch"
+    END_OF_BACKWARD = "end of backward"
+    OPTIMIZER_STEP = "optimizer step"

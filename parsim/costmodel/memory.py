@@ -50,14 +50,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..vocab import MemoryPhase
 from .work import tally
 
 MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "buffers", "pipeline_buffers", "inputs", "cp_buffers",
                "fsdp_unsharded_params", "fsdp_gather_buffers", "fsdp_grad_buffers", "autocast_weight_cache",
                "autocast_weight_grads", "activations", "recompute_transient", "logits_and_loss",
                "optimizer_temporaries")
-PHASES = ("end of forward", "backward of the last layer", "backward of a later microbatch", "end of backward",
-          "optimizer step")
+PHASES = tuple(MemoryPhase)
 FWD, BWD1, BWD2, BWD_END, OPT = PHASES
 _DEBUG = bool(__import__("os").environ.get("PARSIM_MEM_DEBUG"))
 # how a microbatch's backward treats its unsharded gradients
@@ -67,7 +67,7 @@ FINAL = "final"
 
 
 _KEY = {k: i for i, k in enumerate(MEMORY_KEYS)}
-_PHASE = {p: i for i, p in enumerate(PHASES)}
+_PHASE: dict[str, int] = {p: i for i, p in enumerate(PHASES)}
 
 
 class _Totals:

@@ -35,7 +35,12 @@ from .layers import (
     stage_bounds,
 )
 from .memory import (
+    BWD1,
+    BWD2,
+    BWD_END,
+    FWD,
     MEMORY_KEYS,
+    OPT,
     PHASES,
     Block,
     RankMemory,
@@ -721,9 +726,9 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
     # other blocks' accumulated grads, while the other in-flight microbatches keep their activations
     emb_grad = np.where(has_emb, emb_full * pb + np.where(b.pp > 1, emb_full * rb, gathered["emb"] * rb), 0.0)
     return {
-        "end of forward": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_fwd, activations=acts,
+        FWD: dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_fwd, activations=acts,
                                logits_and_loss=logits_bytes),
-        "backward of the last layer": dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_bwd,
+        BWD1: dict(base, gradients=grads_prev, fsdp_unsharded_params=unsh_bwd,
                                            fsdp_grad_buffers=layer_w * pb + layer_g * rb, activations=acts,
                                            recompute_transient=c.transient),
         # PP: a later microbatch's backward starts beside the gradients the first one accumulated (fp32, the
@@ -731,16 +736,16 @@ def _memory_phases(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.R
         # window, or all that remain when every forward ran first) and its last layer's new gradients in
         # param_dtype, added into the accumulated ones in place (mixtral-8x7b PP4 x TP2 x EP2 trace: the MoE
         # block's expert gradients, 1.3 GiB, set the peak there) [derived, trace]
-        "backward of a later microbatch": dict(base, gradients=np.where(later, accumulated, 0.0),
+        BWD2: dict(base, gradients=np.where(later, accumulated, 0.0),
                                                fsdp_unsharded_params=np.where(later, unsh_bwd, 0.0),
                                                fsdp_grad_buffers=np.where(later, layer_w * pb, 0.0),
                                                activations=np.where(later, np.minimum(n_inflight, m_all - 1.0), 0.0)
                                                * c.act),
-        "end of backward": dict(base, gradients=np.where(b.pp > 1, accumulated - np.where(has_emb, emb_full * rb, 0.0),
+        BWD_END: dict(base, gradients=np.where(b.pp > 1, accumulated - np.where(has_emb, emb_full * rb, 0.0),
                                                          np.maximum(grads_prev, p_shard * 4.0)),
                                 fsdp_unsharded_params=np.where(sharded & b.raf, emb_local * pb, unsh_bwd),
                                 fsdp_grad_buffers=emb_grad, activations=np.maximum(n_inflight - 1.0, 0.0) * c.act),
-        "optimizer step": dict(base, gradients=p_shard * 4.0, optimizer_temporaries=optimizer_temporaries(b, rv),
+        OPT: dict(base, gradients=p_shard * 4.0, optimizer_temporaries=optimizer_temporaries(b, rv),
                                fsdp_unsharded_params=np.where(dist, keep_all, 0.0)),
     }
 

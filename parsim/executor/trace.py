@@ -34,6 +34,7 @@ from ..codec import validate_plan
 from ..plan import Plan
 from ..results import Measurement
 from ..spec import ModelSpec
+from ..vocab import MemoryPhase
 from .loss import loss_sum
 
 # what a trace cannot apply, traced without: compile (inductor's fusion would change activation memory only, which
@@ -235,11 +236,11 @@ def _forget_meshes() -> None:
 
 
 # the moments of a step a traced peak is attributed to (the cost model's memory phases, same words)
-PHASE_FORWARD = "end of forward"  # forward passes, and the loss and output layer's backward
-PHASE_FIRST_BACKWARD = "backward of the last layer"  # the blocks' backward of a pass's first microbatch on the rank
-PHASE_LATER_BACKWARD = "backward of a later microbatch"  # PP: the blocks' backward of the pass's other microbatches
-PHASE_EMBEDDING_BACKWARD = "end of backward"  # the embedding's backward (first stage)
-PHASE_OPTIMIZER = "optimizer step"  # clipping and the optimizer
+PHASE_FORWARD = MemoryPhase.END_OF_FORWARD  # forward passes, and the loss and output layer's backward
+PHASE_FIRST_BACKWARD = MemoryPhase.FIRST_BACKWARD  # the blocks' backward of a pass's first microbatch on the rank
+PHASE_LATER_BACKWARD = MemoryPhase.LATER_BACKWARD  # PP: the blocks' backward of the pass's other microbatches
+PHASE_EMBEDDING_BACKWARD = MemoryPhase.END_OF_BACKWARD  # the embedding's backward (first stage)
+PHASE_OPTIMIZER = MemoryPhase.OPTIMIZER_STEP  # clipping and the optimizer
 
 
 def _mark_backward_phases(parts, phase: dict) -> None:
