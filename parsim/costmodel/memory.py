@@ -572,13 +572,13 @@ def simulate_actions(q: RankMemory, chunks: list, schedules: list, pp: int) -> d
               "backwards": [0] * v, "phase": FWD, "memo": memo, "idx": idx, "sliced": {}}
         i = 0
         while i < len(actions):
-            kind, stage, _mb = actions[i]
+            kind, stage = actions[i][:2]
             k = 1
             while (kind in ("F", "B") and i + k < len(actions) and actions[i + k][0] == kind
                    and actions[i + k][1] == stage):
                 k += 1
-            if kind == "LEFT_OUT_B":  # (``interleaved_actions(compress=True)``: ``_mb`` backwards left out)
-                tl.add("activations", _of(_sent_held(chunks[stage // pp]) * _mb, idx))
+            if kind == "LEFT_OUT_B":  # (``pipeline.LeftOut``: that many backwards of the stage left out)
+                tl.add("activations", _of(_sent_held(chunks[stage // pp]) * actions[i].backwards, idx))
             else:
                 _stage_action_run(tl, chunks[stage // pp], stage // pp, kind, k, st)
             i += k

@@ -50,7 +50,7 @@ from .memory import (
     simulate,
     simulate_actions,
 )
-from .pipeline import SCHED_GPIPE, interleaved_actions
+from .pipeline import SCHED_GPIPE, LeftOut, interleaved_actions
 from .reserved import fsdp_streams, reduce_scatter_pool, reserved_breakdown
 from .rows import row_ids, unique_rows
 
@@ -185,12 +185,12 @@ def _merged_schedules(pp: int, v: int, r: int, micro: np.ndarray) -> list:
     for lists in by_shape.values():
         plans = np.isin(micro, [m for m, _ in lists])
         merged = list(lists[0][1])
-        for i, (kind, stage, _count) in enumerate(merged):
-            if kind == "LEFT_OUT_B":
+        for i, action in enumerate(merged):
+            if isinstance(action, LeftOut):
                 counts = np.zeros(len(micro))
                 for m, actions in lists:
-                    counts[micro == m] = actions[i][2]
-                merged[i] = (kind, stage, counts)
+                    counts[micro == m] = actions[i].backwards
+                merged[i] = action._replace(backwards=counts)
         out.append((plans, merged))
     return out
 

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..codec import PlanBatch
 from ..hardware import HardwareProfile
+
+
+class Action(NamedTuple):
+    """One action of a pipeline rank's schedule: "F" | "B" (a forward or backward of ``microbatch``) or "UNSHARD" |
+    "RESHARD" | "REDUCE_GRAD" (``microbatch`` -1) of ``stage`` (chunk x pp + rank)."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+
+class LeftOut(NamedTuple):
+    """In a compressed action list (``interleaved_actions(compress=True)``): ``backwards`` backwards of ``stage``
+    left out (a number, or one per plan where lists of several microbatch counts are merged)."""
+
+    kind: str  # "LEFT_OUT_B"
+    stage: int
+    backwards: object
 
 SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
 
@@ -80,7 +100,7 @@ def _simulated(b: PlanBatch, ga, work: tuple, s: float, total: np.ndarray) -> np
     return out
 
 
-def interleaved_actions(pp: int, v: int, m: int, rank: int, compress: bool = False) -> list[tuple[str, int, int]]:
+def interleaved_actions(pp: int, v: int, m: int, rank: int, compress: bool = False) -> list:
     """The actions torch's ``ScheduleInterleaved1F1B`` runs on pipeline rank ``rank`` with FSDP stages, in order:
     ("F" | "B", stage, microbatch), ("UNSHARD" | "RESHARD" | "REDUCE_GRAD", stage, -1); stage = chunk x pp + rank.
 
@@ -99,8 +119,9 @@ def interleaved_actions(pp: int, v: int, m: int, rank: int, compress: bool = Fal
     run its first backward (in the first period), and the same state at each period's start from the second on.
     The whole periods after the second are left out (a memory replay of 128 microbatches on 8 ranks runs 2 of the
     15) [derived]. What a backward leaves alive to the step's end (``memory._sent_held``) is not periodic: one
-    ("LEFT_OUT_B", stage, count) per stage, how many of its backwards were left out, stands before the second period,
-    which then replays the last whole period (the same in-flight state, and what every backward before it left)."""
+    ``LeftOut("LEFT_OUT_B", stage, backwards)`` per stage, how many of its backwards were left out, stands before
+    the second period, which then replays the last whole period (the same in-flight state, and what every backward
+    before it left)."""
     rounds = max(1, m // pp)
     per_round = m // rounds
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
@@ -112,17 +133,17 @@ def interleaved_actions(pp: int, v: int, m: int, rank: int, compress: bool = Fal
         counter[stage] = counter.get(stage, 0) + 1
         return counter[stage] - 1
 
-    compute: list[tuple[str, int, int]] = []
+    compute: list[Action] = []
     step_of: list[int] = []  # the schedule step each compute action belongs to
     steady = total - warmup
     for op in range(warmup + steady + warmup):
         if op < warmup + steady:  # warm-up, then 1F1B: a forward ...
             s = ((op // per_round) % v) * pp + rank
-            compute.append(("F", s, take(nxt_f, s)))
+            compute.append(Action("F", s, take(nxt_f, s)))
             step_of.append(op)
         if op >= warmup:  # ... and from the 1F1B steps on a backward
             s = (v - 1 - ((op - warmup) // per_round) % v) * pp + rank
-            compute.append(("B", s, take(nxt_b, s)))
+            compute.append(Action("B", s, take(nxt_b, s)))
             step_of.append(op)
     actions, steps = _with_fsdp_actions(compute, step_of, m)
     period = v * per_round
@@ -138,16 +159,16 @@ def interleaved_actions(pp: int, v: int, m: int, rank: int, compress: bool = Fal
     # (at the second period's start: its moments are those of the last whole period, whose state differs from the
     # second's only by what the left-out backwards left alive)
     cut = next(i for i, (_a, op) in enumerate(kept) if op >= lo - period)
-    return ([a for a, _op in kept[:cut]] + [("LEFT_OUT_B", s, n) for s, n in sorted(left.items())]
+    return ([a for a, _op in kept[:cut]] + [LeftOut("LEFT_OUT_B", s, n) for s, n in sorted(left.items())]
             + [a for a, _op in kept[cut:]])
 
 
-def _with_fsdp_actions(compute: list[tuple[str, int, int]], step_of: list[int], m: int, max_active: int = 3
-                       ) -> tuple[list[tuple[str, int, int]], list[int]]:
+def _with_fsdp_actions(compute: list[Action], step_of: list[int], m: int, max_active: int = 3
+                       ) -> tuple[list[Action], list[int]]:
     """``compute`` with torch's UNSHARD / RESHARD (``_add_unshard_reshard``) and REDUCE_GRAD (``_add_reduce_grad``)
     actions added (see ``interleaved_actions``), and the schedule step of each (an FSDP action: the step of the
     compute action it comes with)."""
-    out: list[tuple[tuple[str, int, int], int]] = []
+    out: list[tuple[Action, int]] = []
     active: list[int] = []
     for i, act in enumerate(compute):
         upcoming: list[int] = []
@@ -158,23 +179,23 @@ def _with_fsdp_actions(compute: list[tuple[str, int, int]], step_of: list[int], 
                     break
         for s in [s for s in active if s not in upcoming]:
             active.remove(s)
-            out.append((("RESHARD", s, -1), step_of[i]))
+            out.append((Action("RESHARD", s, -1), step_of[i]))
         for s in [s for s in upcoming if s not in active]:
             active.append(s)
-            out.append((("UNSHARD", s, -1), step_of[i]))
+            out.append((Action("UNSHARD", s, -1), step_of[i]))
         out.append((act, step_of[i]))
     end = step_of[-1] + 1 if step_of else 0
-    out += [(("RESHARD", s, -1), end) for s in active]
+    out += [(Action("RESHARD", s, -1), end) for s in active]
     done: dict[int, int] = {}
-    final: list[tuple[str, int, int]] = []
+    final: list[Action] = []
     steps: list[int] = []
     for act, op in out:
         final.append(act)
         steps.append(op)
-        if act[0] == "B":
-            done[act[1]] = done.get(act[1], 0) + 1
-            if done[act[1]] == m:
-                final.append(("REDUCE_GRAD", act[1], -1))
+        if act.kind == "B":
+            done[act.stage] = done.get(act.stage, 0) + 1
+            if done[act.stage] == m:
+                final.append(Action("REDUCE_GRAD", act.stage, -1))
                 steps.append(op)
     return final, steps
 
