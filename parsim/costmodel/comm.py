@@ -293,6 +293,18 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, per_st
     led.add("TP reduce-scatter of norm-output gradients", op=Op.REDUCE_SCATTER, axis=Axis.TP,
             bytes_per_call=T * d * sh.res_b, calls=M * rs_res, group=g, rpn=r, phase=Phase.BACKWARD,
             overlap=Overlap.EXPOSED, mask=tp_on & sp)
+    _tp_all_reduce_records(led, spec, b, sh, rv, M, n_full, n_sac)
+    if per_step:
+        tp_partial_grad_records(led, spec, b, rv)
+
+
+def _tp_all_reduce_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac) -> None:
+    """TP without sequence parallel per microbatch (all-reduces of the row-parallel outputs, of the MoE outputs,
+    the column-parallel input gradients and the edges) and loss parallel's all-reduces on the last stage."""
+    T, d, L = sh.T, float(spec.d_model), rv.n_layers
+    L_moe = rv.n_of[True]  # (zeros on a dense model)
+    edge = np.where(rv.has_emb, 1.0, 0.0) + np.where(rv.has_out, 1.0, 0.0)
+    g, r, tp_on, sp = b.tp, b.rpn["tp"], b.tp > 1, b.sequence_parallel
     # recompute: early stop skips the MLP's all-reduce (consumed by the residual add alone) under full AC and
     # selective-op AC alike (which does not save all-reduce outputs): one per recomputed layer (trace: tiny,
     # tiny-moe, llama3-405b at tp 2 without SP). The row-parallel outputs are reduced in param_dtype; the
@@ -312,8 +324,6 @@ def _tp_records(led: Ledger, spec, b, sh, rv: RankView, M, n_full, n_sac, per_st
     led.add("loss parallel: all-reduces of the row max, the sum of exponentials and the target logit", op=Op.ALL_REDUCE,
             axis=Axis.TP, bytes_per_call=T * 4.0, calls=M * 3.0 * np.where(rv.has_out, 1.0, 0.0), group=g, rpn=r,
             phase=Phase.FORWARD, overlap=Overlap.EXPOSED, mask=tp_on)
-    if per_step:
-        tp_partial_grad_records(led, spec, b, rv)
 
 
 def tp_partial_grad_records(led: Ledger, spec, b, rv: RankView) -> None:

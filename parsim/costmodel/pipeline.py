@@ -118,10 +118,9 @@ def interleaved_actions(pp: int, v: int, m: int, rank: int, compress: bool = Fal
     every stage's in-flight count back where it was): the same memory moments each period once every stage has
     run its first backward (in the first period), and the same state at each period's start from the second on.
     The whole periods after the second are left out (a memory replay of 128 microbatches on 8 ranks runs 2 of the
-    15) [derived]. What a backward leaves alive to the step's end (``memory._sent_held``) is not periodic: one
-    ``LeftOut("LEFT_OUT_B", stage, backwards)`` per stage, how many of its backwards were left out, stands before
-    the second period, which then replays the last whole period (the same in-flight state, and what every backward
-    before it left)."""
+    15) [derived]. What a backward leaves alive to the step's end (``memory._sent_held``) is not periodic: a
+    ``LeftOut`` per stage (its backwards left out) stands before the second period, which then replays the last
+    whole period (the same in-flight state, and what every backward before it left)."""
     rounds = max(1, m // pp)
     per_round = m // rounds
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
