@@ -392,9 +392,8 @@ def _rank_memory_inputs(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
         if (moe, ckpt) not in built:
             built[moe, ckpt] = _memory_block(spec, b, rv, c.costs, idx, moe, ckpt, steps_of, sizes)
         blocks.append((built[moe, ckpt], count))
-    rope = float(spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim)
-    # RoPE cos / sin
-    buffers = b.seq_len[idx].astype(float) * rope * 4.0 * np.where(b.pp[idx] > 1, b.pp_stages_per_rank[idx], 1)
+    rope = _rope_dim(spec)
+    buffers = _rope_buffers(spec, b)[idx]
     # what a microbatch in flight keeps beside its blocks' activations: its stage output (the residual stream,
     # sent on and kept by the schedule until its backward), or on the last stage the loss's saved tensors (the
     # fp32 log-softmax output, 4 B per logit; the fused loss: the logits) and the final norm's input and output
@@ -430,13 +429,10 @@ def _end_units(spec: ModelSpec, b: PlanBatch, rv: C.RankView, idx: np.ndarray, p
     """The embedding's and the [norm, output] unit's sizes for ``_rank_memory_inputs`` (the plans ``idx``), and
     every fp32 gradient of the rank (``all_grads4``)."""
     pb, gb, rb, S = sizes[:4]
-    has_emb, fsdp_on, te = rv.has_emb[idx], b.fsdp_applied[idx], b.te_layers[idx]
+    has_emb, te = rv.has_emb[idx], b.te_layers[idx]
     emb_local = np.asarray(rv.emb_local)[idx]
     V, d = spec.vocab_size, float(spec.d_model)
-    # without FSDP a vocab-sharded (TP) embedding's gradient is a view of the dense whole-vocabulary gradient its
-    # backward made: that storage stays (with FSDP, FSDP2 copies the rank's rows out)
-    all_grads4 = np.asarray(p_shard)[idx] * 4.0 + np.where(~fsdp_on & has_emb & (b.tp[idx] > 1) & ~te,
-                                                           (V * d - emb_local) * 4.0, 0.0)
+    all_grads4 = np.asarray(p_shard)[idx] * 4.0 + _of_batch(_plain_embedding_grad_extra(spec, b, rv), len(b), idx)
     return dict(
         all_grads4=all_grads4, emb=_memory_unit(np.asarray(rv.emb_shard)[idx], emb_local, S, emb_local, pb, gb, rb),
         # the embedding backward's dense gradient over the whole vocabulary (torch's embedding backward, also
@@ -839,17 +835,17 @@ def _rank_moment_bounds(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv
                                                                                    0.0))
     reduce = _reduce_bound(b, rv, m, local * rb, gathered, pb)
     return at_opt, held + np.maximum.reduce([warm, steady, reduce, _unit_reduce_bound(b, rv),
-                                             _backward_moments(spec, b, sh, rank, rv, c, w, gathered, local)])
+                                             _backward_moments(spec, b, sh, rank, rv, c, w, gathered, local,
+                                                               stage_out)])
 
 
 def _backward_moments(spec: ModelSpec, b: PlanBatch, sh: Shapes, rank: int, rv: C.RankView, c: RankCompute, w,
-                      gathered, local) -> np.ndarray:
+                      gathered, local, stage_out) -> np.ndarray:
     """The larger of ``_embedding_grad_bound`` and ``_first_backward_bound`` for ``_rank_moment_bounds`` (``w``
     microbatches in flight at the first backward, ``gathered`` the rank's gathered parameters, ``local`` its local
-    parameters): a microbatch in flight at a backward keeps its blocks' activations and the stage output a first
-    stage keeps, less the received input (a receive buffer)."""
+    parameters, ``stage_out`` a stage output's bytes): a microbatch in flight at a backward keeps its blocks'
+    activations and the stage output a first stage keeps, less the received input (a receive buffer)."""
     pp, v1 = b.pp > 1, b.pp_stages_per_rank == 1
-    stage_out = _stage_output_bytes(spec, sh)
     per_mb = c.act + np.where(pp & rv.has_emb & ~rv.has_out, stage_out, 0.0) - np.where(
         _torch_pp(b) & ~rv.has_emb, stage_out, 0.0)
     acc = np.where(b.fsdp_applied, local * b.reduce_bytes,
@@ -889,13 +885,28 @@ def _optimizer_moment_upper(spec: ModelSpec, b: PlanBatch, rv: C.RankView, at_op
     temporaries) [derived]: the step clears every key but those, the RoPE buffers and the gradients, which are
     every fp32 gradient of the rank (without FSDP a vocab-sharded embedding's is the whole vocabulary's), and its
     temporaries are at least two clones of such an embedding gradient's rows."""
-    rope = float(spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim)
-    buffers = b.seq_len.astype(float) * rope * 4.0 * np.where(b.pp > 1, b.pp_stages_per_rank, 1)
     dense_emb = ~b.fsdp_applied & rv.has_emb & (b.tp > 1) & ~b.te_layers
     emb_local = np.asarray(rv.emb_local, dtype=float)
-    extra_grads = np.where(dense_emb, (float(spec.vocab_size) * spec.d_model - emb_local) * 4.0, 0.0)
     clones = np.where(dense_emb, np.maximum(2.0 * emb_local * 4.0 - optimizer_temporaries(b, rv), 0.0), 0.0)
-    return at_opt + buffers + extra_grads + clones
+    return at_opt + _rope_buffers(spec, b) + _plain_embedding_grad_extra(spec, b, rv) + clones
+
+
+def _rope_dim(spec: ModelSpec) -> float:
+    """The dimension RoPE rotates per head (MLA: its rotary part)."""
+    return float(spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim)
+
+
+def _rope_buffers(spec: ModelSpec, b: PlanBatch) -> np.ndarray:
+    """Bytes of the RoPE cos / sin buffers on a rank (fp32, one table per stage it runs)."""
+    return b.seq_len.astype(float) * _rope_dim(spec) * 4.0 * np.where(b.pp > 1, b.pp_stages_per_rank, 1)
+
+
+def _plain_embedding_grad_extra(spec: ModelSpec, b: PlanBatch, rv: C.RankView) -> np.ndarray:
+    """Without FSDP a vocab-sharded (TP, not TE) embedding's gradient is a view of the dense whole-vocabulary
+    gradient its backward made, and that storage stays: its fp32 bytes beyond the rank's rows (with FSDP, FSDP2
+    copies the rows out)."""
+    on = ~b.fsdp_applied & rv.has_emb & (b.tp > 1) & ~b.te_layers
+    return np.where(on, (spec.vocab_size * float(spec.d_model) - np.asarray(rv.emb_local)) * 4.0, 0.0)
 
 
 def _embedding_grad_bound(spec: ModelSpec, b: PlanBatch, rv: C.RankView, m, gathered, others) -> np.ndarray:
