@@ -54,7 +54,7 @@ FSDP_OVERLAPS = (Overlap.FSDP_GATHER, Overlap.FSDP_REDUCE)
 class Record:
     """One kind of collective call on one rank; arrays over the plan batch (0 calls where it does not apply)."""
 
-    what: str  # a display label, read by nothing
+    what: str  # a display label (`predict --explain`): nothing keys on it
     op: Op
     axis: Axis
     bytes_per_call: np.ndarray
